@@ -1,0 +1,28 @@
+# One virtual environment under .venv, built from this repository's own files.
+# torch==2.13.0 goes in first: it is the CPU build (a bare "torch" pulls a multi-GB CUDA build).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+
+.PHONY: install run test lint bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+## run: the project's main job as it stands: the optimizer step benchmark
+run: install
+	$(PY) bench/optim_step.py
+
+## test: the whole test suite (unit, property and convergence tests)
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check optim app worker muonforge tests bench
+	$(VENV)/bin/ruff format --check optim app worker muonforge tests bench

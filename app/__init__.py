@@ -1,0 +1,1 @@
+"""The FastAPI service and the domain it owns (settings, models, schemas, repositories, routes)."""

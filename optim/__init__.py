@@ -1,0 +1,48 @@
+"""muonforge's optimizer core: Muon, MuonClip/QK-Clip and the Newton–Schulz family (torch only)."""
+
+from .adamw import adamw_update
+from .muon import Muon, StepStats, as_matrices, update_scale
+from .newton_schulz import (
+    KELLER,
+    POLAR_EXPRESS,
+    choose_method,
+    orthogonalize,
+    resolve_coefficients,
+    scalar_map,
+    singular_value_band,
+)
+from .qk_clip import (
+    MuonClip,
+    QKClipSource,
+    QKClipTarget,
+    fused_qkv_targets,
+    mla_targets,
+    qk_clip,
+    qk_clip_sources,
+    separate_qk_targets,
+)
+from .routing import split_params
+
+__all__ = [
+    "KELLER",
+    "POLAR_EXPRESS",
+    "Muon",
+    "MuonClip",
+    "QKClipSource",
+    "QKClipTarget",
+    "StepStats",
+    "adamw_update",
+    "as_matrices",
+    "choose_method",
+    "fused_qkv_targets",
+    "mla_targets",
+    "orthogonalize",
+    "qk_clip",
+    "qk_clip_sources",
+    "resolve_coefficients",
+    "scalar_map",
+    "separate_qk_targets",
+    "singular_value_band",
+    "split_params",
+    "update_scale",
+]

@@ -1,0 +1,323 @@
+"""Muon: OPTIMIZER.md rows T5, T7-T11, T13, the AdamW side, state layout and bad hyper-parameters."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from optim import KELLER, Muon, orthogonalize, update_scale
+
+
+def gaussian(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def params_with_grads(shapes, seed=0, dtype=torch.float32):
+    ps = []
+    for i, shape in enumerate(shapes):
+        p = nn.Parameter(gaussian(*shape, seed=seed + 2 * i, dtype=dtype) * 0.02)
+        p.grad = gaussian(*shape, seed=seed + 2 * i + 1, dtype=dtype)
+        ps.append(p)
+    return ps
+
+
+def clone_params(ps):
+    out = []
+    for p in ps:
+        q = nn.Parameter(p.detach().clone())
+        q.grad = None if p.grad is None else p.grad.clone()
+        out.append(q)
+    return out
+
+
+def reference_muon_step(p, buf, grad, lr, beta, nesterov, scale, wd=0.0):
+    """Muon in float64 from the formulas of OPTIMIZER.md (textbook NS, no code shared)."""
+    buf.mul_(beta).add_(grad, alpha=1 - beta)
+    U = (1 - beta) * grad + beta * buf if nesterov else buf.clone()
+    X = U.reshape(U.shape[0], -1)
+    tall = X.shape[0] > X.shape[1]
+    X = X.mT if tall else X
+    X = X / X.norm()
+    for a, b, c in [KELLER] * 5:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    O = (X.mT if tall else X).reshape(p.shape)
+    p.mul_(1 - lr * wd).add_(O, alpha=-lr * scale)
+
+
+GPT_SHAPES = [(192, 64), (64, 64), (256, 64), (64, 256), (192, 64), (64, 64)]
+
+
+# T7: the gradient is only read.
+def test_t7_grad_is_not_mutated():
+    ps = params_with_grads(GPT_SHAPES)
+    grads = [p.grad.clone() for p in ps]
+    opt = Muon(ps, lr=0.02)
+    for _ in range(3):
+        opt.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(ps, grads))
+
+
+# T9: parity with a float64 reference and with torch.optim.Muon.
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("ns_method", ["standard", "gram", "auto"])
+def test_t9_fp32_path_within_1e4_of_float64_reference(nesterov, ns_method):
+    ps = params_with_grads(GPT_SHAPES)
+    start = [p.detach().double().clone() for p in ps]
+    ref = [s.clone() for s in start]
+    bufs = [torch.zeros_like(r) for r in ref]
+    opt = Muon(ps, lr=0.02, momentum=0.95, nesterov=nesterov, ns_method=ns_method, weight_decay=0.1)
+    for step in range(3):
+        for i, (p, r, b) in enumerate(zip(ps, ref, bufs)):
+            p.grad = gaussian(*p.shape, seed=100 * step + i)
+            scale = math.sqrt(max(1, p.shape[0] / p.shape[1]))
+            reference_muon_step(r, b, p.grad.double(), 0.02, 0.95, nesterov, scale, wd=0.1)
+        opt.step()
+    for p, r, s0 in zip(ps, ref, start):
+        ours, theirs = p.detach().double() - s0, r - s0
+        assert (ours - theirs).norm() / theirs.norm() < 1e-4
+
+
+def test_t9_parity_with_torch_optim_muon():
+    ps = params_with_grads(GPT_SHAPES)
+    theirs = clone_params(ps)
+    start = [p.detach().clone() for p in ps]
+    ours_opt = Muon(ps, lr=0.02, momentum=0.95, nesterov=True, adjust_lr="original")
+    ref_opt = torch.optim.Muon(theirs, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0)
+    for step in range(3):
+        for p, q in zip(ps, theirs):
+            p.grad = gaussian(*p.shape, seed=7 * step + p.shape[1])
+            q.grad = p.grad.clone()
+        ours_opt.step()
+        ref_opt.step()
+    for p, q, s in zip(ps, theirs, start):
+        ours, ref = p.detach() - s, q.detach() - s
+        # torch.optim.Muon runs NS in bf16 (8 bits of mantissa): agreement to a few percent.
+        assert (ours - ref).norm() / ref.norm() < 0.03
+
+
+# T8: match_rms_adamw gives an update RMS / lr near 0.2.
+def test_t8_match_rms_adamw_update_rms():
+    ps = params_with_grads([(512, 128), (128, 512), (256, 256)])
+    start = [p.detach().clone() for p in ps]
+    lr = 0.01
+    opt = Muon(ps, lr=lr, adjust_lr="match_rms_adamw")
+    opt.step()
+    for p, s in zip(ps, start):
+        rms = (p.detach() - s).square().mean().sqrt().item()
+        assert 0.17 <= rms / lr <= 0.21
+    total = math.sqrt(sum((p.detach() - s).square().sum().item() for p, s in zip(ps, start)) / 3 / 65536)
+    assert opt.last_step_stats()["update_rms"] == pytest.approx(total, rel=1e-4)
+
+
+# T10: a conv weight is scaled from its flattened 2D shape.
+def test_t10_conv_scale_from_flattened_shape():
+    assert update_scale(256, 9, "original") == pytest.approx(5.333, abs=1e-3)
+    conv = nn.Parameter(gaussian(256, 1, 3, 3))
+    conv.grad = gaussian(256, 1, 3, 3, seed=1)
+    start = conv.detach().clone()
+    Muon([conv], lr=0.01, momentum=0.0, nesterov=False).step()
+    expected = orthogonalize(conv.grad.reshape(256, 9)).reshape(256, 1, 3, 3) * (0.01 * 16 / 3)
+    assert torch.allclose(start - conv.detach(), expected, rtol=1e-4, atol=1e-6)
+
+
+# T11: expert weights [E, out, in] are orthogonalized per expert; batched == a loop, exactly.
+def test_t11_experts_batched_equals_loop_exactly():
+    E, out_dim, in_dim = 4, 96, 32
+    w = nn.Parameter(gaussian(E, out_dim, in_dim) * 0.02)
+    singles = [nn.Parameter(w.detach()[e].clone()) for e in range(E)]
+    batched = Muon([{"params": [w], "experts": True}], lr=0.02)
+    looped = [Muon([s], lr=0.02) for s in singles]
+    for step in range(3):
+        w.grad = gaussian(E, out_dim, in_dim, seed=10 + step)
+        for e, (s, opt) in enumerate(zip(singles, looped)):
+            s.grad = w.grad[e].clone()
+            opt.step()
+        batched.step()
+    for e, s in enumerate(singles):
+        assert torch.equal(w.detach()[e], s.detach())
+
+
+def test_t11_experts_marker_is_explicit():
+    w = nn.Parameter(gaussian(4, 8, 8))
+    w.grad = gaussian(4, 8, 8, seed=1)
+    experts, conv = copy.deepcopy(w), copy.deepcopy(w)
+    experts.grad, conv.grad = w.grad.clone(), w.grad.clone()
+    Muon([{"params": [experts], "experts": True}], lr=0.1).step()
+    Muon([conv], lr=0.1).step()  # rank 3 without the marker: a conv1d weight, flattened to [4, 64]
+    assert not torch.allclose(experts, conv)
+    with pytest.raises(ValueError, match=r"\[E, out, in\]"):
+        Muon([{"params": [nn.Parameter(torch.zeros(8, 8))], "experts": True}])
+
+
+# T13: a state_dict round trip takes the identical next step.
+def test_t13_state_dict_round_trip():
+    shapes = [*GPT_SHAPES, (64,), (100, 64)]
+    ps = params_with_grads(shapes)
+
+    def groups(params):
+        return [{"params": params[:6]}, {"params": params[6:], "use_muon": False}]
+
+    opt = Muon(groups(ps), lr=0.02, adamw_lr=1e-3, weight_decay=0.01, adamw_weight_decay=0.1)
+    for step in range(2):
+        for p in ps:
+            p.grad = gaussian(*p.shape, seed=step * 31 + p.numel())
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twin_params = clone_params(ps)
+    twin = Muon(groups(twin_params), lr=0.5, adamw_lr=0.5)  # hyper-parameters come from the checkpoint
+    twin.load_state_dict(saved)
+    for p, q in zip(ps, twin_params):
+        p.grad = gaussian(*p.shape, seed=999 + p.numel())
+        q.grad = p.grad.clone()
+    opt.step()
+    twin.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, twin_params))
+
+
+# T5: a non-finite gradient is reported and not applied; zero gradient -> exact zero update.
+def test_t5_nonfinite_gradient_is_skipped_and_reported():
+    ps = params_with_grads([(64, 32), (64, 32), (16,)])
+    opt = Muon([{"params": ps[:2]}, {"params": ps[2:], "use_muon": False}], lr=0.02, weight_decay=0.1)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    bufs = [opt.state[p]["momentum_buffer"].clone() for p in ps[:2]]
+    adam_state = {k: v.clone() for k, v in opt.state[ps[2]].items()}
+    ps[0].grad[3, 4] = float("nan")
+    ps[2].grad[0] = float("inf")
+    opt.step()
+    assert opt.last_step_stats()["nonfinite_skipped"] == 2
+    assert torch.equal(ps[0], before[0]) and torch.equal(opt.state[ps[0]]["momentum_buffer"], bufs[0])
+    assert torch.equal(ps[2], before[2])
+    assert all(torch.equal(opt.state[ps[2]][k], v) for k, v in adam_state.items())
+    assert not torch.equal(ps[1], before[1]) and torch.isfinite(ps[1]).all()
+
+
+def test_t5_zero_gradient_gives_exact_zero_update():
+    p = nn.Parameter(gaussian(32, 48))
+    p.grad = torch.zeros(32, 48)
+    start = p.detach().clone()
+    opt = Muon([p], lr=0.02)
+    opt.step()
+    assert torch.equal(p, start)
+    assert opt.last_step_stats()["update_rms"] == 0.0
+
+
+def test_nonfinite_update_from_diverging_coefficients_is_skipped():
+    p = nn.Parameter(gaussian(16, 32))
+    p.grad = gaussian(16, 32, seed=1)
+    start = p.detach().clone()
+    opt = Muon([p], lr=0.02, ns_coefficients=[(1e10, 0.0, 0.0)], ns_steps=5)  # blows up to inf
+    opt.step()
+    assert torch.equal(p, start)
+    assert opt.last_step_stats()["nonfinite_skipped"] == 1
+
+
+# The AdamW side matches torch.optim.AdamW.
+def test_adamw_groups_match_torch_adamw():
+    ps = params_with_grads([(50, 16), (16,), (7,)])
+    theirs = clone_params(ps)
+    ours = Muon([{"params": ps, "use_muon": False}], adamw_lr=3e-3, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(5):
+        for p, q in zip(ps, theirs):
+            p.grad = gaussian(*p.shape, seed=step * 11 + p.numel())
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ps, theirs):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6)
+
+
+def test_group_overrides_and_scheduler_drive_group_lr():
+    a, b = params_with_grads([(32, 16), (8,)])
+    opt = Muon([{"params": [a]}, {"params": [b], "use_muon": False, "lr": 5e-3, "betas": (0.8, 0.9)}], adamw_lr=1e-4)
+    assert opt.param_groups[1]["lr"] == 5e-3 and opt.param_groups[1]["betas"] == (0.8, 0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 2.5e-3]
+    opt.step()
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 2.5e-3]
+
+
+# Persistent state: one buffer per Muon parameter; exp_avg, exp_avg_sq and step per AdamW one.
+def test_persistent_state_layout():
+    ps = params_with_grads([(64, 32), (32, 64), (4, 8, 8), (10,)])
+    opt = Muon(
+        [{"params": ps[:2]}, {"params": [ps[2]], "experts": True}, {"params": [ps[3]], "use_muon": False}],
+    )
+    opt.step()
+    for p in ps[:3]:
+        assert set(opt.state[p]) == {"momentum_buffer"} and opt.state[p]["momentum_buffer"].shape == p.shape
+    assert set(opt.state[ps[3]]) == {"exp_avg", "exp_avg_sq", "step"}
+    assert float(opt.state[ps[3]]["step"]) == 1.0
+
+
+def test_step_stats_and_closure():
+    ps = params_with_grads([(64, 32)])
+    opt = Muon(ps, lr=0.02)
+    loss = opt.step(lambda: torch.tensor(3.0))
+    stats = opt.last_step_stats()
+    assert loss.item() == 3.0
+    assert stats["update_rms"] > 0 and stats["ns_time_ms"] > 0 and stats["nonfinite_skipped"] == 0
+
+
+def test_params_without_grad_are_left_alone():
+    a, b = params_with_grads([(16, 16), (16, 16)])
+    b.grad = None
+    start = b.detach().clone()
+    opt = Muon([a, b])
+    opt.step()
+    assert torch.equal(b, start) and b not in opt.state
+
+
+def test_weight_decay_uses_unadjusted_lr():
+    p = nn.Parameter(gaussian(64, 16))
+    p.grad = torch.zeros(64, 16)
+    start = p.detach().clone()
+    Muon([p], lr=0.1, weight_decay=0.5).step()
+    assert torch.allclose(p, start * (1 - 0.1 * 0.5))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"nesterov": "yes"}, "nesterov"),
+        ({"ns_steps": 0}, "ns_steps"),
+        ({"ns_steps": 2.5}, "ns_steps"),
+        ({"ns_coefficients": "quintic"}, "quintic"),
+        ({"ns_coefficients": [(1.0, 2.0, 3.0), (1.0, 2.0, 3.0)]}, "ns_steps is 5"),
+        ({"ns_method": "svd"}, "ns_method"),
+        ({"adjust_lr": "rms"}, "adjust_lr"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"adamw_lr": -3e-4}, "lr"),
+        ({"adamw_betas": (0.9, 1.0)}, "adamw_betas"),
+        ({"adamw_betas": (0.9,)}, "adamw_betas"),
+        ({"adamw_eps": -1e-8}, "adamw_eps"),
+        ({"adamw_weight_decay": -1.0}, "weight_decay"),
+    ],
+)
+def test_bad_hyper_parameters_raise_value_error_naming_them(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        Muon([nn.Parameter(torch.zeros(4, 4))], **kwargs)
+
+
+def test_bad_group_values_raise_value_error():
+    with pytest.raises(ValueError, match="momentum"):
+        Muon([{"params": [nn.Parameter(torch.zeros(4, 4))], "momentum": 2.0}])
+    with pytest.raises(ValueError, match="use_muon"):
+        Muon([nn.Parameter(torch.zeros(4))])
+
+
+def test_sparse_gradient_is_refused():
+    p = nn.Parameter(torch.zeros(4, 4))
+    p.grad = torch.zeros(4, 4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        Muon([p]).step()

@@ -1,0 +1,1 @@
+"""Celery app and thin training tasks; ``worker.engine`` trains models without Celery."""
