@@ -20,6 +20,9 @@ from .newton_schulz import METHODS, orthogonalize, resolve_coefficients
 from .timing import PhaseTimer
 
 ADJUST_LR = ("original", "match_rms_adamw", "spectral")
+# Same-shape matrices are stacked into batches of at most this many elements (64 MiB in fp32):
+# batching amortises per-call overhead, the cap bounds the step's transient memory.
+MAX_BATCH_ELEMENTS = 1 << 24
 
 
 def update_scale(rows: int, cols: int, adjust_lr: str) -> float:
@@ -206,7 +209,8 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _finite_grads(self) -> dict[Tensor, bool]:
-        """Whether each gradient is finite: one fused norm and one host sync for all of them."""
+        """Whether each gradient is finite: one fused max-abs (which, unlike the L2 norm, cannot
+        overflow for finite entries) and one host transfer per device."""
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         for p in params:
             if p.grad.is_sparse:
@@ -215,9 +219,14 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("Muon does not support complex parameters")
         if not params:
             return {}
-        norms = torch._foreach_norm([p.grad for p in params])
-        flags = torch.stack([n.float().cpu() for n in norms]).isfinite().tolist()
-        return dict(zip(params, flags))
+        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for p in params:
+            by_device[p.grad.device].append(p)
+        finite: dict[Tensor, bool] = {}
+        for group in by_device.values():
+            peaks = torch._foreach_norm([p.grad for p in group], ord=float("inf"))
+            finite.update(zip(group, torch.stack([n.float() for n in peaks]).isfinite().tolist()))
+        return finite
 
     def _muon_step(self, group: dict[str, Any], params: list[Tensor], stats: StepStats) -> None:
         if not params:
@@ -240,10 +249,12 @@ class Muon(torch.optim.Optimizer):
             buckets[(min(rows, cols), max(rows, cols), g.dtype, g.device)].append(entry)
 
         timer = stats.ns_timer = stats.ns_timer or PhaseTimer(params[0].device)
-        for entries in buckets.values():
+        for entries in (chunk for bucket in buckets.values() for chunk in _batches(bucket)):
             X = _nesterov_input(entries, beta, group["nesterov"])  # [B, m, n], m <= n
             with timer:
-                O = orthogonalize(X, group["ns_steps"], group["ns_coefficients"], group["ns_method"])
+                O = orthogonalize(
+                    X, group["ns_steps"], group["ns_coefficients"], group["ns_method"], overwrite_input=True
+                )
             del X
             _apply_updates(entries, O, lr, group["weight_decay"], stats)
 
@@ -283,7 +294,7 @@ def _nesterov_input(entries: list[_Entry], beta: float, nesterov: bool) -> Tenso
 
 def _apply_updates(entries: list[_Entry], O: Tensor, lr: float, weight_decay: float, stats: StepStats) -> None:
     """W <- W (1 - lr wd) - lr scale O per parameter, skipping any whose update is not finite."""
-    sq = O.float().square().sum(dim=(1, 2))  # [B]: finite exactly when the matrix is
+    sq = torch.linalg.vector_norm(O, dim=(1, 2), dtype=torch.float32).square()  # [B]: finite iff the matrix is
     finite = sq.isfinite().tolist()  # one host sync per bucket
     weights = []  # per matrix: (lr * scale)^2 where applied, else 0 (for update_rms)
     for e in entries:
@@ -299,3 +310,17 @@ def _apply_updates(entries: list[_Entry], O: Tensor, lr: float, weight_decay: fl
         e.param.add_((update.mT if e.tall else update).reshape(e.param.shape), alpha=-lr * e.scale)
         stats.update_numel += update.numel()
     stats.update_sq_sum = stats.update_sq_sum + sq.nan_to_num(0.0).dot(sq.new_tensor(weights))
+
+
+def _batches(entries: list[_Entry]) -> list[list[_Entry]]:
+    """Split a bucket into batches of at most MAX_BATCH_ELEMENTS (at least one entry each)."""
+    batches: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        n = e.grad.numel()
+        if batches[-1] and size + n > MAX_BATCH_ELEMENTS:
+            batches.append([])
+            size = 0
+        batches[-1].append(e)
+        size += n
+    return batches

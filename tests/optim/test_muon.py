@@ -206,6 +206,27 @@ def test_t5_zero_gradient_gives_exact_zero_update():
     assert opt.last_step_stats()["update_rms"] == 0.0
 
 
+def test_large_finite_gradient_is_not_mistaken_for_nonfinite():
+    # An L2 norm of this fp16 gradient overflows to inf; every entry is finite.
+    p = nn.Parameter(torch.zeros(1024, 1024, dtype=torch.float16))
+    p.grad = torch.full((1024, 1024), 100.0, dtype=torch.float16)
+    opt = Muon([p], lr=0.02)
+    opt.step()
+    assert opt.last_step_stats()["nonfinite_skipped"] == 0
+    assert p.abs().max() > 0 and torch.isfinite(p).all()
+
+
+def test_batches_are_capped_and_equal_to_one_big_batch(monkeypatch):
+    import optim.muon as muon_module
+
+    shapes = [(48, 16)] * 5
+    capped, whole = params_with_grads(shapes), params_with_grads(shapes)
+    Muon(whole, lr=0.02).step()
+    monkeypatch.setattr(muon_module, "MAX_BATCH_ELEMENTS", 2 * 48 * 16)  # batches of 2, 2, 1
+    Muon(capped, lr=0.02).step()
+    assert all(torch.equal(a, b) for a, b in zip(capped, whole))
+
+
 def test_nonfinite_update_from_diverging_coefficients_is_skipped():
     p = nn.Parameter(gaussian(16, 32))
     p.grad = gaussian(16, 32, seed=1)
