@@ -96,10 +96,13 @@ def resolve_coefficients(coefficients: str | Sequence, steps: int) -> Schedule:
     return Schedule(tuple(rows))
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA (fast and stable there); fp32 elsewhere: accurate to 1e-4 of a float64
-    reference, and bf16 CPU GEMMs range from 2.5x faster (AVX512-BF16) to 20-90x slower by CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(G: Tensor) -> torch.dtype:
+    """fp64 for fp64 input; else bf16 on CUDA (fast and stable there) and fp32 elsewhere:
+    accurate to 1e-4 of a float64 reference, while bf16 GEMMs on CPUs range from 2.5x faster
+    (AVX512-BF16) to 20-90x slower than fp32."""
+    if G.dtype == torch.float64:
+        return torch.float64
+    return torch.bfloat16 if G.device.type == "cuda" else torch.float32
 
 
 def choose_method(m: int, n: int, method: str = "auto") -> str:
@@ -125,14 +128,15 @@ def orthogonalize(
     G: [..., rows, cols], any leading batch dims. Returns a tensor of G's shape and dtype whose
     singular values lie in the coefficient set's band (Keller about [0.68, 1.14], Polar Express
     about [0.855, 1.143]) with G's singular vectors. Zero input gives exact zeros. Runs in
-    ``dtype`` (default: bf16 on CUDA, fp32 elsewhere); the norm is always taken in fp32 or wider.
+    ``dtype`` (default: fp64 for fp64 input, else bf16 on CUDA and fp32 elsewhere); the norm
+    is always taken in fp32 or wider.
     ``overwrite_input=True`` lets it normalise G in place (one copy less: the optimizer's own
     stacked batch).
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs at least 2 dims, got shape {tuple(G.shape)}")
     schedule = resolve_coefficients(coefficients, steps)
-    work_dtype = dtype or default_dtype(G.device)
+    work_dtype = dtype or default_dtype(G)
     rows, cols = G.shape[-2:]
     tall = rows > cols
     X = G.mT if tall else G

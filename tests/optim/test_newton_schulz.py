@@ -160,7 +160,7 @@ def test_polar_express_past_its_table_repeats_the_last_row():
 dims = st.integers(min_value=1, max_value=48)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(
     rows=dims,
     cols=dims,
@@ -179,15 +179,17 @@ def test_properties_over_shapes_dtypes_and_batch_dims(rows, cols, batch, dtype, 
     assert svals(out).max() <= 1.2037 + tol
     # Batched equals one matrix at a time; transposing commutes with the iteration.
     flat_in, flat_out = G.reshape(-1, rows, cols), out.reshape(-1, rows, cols)
-    # The gram form in fp32 loses up to ~1e-4 on ill-conditioned inputs (OPTIMIZER.md).
-    atol = {torch.bfloat16: 0.02, torch.float32: 1e-4, torch.float64: 1e-10}[dtype]
+    # The gram form squares the condition number (it iterates on X X^T): on ill-conditioned
+    # inputs its fp32 error reaches ~1e-4 relative (OPTIMIZER.md), a few 1e-4 absolute here.
+    gram = method == "gram" or (method == "auto" and choose_method(min(rows, cols), max(rows, cols)) == "gram")
+    atol = {torch.bfloat16: 0.02, torch.float32: 2e-3 if gram else 1e-4, torch.float64: 1e-8 if gram else 1e-10}[dtype]
     for i in range(flat_in.shape[0]):
         single = orthogonalize(flat_in[i], method=method)
         assert torch.allclose(single.double(), flat_out[i].double(), atol=atol)
     assert torch.allclose(orthogonalize(G.mT, method=method).double(), out.mT.double(), atol=atol)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(deadline=None)
 @given(rows=st.integers(2, 40), cols=st.integers(2, 40), seed=st.integers(0, 2**16))
 def test_output_keeps_the_singular_vectors(rows, cols, seed):
     # O = U f(S) V^T with f >= 0: O^T G = V f(S) S V^T is symmetric positive semi-definite.
