@@ -1,0 +1,164 @@
+"""JobSpec: the training job contract shared by the REST API, `muonforge train` and the worker.
+
+Unknown fields are rejected everywhere; every field but ``model.arch`` and ``data`` has a
+documented default. A validated spec's ``model_dump()`` is what the engine consumes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSpec(_Strict):
+    """The network. ``mlp`` is an attention-free language model over a fixed context window."""
+
+    arch: Literal["gpt", "moe", "mlp"] = Field(description="Architecture.")
+    n_layer: int = Field(4, ge=1, le=64, description="Transformer blocks (hidden layers for mlp).")
+    n_head: int = Field(4, ge=1, le=64, description="Attention heads (gpt, moe).")
+    d_model: int = Field(128, ge=8, le=8192, description="Residual width.")
+    seq_len: int = Field(128, ge=2, le=8192, description="Context length in tokens.")
+    n_experts: int | None = Field(None, ge=2, le=256, description="Experts per MoE layer (moe only; default 8).")
+    top_k: int | None = Field(None, ge=1, le=16, description="Experts each token is routed to (moe only; default 2).")
+
+    # Cross-field rules are field validators (fields validate in declaration order), so an
+    # error names the offending field, e.g. model.top_k.
+    @field_validator("d_model")
+    @classmethod
+    def _heads_divide_width(cls, v: int, info: ValidationInfo) -> int:
+        n_head = info.data.get("n_head")
+        if info.data.get("arch") != "mlp" and n_head and v % n_head:
+            raise ValueError(f"d_model ({v}) must be divisible by n_head ({n_head})")
+        return v
+
+    @field_validator("n_experts", "top_k")
+    @classmethod
+    def _moe_only(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if info.data.get("arch") != "moe":
+            if v is not None:
+                raise ValueError(f"{info.field_name} applies only to arch 'moe'")
+            return v
+        if v is None:
+            v = 8 if info.field_name == "n_experts" else 2
+        n_experts = info.data.get("n_experts")
+        if info.field_name == "top_k" and n_experts is not None and v > n_experts:
+            raise ValueError(f"top_k ({v}) must not exceed n_experts ({n_experts})")
+        return v
+
+
+class DataSpec(_Strict):
+    """Exactly one source: an uploaded dataset, a builtin task, or (local runs only) a file path."""
+
+    dataset_id: str | None = Field(None, min_length=1, max_length=64, description="An uploaded dataset's id.")
+    builtin: Literal["synthetic"] | None = Field(None, description="A generated task with learnable structure.")
+    path: str | None = Field(None, min_length=1, description="A UTF-8 text file (`muonforge train` only).")
+    tokenizer: Literal["byte", "char"] = Field("byte", description="byte: vocab 256; char: the corpus's characters.")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of the corpus held out for validation.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        given = [k for k in ("dataset_id", "builtin", "path") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of dataset_id, builtin, path (got {given or 'none'})")
+        return self
+
+
+class OptimizerSpec(_Strict):
+    """Muon, MuonClip (Muon + QK-Clip) or an AdamW baseline. For ``adamw`` the ``lr`` and
+    ``weight_decay`` apply to every parameter and the Muon fields are ignored."""
+
+    name: Literal["muon", "muonclip", "adamw"] = Field("muon", description="Optimizer.")
+    lr: float | None = Field(None, gt=0.0, le=10.0, description="Default 0.02 for muon/muonclip, 3e-3 for adamw.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay (unadjusted lr).")
+    momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon momentum (EMA).")
+    nesterov: bool = Field(True, description="Nesterov momentum for Muon.")
+    ns_steps: int = Field(5, ge=1, le=20, description="Newton–Schulz iterations.")
+    ns_coefficients: Literal["keller", "polar_express"] = Field("keller", description="Newton–Schulz coefficients.")
+    ns_method: Literal["auto", "standard", "gram"] = Field("auto", description="Newton–Schulz form.")
+    adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = Field(
+        "original", description="Muon update scale from the matrix shape."
+    )
+    qk_clip_tau: float | None = Field(None, gt=0.0, description="QK-Clip threshold (muonclip only; default 100).")
+    adamw_lr: float = Field(3e-3, gt=0.0, le=10.0, description="AdamW lr for embeddings, head, norms, biases.")
+    adamw_betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.95), description="AdamW betas."
+    )
+    adamw_eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+    adamw_weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay (non-Muon parameters).")
+
+    @field_validator("lr")
+    @classmethod
+    def _lr_default(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is None and "name" in info.data:
+            return 3e-3 if info.data["name"] == "adamw" else 0.02
+        return v
+
+    @field_validator("qk_clip_tau")
+    @classmethod
+    def _muonclip_only(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if info.data.get("name") == "muonclip":
+            return 100.0 if v is None else v
+        if v is not None:
+            raise ValueError("qk_clip_tau applies only to optimizer 'muonclip'")
+        return v
+
+
+class TrainSpec(_Strict):
+    """The loop. A run of ``steps`` optimizer steps; evals and checkpoints every N steps and at the end."""
+
+    steps: PositiveInt = Field(1000, le=10_000_000, description="Optimizer steps.")
+    batch_size: PositiveInt = Field(32, le=4096, description="Sequences per step.")
+    eval_every: PositiveInt = Field(100, description="Validation loss every N steps (and at the end).")
+    checkpoint_every: PositiveInt = Field(500, description="Checkpoint every N steps (and at the end).")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds the model, the batches and everything else.")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Clip the global grad norm (raw gradients); null: off.")
+    lr_schedule: Literal["constant", "cosine", "wsd"] = Field("constant", description="Learning-rate schedule.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    max_restarts: int = Field(3, ge=0, le=100, description="Resumes from checkpoint after a worker loss.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA if present, else CPU.")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on CUDA, fp32 on CPU.")
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_fits(cls, v: int, info: ValidationInfo) -> int:
+        steps = info.data.get("steps")
+        if steps is not None and v >= steps:
+            raise ValueError(f"warmup_steps ({v}) must be below steps ({steps})")
+        return v
+
+
+class TelemetrySpec(_Strict):
+    every: PositiveInt = Field(1, description="Report telemetry every k steps.")
+
+
+class JobSpec(_Strict):
+    """A training job: what to train, on what, with which optimizer, for how long."""
+
+    name: str | None = Field(None, max_length=200, description="A label for people.")
+    model: ModelSpec
+    data: DataSpec
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "shakespeare-muonclip",
+                    "model": {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 128},
+                    "data": {"dataset_id": "ds_01J9Z3", "tokenizer": "byte"},
+                    "optimizer": {"name": "muonclip", "lr": 0.02, "qk_clip_tau": 100.0},
+                    "train": {"steps": 1000, "batch_size": 32, "eval_every": 100},
+                }
+            ]
+        },
+    )

@@ -1,0 +1,84 @@
+"""The ``muonforge`` command line. Each subcommand imports what it needs lazily."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class SpecError(ValueError):
+    """A job spec that cannot be read or does not validate; the message is for people."""
+
+
+def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
+    """Read a YAML or JSON job spec, apply ``--data``, validate it with JobSpec; return its dict."""
+    import pydantic
+    import yaml
+
+    from app.schemas import JobSpec
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path} is not valid YAML or JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path} must hold a mapping (a JobSpec), not {type(raw).__name__}")
+    if data is not None:
+        raw["data"] = {k: v for k, v in (raw.get("data") or {}).items() if k not in ("dataset_id", "builtin")}
+        raw["data"]["path"] = str(data)
+    try:
+        return JobSpec.model_validate(raw).model_dump()
+    except pydantic.ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in exc.errors()]
+        raise SpecError(f"{path} is not a valid job spec:\n" + "\n".join(lines)) from None
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from muonforge.progress import ProgressSink
+    from worker.engine.run import run_job
+    from worker.engine.trainer import TrainingError
+
+    spec = load_spec(args.spec, args.data)
+    if spec["data"].get("dataset_id"):
+        raise SpecError("data.dataset_id names an uploaded dataset: run it on a server, or give --data FILE")
+    with ProgressSink(spec["train"]["steps"]) as progress:
+        try:
+            result = run_job(spec, args.out, sink=progress, resume=args.resume)
+        except (TrainingError, FileNotFoundError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    print(json.dumps(result.as_dict()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="muonforge", description="Training as a service with Muon and MuonClip.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run one job spec locally, no service")
+    train.add_argument("spec", type=Path, help="job spec, YAML or JSON")
+    train.add_argument("--out", type=Path, required=True, help="output directory")
+    train.add_argument("--data", type=Path, help="corpus file (UTF-8 text); replaces the spec's data source")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

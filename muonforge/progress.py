@@ -1,0 +1,48 @@
+"""A telemetry sink that draws a rich progress bar: step, loss, tokens/s, ETA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class ProgressSink:
+    def __init__(self, total_steps: int, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, loss="-", val="-", tps="-")
+
+    def __enter__(self) -> ProgressSink:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        fields = {}
+        if "loss" in values:
+            fields["loss"] = f"{values['loss']:.4f}"
+        if "val_loss" in values:
+            fields["val"] = f"{values['val_loss']:.4f}"
+        if "tokens_per_s" in values:
+            fields["tps"] = f"{values['tokens_per_s']:,.0f}"
+        done = step + 1 if "loss" in values else step
+        self._progress.update(self._task, completed=done, **fields)
+
+    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
+        self._progress.console.log(f"checkpoint step {step}: {path} ({nbytes / 2**20:.1f} MiB)")
+
+    def log(self, level: str, message: str) -> None:
+        self._progress.console.log(f"[{level}] {message}")

@@ -1,0 +1,202 @@
+"""Trainer: exact resume, cancel, non-finite loss, schedules, telemetry names, and a real run."""
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.schemas import JobSpec
+from worker.engine.config import DataConfig, TrainConfig, job_config_from_dict
+from worker.engine.data import Tokenizer, load_corpus, synthetic_task
+from worker.engine.run import run_job
+from worker.engine.telemetry import JsonlSink
+from worker.engine.trainer import Trainer, TrainingError, lr_factor
+
+CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def spec(arch="gpt", optimizer="muon", **train) -> dict:
+    train = {"steps": 12, "batch_size": 4, "eval_every": 4, "checkpoint_every": 5, **train}
+    model = {"arch": arch, "n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 16}
+    return JobSpec.model_validate(
+        {"model": model, "data": {"builtin": "synthetic"}, "optimizer": {"name": optimizer}, "train": train}
+    ).model_dump()
+
+
+class ListSink:
+    def __init__(self):
+        self.records, self.checkpoints, self.logs = [], [], []
+
+    def metrics(self, step, values):
+        self.records.append((step, values))
+
+    def checkpoint(self, step, path, nbytes):
+        self.checkpoints.append((step, path.name, nbytes))
+
+    def log(self, level, message):
+        self.logs.append((level, message))
+
+
+def trainer(s: dict, tmp_path: Path, sink=None, cancel=None) -> Trainer:
+    job = job_config_from_dict(s)
+    return Trainer(job, synthetic_task(job.train.seed), tmp_path / "ckpt", sink or ListSink(), cancel)
+
+
+@pytest.mark.parametrize(("arch", "optimizer"), [("gpt", "muonclip"), ("moe", "muon"), ("mlp", "adamw")])
+def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, arch, optimizer):
+    s = spec(arch, optimizer, lr_schedule="cosine", warmup_steps=2)
+    full_sink = ListSink()
+    full = trainer(s, tmp_path / "a", full_sink)
+    full.run()
+    cut = trainer(s, tmp_path / "b", cancel=lambda: cut.step == 7)  # stops before step 7
+    assert cut.run().status == "cancelled"
+    resumed_sink = ListSink()
+    resumed = trainer(s, tmp_path / "b", resumed_sink)
+    result = resumed.run()
+    assert result.status == "succeeded" and result.steps == 12
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    tail = [r for r in full_sink.records if r[0] >= 7]
+    assert [r[0] for r in resumed_sink.records] == [r[0] for r in tail]
+    for (_, a), (_, b) in zip(tail, resumed_sink.records):
+        assert a.get("loss") == b.get("loss") and a.get("val_loss") == b.get("val_loss")
+
+
+def test_cancel_stops_at_the_next_step_and_checkpoints(tmp_path):
+    sink = ListSink()
+    t = trainer(spec(), tmp_path, sink, cancel=lambda: t.step == 3)
+    result = t.run()
+    assert result.status == "cancelled" and result.steps == 3
+    assert sink.checkpoints[-1][0] == 3
+    assert max(step for step, _ in sink.records) == 2
+
+
+def test_nonfinite_loss_stops_with_the_step(tmp_path):
+    t = trainer(spec(steps=10), tmp_path)
+    original = t.train_step
+
+    def poisoned(report):
+        if t.step == 4:
+            with torch.no_grad():
+                t.model.wte.weight.fill_(float("nan"))
+        return original(report)
+
+    t.train_step = poisoned
+    with pytest.raises(TrainingError, match=r"non-finite loss .* at step 4"):
+        t.run()
+
+
+def test_telemetry_names_and_steps(tmp_path):
+    sink = ListSink()
+    s = spec("moe", "muonclip", steps=8, eval_every=4)
+    trainer(s, tmp_path, sink).run()
+    steps = [step for step, _ in sink.records]
+    assert steps == list(range(9))  # loss at 0..7, val_loss at 0, 4 and 8
+    assert [step for step, v in sink.records if "val_loss" in v] == [0, 4, 8]
+    first = sink.records[0][1]
+    for name in [
+        "loss", "lr", "grad_norm", "update_rms", "tokens_per_s", "step_time_ms", "attn_max_logit",
+        "attn_max_logit/l0", "attn_max_logit/l1h1", "qk_clip/heads_clipped", "qk_clip/min_gamma",
+        "logits/max_abs", "logits/std", "router/aux_loss", "router/load/l1e3",
+    ]:  # fmt: skip
+        assert name in first, name
+    assert first["attn_max_logit"] == max(first["attn_max_logit/l0"], first["attn_max_logit/l1"])
+
+
+def test_telemetry_every_k_steps(tmp_path):
+    sink = ListSink()
+    trainer(spec(steps=9, eval_every=100) | {"telemetry": {"every": 3}}, tmp_path, sink).run()
+    assert [step for step, _ in sink.records] == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("wsd", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]),
+    ],
+)
+def test_lr_schedules(schedule, expected):
+    cfg = TrainConfig(steps=10, warmup_steps=2, lr_schedule=schedule)
+    assert [lr_factor(s, cfg) for s in range(10)] == pytest.approx(expected)
+
+
+def test_cosine_schedule_decays_to_zero():
+    cfg = TrainConfig(steps=101, warmup_steps=1, lr_schedule="cosine")
+    values = [lr_factor(s, cfg) for s in range(101)]
+    assert values[1] == pytest.approx(1.0) and values[51] == pytest.approx(0.5) and values[-1] < 1e-3
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+@pytest.mark.parametrize("kind", ["byte", "char"])
+def test_tokenizers_round_trip(kind):
+    text = "To be, or not to be: that is the question.\nÆsop — naïve café 🙂"
+    tok = Tokenizer.fit(kind, text)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == (256 if kind == "byte" else len(set(text)))
+
+
+def test_corpus_is_memory_mapped_split_and_cached(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefghij" * 100)
+    data = load_corpus(DataConfig(tokenizer="char", val_fraction=0.1), corpus, tmp_path / "cache")
+    assert isinstance(data.train.base, np.memmap) or isinstance(data.train, np.memmap)
+    assert len(data.train) == 900 and len(data.val) == 100 and data.vocab_size == 10
+    again = load_corpus(DataConfig(tokenizer="char", val_fraction=0.1), corpus, tmp_path / "cache")
+    assert np.array_equal(again.train, data.train) and len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_batches_are_deterministic_and_seeded():
+    data = synthetic_task(0)
+    a, b = data.batch("train", 5, 4, 16, seed=1), data.batch("train", 5, 4, 16, seed=1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[0][:, 1:], a[1][:, :-1])
+    assert not torch.equal(a[0], data.batch("train", 6, 4, 16, seed=1)[0])
+    assert not torch.equal(a[0], data.batch("train", 5, 4, 16, seed=2)[0])
+
+
+def test_non_utf8_corpus_is_refused(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00abc")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_corpus(DataConfig(), bad, tmp_path / "cache")
+
+
+def test_run_job_writes_metrics_checkpoints_and_summary(tmp_path):
+    result = run_job(spec(steps=6, checkpoint_every=3), tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(7))
+    assert set(lines[0]) == {"step", "metrics"}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003.pt", "step_00000006.pt"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 6 == result.steps
+    assert set(summary) >= {"status", "steps", "loss", "val_loss", "attn_max_logit", "tokens_per_s", "wall_s"}
+
+
+def test_jsonl_sink_appends_on_resume(tmp_path):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.metrics(0, {"loss": 1.0})
+    sink.close()
+    sink = JsonlSink(tmp_path / "m.jsonl", append=True)
+    sink.metrics(1, {"loss": 0.5})
+    sink.close()
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CORPUS.exists(), reason="needs ../shared/data/tinyshakespeare.txt")
+def test_real_run_on_tinyshakespeare_reaches_val_loss_below_2_3(tmp_path):
+    s = JobSpec.model_validate(
+        {
+            "model": {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
+            "data": {"path": str(CORPUS), "tokenizer": "byte"},
+            "optimizer": {"name": "muon"},
+            "train": {"steps": 300, "batch_size": 32, "eval_every": 100, "checkpoint_every": 300, "seed": 0},
+            "telemetry": {"every": 10},
+        }
+    ).model_dump()
+    result = run_job(s, tmp_path)
+    print(f"tinyshakespeare byte-level gpt, Muon, 300 steps: val_loss {result.val_loss:.3f}")
+    assert result.status == "succeeded" and result.val_loss < 2.3

@@ -1,0 +1,140 @@
+"""Corpora as memory-mapped token arrays, deterministic batches, and the builtin synthetic task.
+
+A batch is a pure function of (seed, split, index): resuming at step s needs no saved reader
+state, and the evaluation batches are the same at every evaluation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .config import DataConfig
+
+SYNTHETIC_VOCAB = 64
+SYNTHETIC_TOKENS = 1 << 20
+SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
+
+
+class Tokenizer:
+    """byte: UTF-8 bytes, vocab 256. char: the corpus's distinct characters, sorted."""
+
+    def __init__(self, kind: str, chars: str | None = None) -> None:
+        if kind not in ("byte", "char"):
+            raise ValueError(f"unknown tokenizer {kind!r}")
+        if kind == "char" and not chars:
+            raise ValueError("a char tokenizer needs its character set")
+        self.kind, self.chars = kind, chars
+        self._index = {c: i for i, c in enumerate(chars)} if chars else None
+
+    @classmethod
+    def fit(cls, kind: str, text: str) -> Tokenizer:
+        return cls(kind, "".join(sorted(set(text))) if kind == "char" else None)
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self.kind == "byte" else len(self.chars)
+
+    def encode(self, text: str) -> np.ndarray:
+        if self.kind == "byte":
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        try:
+            return np.fromiter((self._index[c] for c in text), dtype=np.uint16, count=len(text))
+        except KeyError as exc:
+            raise ValueError(f"character {exc.args[0]!r} is not in the tokenizer's vocabulary") from None
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.kind == "byte":
+            return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return "".join(self.chars[i] for i in ids)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "chars": self.chars}
+
+
+@dataclass
+class TokenData:
+    """Train and validation token arrays (memory-mapped for corpora) and their tokenizer."""
+
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    entropy_floor: float | None = None  # nats/token a perfect model reaches (synthetic task)
+
+    def batch(self, split: str, index: int, batch_size: int, seq_len: int, seed: int) -> tuple[Tensor, Tensor]:
+        """(x, y) int64 [batch_size, seq_len], y = x shifted by one; a function of its arguments only."""
+        tokens = self.train if split == "train" else self.val
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1, index])
+        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+        windows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # [B, T + 1]
+        w = torch.from_numpy(windows)
+        return w[:, :-1], w[:, 1:]
+
+
+def load_corpus(cfg: DataConfig, corpus: Path, cache_dir: Path) -> TokenData:
+    """Tokenize a UTF-8 text file once into ``cache_dir`` and memory-map the result."""
+    raw = Path(corpus).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{corpus} is not UTF-8 text: {exc}") from None
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    stem = cache_dir / f"{digest}-{cfg.tokenizer}"
+    meta_path, bin_path = stem.with_suffix(".json"), stem.with_suffix(".bin")
+    if meta_path.exists() and bin_path.exists():
+        meta = json.loads(meta_path.read_text())
+        tokenizer = Tokenizer(meta["kind"], meta["chars"])
+    else:
+        tokenizer = Tokenizer.fit(cfg.tokenizer, text)
+        ids = tokenizer.encode(text)
+        tmp = bin_path.with_suffix(".tmp")
+        ids.tofile(tmp)
+        tmp.replace(bin_path)
+        meta = {**tokenizer.to_dict(), "dtype": str(ids.dtype), "tokens": len(ids)}
+        meta_path.write_text(json.dumps(meta))
+    tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
+    split = int(len(tokens) * (1.0 - cfg.val_fraction))
+    return TokenData(tokens[:split], tokens[split:], tokenizer, tokenizer.vocab_size)
+
+
+def synthetic_task(seed: int, val_fraction: float = 0.1, tokens: int = SYNTHETIC_TOKENS) -> TokenData:
+    """A first-order Markov chain over SYNTHETIC_VOCAB tokens, each with SYNTHETIC_BRANCHES
+    successors of fixed probabilities: learnable structure with a known floor (the chain's
+    entropy rate, in nats/token), generated from the seed, nothing read from disk."""
+    rng = np.random.default_rng([seed, 7])
+    V, K = SYNTHETIC_VOCAB, SYNTHETIC_BRANCHES
+    successors = np.stack([rng.choice(V, size=K, replace=False) for _ in range(V)])  # [V, K]
+    probs = np.array([0.5, 0.25, 0.15, 0.10])  # same for every token
+    draws = rng.choice(K, size=tokens, p=probs)
+    table, picks, state, out = successors.tolist(), draws.tolist(), 0, [0] * tokens
+    for t in range(1, tokens):  # a chain: each token depends on the one before
+        state = out[t] = table[state][picks[t]]
+    seq = np.asarray(out, dtype=np.uint8)
+    floor = float(-(probs * np.log(probs)).sum())
+    split = int(tokens * (1.0 - val_fraction))
+    return TokenData(seq[:split], seq[split:], None, V, entropy_floor=floor)
+
+
+def load_data(cfg: DataConfig, seed: int, cache_dir: Path, corpus: Path | None = None) -> TokenData:
+    """The job's data: the builtin task, or a corpus file (``corpus`` overrides ``cfg.path``)."""
+    if cfg.builtin == "synthetic":
+        return synthetic_task(seed, cfg.val_fraction)
+    if cfg.builtin is not None:
+        raise ValueError(f"unknown builtin task {cfg.builtin!r}")
+    path = corpus or (Path(cfg.path) if cfg.path else None)
+    if path is None:
+        raise ValueError("no corpus: give data.path, or the dataset's file for data.dataset_id")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"corpus {path} does not exist")
+    return load_corpus(cfg, Path(path), cache_dir)

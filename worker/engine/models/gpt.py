@@ -1,0 +1,132 @@
+"""Language models built from a ModelConfig: gpt (pre-norm decoder), moe (gpt with MoE
+feed-forward) and mlp (attention-free, fixed context window)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from .attention import CausalSelfAttention
+from .moe import MoEFeedForward
+
+# The mlp baseline predicts each token from this many preceding tokens (Bengio et al. 2003 style).
+MLP_CONTEXT = 8
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """x + attn(ln(x)), then x + ffn(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        if cfg.arch == "moe":
+            self.ffn: nn.Module = MoEFeedForward(cfg.d_model, cfg.n_experts, cfg.top_k, hidden)
+        else:
+            self.ffn = FeedForward(cfg.d_model, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.ffn(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, pre-norm blocks, final norm, head tied to the embedding."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        _init_weights(self, cfg.n_layer)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """idx [B, T] token ids -> logits [B, T, vocab]."""
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # [B, T, C]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def attention_layers(self) -> list[CausalSelfAttention]:
+        return [b.attn for b in self.blocks]
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
+
+    def aux_loss(self) -> Tensor | None:
+        """Mean load-balancing loss over the MoE layers of the latest forward (None for gpt)."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return torch.stack(losses).mean() if losses else None
+
+
+class MLPLanguageModel(nn.Module):
+    """Predicts each token from the embeddings of the MLP_CONTEXT tokens before it (zero-padded)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.context = min(MLP_CONTEXT, cfg.seq_len)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        width = cfg.mlp_ratio * cfg.d_model
+        dims = [self.context * cfg.d_model] + [width] * cfg.n_layer
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, cfg.vocab_size, bias=False)
+        _init_weights(self, cfg.n_layer)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        B, T = idx.shape
+        e = self.wte(idx)  # [B, T, C]
+        e = F.pad(e, (0, 0, self.context - 1, 0))  # [B, T + ctx - 1, C]: zeros before the start
+        x = e.unfold(1, self.context, 1)  # [B, T, C, ctx]: window ending at each position
+        x = x.transpose(2, 3).reshape(B, T, -1)  # [B, T, ctx * C]
+        for layer in self.hidden:
+            x = F.gelu(layer(x))
+        return self.lm_head(self.ln_f(x))
+
+    def attention_layers(self) -> list[CausalSelfAttention]:
+        return []
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return []
+
+    def aux_loss(self) -> Tensor | None:
+        return None
+
+
+def _init_weights(model: nn.Module, n_layer: int) -> None:
+    """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
+    for name, p in model.named_parameters():
+        if p.ndim >= 2 and "router" not in name:
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch in ("gpt", "moe"):
+        return GPT(cfg)
+    if cfg.arch == "mlp":
+        return MLPLanguageModel(cfg)
+    raise ValueError(f"unknown arch {cfg.arch!r}")

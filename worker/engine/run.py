@@ -1,0 +1,37 @@
+"""Run one job from a validated JobSpec dict: the entry point of `muonforge train` and of the worker task."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .config import job_config_from_dict
+from .data import load_data
+from .telemetry import FanOut, JsonlSink, TelemetrySink
+from .trainer import RunResult, Trainer
+
+
+def run_job(
+    spec: dict[str, Any],
+    out_dir: Path,
+    corpus: Path | None = None,
+    sink: TelemetrySink | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    resume: bool = True,
+) -> RunResult:
+    """Train ``spec`` (a JobSpec's ``model_dump()``) with artifacts under ``out_dir``:
+    ``metrics.jsonl``, ``checkpoints/``, ``summary.json`` and the tokenized corpus cache."""
+    job = job_config_from_dict(spec)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = load_data(job.data, job.train.seed, out_dir / "data", corpus)
+    checkpoints = out_dir / "checkpoints"
+    jsonl = JsonlSink(out_dir / "metrics.jsonl", append=resume and checkpoints.exists())
+    try:
+        trainer = Trainer(job, data, checkpoints, FanOut(jsonl, sink), should_cancel)
+        result = trainer.run(resume=resume)
+    finally:
+        jsonl.close()
+    (out_dir / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    return result

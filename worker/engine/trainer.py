@@ -1,0 +1,244 @@
+"""The training loop: one job config in, a trained model, telemetry and checkpoints out."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import optim
+
+from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from .config import JobConfig, OptimizerConfig, TrainConfig
+from .data import TokenData
+from .models import build_model
+from .telemetry import TelemetrySink, model_metrics, to_floats
+
+WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite loss, bad data, ...); the message says why and where."""
+
+
+@dataclass
+class RunResult:
+    status: str  # "succeeded" | "cancelled"
+    steps: int  # optimizer steps completed
+    loss: float | None
+    val_loss: float | None
+    attn_max_logit: float | None
+    tokens_per_s: float | None
+    wall_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier on every group's base lr before optimizer step ``step`` (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    if cfg.lr_schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if cfg.lr_schedule == "wsd":
+        decay_start = cfg.steps - int(WSD_DECAY_FRACTION * cfg.steps)
+        return 1.0 if step < decay_start else max(0.0, (cfg.steps - step) / max(1, cfg.steps - decay_start))
+    raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r}")
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """muon / muonclip: optim.Muon(Clip) over role-split groups; adamw: AdamW on every parameter."""
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps, weight_decay=cfg.weight_decay
+        )
+    kwargs = dict(
+        lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+        ns_coefficients=cfg.ns_coefficients, ns_method=cfg.ns_method, adjust_lr=cfg.adjust_lr,
+        weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr, adamw_betas=cfg.adamw_betas,
+        adamw_eps=cfg.adamw_eps, adamw_weight_decay=cfg.adamw_weight_decay,
+    )  # fmt: skip
+    groups = optim.split_params(model)
+    if cfg.name == "muonclip":
+        return optim.MuonClip(groups, model, qk_clip_tau=cfg.qk_clip_tau or 100.0, **kwargs)
+    if cfg.name == "muon":
+        return optim.Muon(groups, **kwargs)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def resolve_device(cfg: TrainConfig) -> tuple[torch.device, torch.dtype | None]:
+    """(device, autocast dtype or None for plain fp32)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("train.device is 'cuda' but no CUDA device is available")
+    device = torch.device(
+        "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    return device, torch.bfloat16 if bf16 else None
+
+
+class Trainer:
+    """Runs one job. ``sink`` receives telemetry, ``should_cancel`` is asked before every step,
+    checkpoints go to ``checkpoint_dir`` and the latest one there is resumed from."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        data: TokenData,
+        checkpoint_dir: Path | None,
+        sink: TelemetrySink,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> None:
+        self.job = replace(job, model=replace(job.model, vocab_size=data.vocab_size))
+        self.data, self.sink, self.checkpoint_dir = data, sink, checkpoint_dir
+        self.should_cancel = should_cancel or (lambda: False)
+        self.device, self.autocast_dtype = resolve_device(job.train)
+        torch.manual_seed(job.train.seed)
+        self.model = build_model(self.job.model).to(self.device)
+        self.optimizer = build_optimizer(self.model, job.optimizer)
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.step = 0
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, resume: bool = True) -> RunResult:
+        cfg, start_wall = self.job.train, time.perf_counter()
+        if resume:
+            self._resume()
+        first = self.step
+        last: dict[str, float] = {}
+        tokens = step_seconds = 0.0
+        while True:
+            step = self.step
+            values: dict[str, Any] = {}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                values["val_loss"] = self.evaluate()
+            if step > first and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                self.save_checkpoint()
+            if step == cfg.steps:
+                last.update(to_floats(values))
+                self.sink.metrics(step, to_floats(values))
+                break
+            if self.should_cancel():
+                if step > first and step % cfg.checkpoint_every:
+                    self.save_checkpoint()
+                self.sink.log("info", f"cancelled before step {step}")
+                return self._result("cancelled", last, tokens, step_seconds, start_wall)
+            report = step % self.job.telemetry.every == 0
+            t0 = time.perf_counter()
+            values.update(self.train_step(report))
+            dt = time.perf_counter() - t0
+            n_tokens = cfg.batch_size * self.job.model.seq_len
+            tokens, step_seconds = tokens + n_tokens, step_seconds + dt
+            if report or "val_loss" in values:
+                if report:
+                    values.update(step_time_ms=dt * 1e3, tokens_per_s=n_tokens / dt)
+                floats = to_floats(values)
+                last.update(floats)
+                self.sink.metrics(step, floats)
+        return self._result("succeeded", last, tokens, step_seconds, start_wall)
+
+    def train_step(self, report: bool) -> dict[str, Tensor | float]:
+        """One optimizer step on batch ``self.step``; returns telemetry values if ``report``."""
+        cfg, step = self.job.train, self.step
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * lr_factor(step, cfg)
+        clipping = isinstance(self.optimizer, optim.MuonClip)
+        for layer in self.model.attention_layers():
+            layer.reset_qk_max_logits()
+            layer.record_max_logits = clipping or report
+        x, y = self._batch("train", step)
+        with self._autocast():
+            logits = self.model(x)  # [B, T, V]
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            aux = self.model.aux_loss()
+            total = loss if aux is None else loss + self.job.model.router_aux_weight * aux
+        if not torch.isfinite(total):
+            raise TrainingError(f"non-finite loss ({total.item()}) at step {step}")
+        total.backward()
+        max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        values: dict[str, Tensor | float] = {}
+        if report:  # measured in this forward, before this step's clip
+            values = {"loss": loss.detach(), "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+            values.update(model_metrics(self.model, logits))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if report and isinstance(self.optimizer, optim.Muon):
+            stats = self.optimizer.last_step_stats()
+            values["update_rms"] = stats.pop("update_rms")
+            values.update({k if "/" in k else f"optim/{k}": v for k, v in stats.items()})
+        self.step += 1
+        return values
+
+    @torch.no_grad()
+    def evaluate(self) -> Tensor:
+        """Mean validation loss over the fixed evaluation batches."""
+        cfg = self.job.train
+        self.model.eval()
+        losses = []
+        for i in range(cfg.eval_batches):
+            x, y = self._batch("val", i)
+            with self._autocast():
+                logits = self.model(x)
+            losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
+        self.model.train()
+        return torch.stack(losses).mean()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        payload = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "data_position": self.step,  # batches are a function of (seed, step)
+            "config": asdict(self.job),
+            "tokenizer": self.data.tokenizer.to_dict() if self.data.tokenizer else None,
+        }
+        path, nbytes = save_checkpoint(self.checkpoint_dir, self.step, payload)
+        self.sink.checkpoint(self.step, path, nbytes)
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        if path is None:
+            return
+        state = load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state["rng"])
+        self.step = state["step"]
+        self.sink.log("info", f"resumed from {path.name} at step {self.step}")
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _batch(self, split: str, index: int) -> tuple[Tensor, Tensor]:
+        cfg = self.job.train
+        x, y = self.data.batch(split, index, cfg.batch_size, self.job.model.seq_len, cfg.seed)
+        return x.to(self.device), y.to(self.device)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _result(self, status: str, last: dict[str, float], tokens: float, seconds: float, start: float) -> RunResult:
+        return RunResult(
+            status=status,
+            steps=self.step,
+            loss=last.get("loss"),
+            val_loss=last.get("val_loss"),
+            attn_max_logit=last.get("attn_max_logit"),
+            tokens_per_s=tokens / seconds if seconds else None,
+            wall_s=time.perf_counter() - start,
+        )
