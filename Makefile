@@ -15,8 +15,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-## run: the project's main job as it stands: the optimizer step benchmark
+## run: the project's main job as it stands: train the example on the builtin synthetic task
 run: install
+	$(VENV)/bin/muonforge train examples/synthetic-muon.yaml --out runs/synthetic-muon
+
+## bench: the optimizer step benchmark (figures in docs/benchmarks.md)
+bench: install
 	$(PY) bench/optim_step.py
 
 ## test: the whole test suite (unit, property and convergence tests)
