@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint bench
+.PHONY: install run train test lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-## run: the project's main job as it stands: train the example on the builtin synthetic task
+## run: the service on the embedded default (SQLite and a local broker under ./var) unless
+## MUONFORGE_DATABASE_URL / MUONFORGE_REDIS_URL are set; prints the URL and an API key
 run: install
+	$(VENV)/bin/muonforge up
+
+## train: one example job spec locally, no service
+train: install
 	$(VENV)/bin/muonforge train examples/synthetic-muon.yaml --out runs/synthetic-muon
 
 ## bench: the optimizer step benchmark (figures in docs/benchmarks.md)
@@ -28,5 +33,5 @@ test: install
 	$(PY) -m pytest
 
 lint: install
-	$(VENV)/bin/ruff check optim app worker muonforge tests bench
-	$(VENV)/bin/ruff format --check optim app worker muonforge tests bench
+	$(VENV)/bin/ruff check optim app worker muonforge migrations tests bench
+	$(VENV)/bin/ruff format --check optim app worker muonforge migrations tests bench

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from app.migrate import upgrade
+    from app.settings import get_settings
+
+    upgrade(get_settings())
+    print("database at head")
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from app.db.session import transaction
+    from app.services.auth import create_api_key
+    from app.settings import get_settings
+
+    with transaction(get_settings().sqlalchemy_url) as session:
+        key = create_api_key(session, args.tenant)
+    print(f"API key for tenant {args.tenant!r} (shown once):")
+    print(key)
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from muonforge.services import worker_command
+
+    os.execv(sys.executable, worker_command(args.queues, args.concurrency))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from muonforge.services import run_up
+
+    return run_up(args.host, args.port, args.workers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="muonforge", description="Training as a service with Muon and MuonClip.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +106,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", type=Path, help="corpus file (UTF-8 text); replaces the spec's data source")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.set_defaults(func=cmd_train)
+
+    up = sub.add_parser("up", help="migrate, then run the API and worker(s) together")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--workers", type=int, default=1, help="worker processes (one per device)")
+    up.set_defaults(func=cmd_up)
+
+    api = sub.add_parser("api", help="the HTTP API (uvicorn)")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8000)
+    api.set_defaults(func=cmd_api)
+
+    worker = sub.add_parser("worker", help="a Celery worker")
+    worker.add_argument("--queues", default=None, help="comma-separated (default: default plus this host's device)")
+    worker.add_argument("--concurrency", type=int, default=1, help="1 = one solo process (one device)")
+    worker.set_defaults(func=cmd_worker)
+
+    migrate = sub.add_parser("migrate", help="alembic upgrade head")
+    migrate.set_defaults(func=cmd_migrate)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    create = keys.add_parser("create", help="create an API key; prints it alone on the last line")
+    create.add_argument("--tenant", required=True)
+    create.set_defaults(func=cmd_keys_create)
     return parser
 
 

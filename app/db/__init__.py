@@ -1,0 +1,1 @@
+"""Database: declarative base, tables, engines and sessions."""

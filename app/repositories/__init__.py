@@ -1,0 +1,1 @@
+"""All SQL of the service."""

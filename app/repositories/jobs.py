@@ -1,0 +1,158 @@
+"""All SQL about jobs. Every status change is a compare-and-set UPDATE: it names the states it
+may leave (and, for a worker, its attempt number: the fencing token), so a stale writer
+changes nothing and learns so from the row count."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from app.db.base import utcnow
+from app.db.models import ACTIVE_STATUSES, Checkpoint, Job, JobEvent
+
+RUNNING = ("running", "cancelling")
+
+
+class JobRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    # -- reads ------------------------------------------------------------------------------------
+    def get(self, job_id: str, tenant_id: str | None = None) -> Job | None:
+        query = select(Job).where(Job.id == job_id)
+        if tenant_id is not None:
+            query = query.where(Job.tenant_id == tenant_id)
+        return self.session.scalars(query).one_or_none()
+
+    def page(self, tenant_id: str, limit: int, after: str | None, status: str | None) -> list[Job]:
+        """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
+        query = select(Job).where(Job.tenant_id == tenant_id)
+        if status:
+            query = query.where(Job.status == status)
+        if after:
+            query = query.where(Job.id < after)
+        return list(self.session.scalars(query.order_by(Job.id.desc()).limit(limit + 1)))
+
+    def by_idempotency_key(self, tenant_id: str, key: str) -> Job | None:
+        query = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)
+        return self.session.scalars(query).one_or_none()
+
+    def count_active(self, tenant_id: str) -> int:
+        query = select(func.count()).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE_STATUSES))
+        return self.session.scalar(query) or 0
+
+    def count_by_status(self) -> dict[str, int]:
+        return dict(self.session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.session.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
+
+    # -- writes by the API ---------------------------------------------------------------------------
+    def add(self, job: Job) -> Job:
+        self.session.add(job)
+        self.session.flush()
+        return job
+
+    def cancel_queued(self, job_id: str, now: datetime) -> bool:
+        return self._cas(job_id, ("queued",), status="cancelled", cancel_requested=True, finished_at=now)
+
+    def request_cancel(self, job_id: str) -> bool:
+        return self._cas(job_id, ("running",), status="cancelling", cancel_requested=True)
+
+    # -- writes by a worker attempt (fenced by the attempt number) --------------------------------
+    def claim(self, job_id: str, owner: str, lease: timedelta) -> int | None:
+        """queued -> running for a new attempt holding a lease; returns the attempt or None."""
+        now = utcnow()
+        result = self.session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == "queued")
+            .values(
+                status="running",
+                attempt=Job.attempt + 1,
+                lease_owner=owner,
+                lease_expires_at=now + lease,
+                heartbeat_at=now,
+                started_at=func.coalesce(Job.started_at, now),
+            )
+            .returning(Job.attempt)
+        )
+        return result.scalar_one_or_none()
+
+    def heartbeat(self, job_id: str, attempt: int, lease: timedelta) -> bool:
+        """Renew the lease; False means this attempt no longer owns the job and must stop."""
+        now = utcnow()
+        return self._cas(job_id, RUNNING, attempt, lease_expires_at=now + lease, heartbeat_at=now)
+
+    def record_progress(self, job_id: str, attempt: int, step: int, summary: dict[str, Any]) -> bool:
+        return self._cas(job_id, RUNNING, attempt, progress_step=step, summary=summary)
+
+    def finish(self, job_id: str, attempt: int, status: str, error: dict | None = None, **values: Any) -> bool:
+        return self._cas(
+            job_id, RUNNING, attempt, status=status, error=error, finished_at=utcnow(),
+            lease_owner=None, lease_expires_at=None, **values,
+        )  # fmt: skip
+
+    # -- writes by the reaper -------------------------------------------------------------------
+    def expired_leases(self, now: datetime) -> Sequence[Job]:
+        query = select(Job).where(Job.status.in_(RUNNING), Job.lease_expires_at < now)
+        return list(self.session.scalars(query.order_by(Job.id)))
+
+    def release_expired(self, job: Job, now: datetime, status: str, error: dict | None = None) -> bool:
+        """A dead attempt's job: back to queued (to resume), or to its final state."""
+        values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None}
+        if status == "queued":
+            values["enqueued_at"] = now
+        else:
+            values.update(finished_at=now, error=error)
+        stmt = (
+            update(Job)
+            .where(Job.id == job.id, Job.attempt == job.attempt, Job.status.in_(RUNNING), Job.lease_expires_at < now)
+            .values(**values)
+        )
+        return self.session.execute(stmt).rowcount == 1
+
+    def stale_queued(self, before: datetime) -> list[tuple[str, str]]:
+        """(id, queue) of queued jobs whose task was sent before ``before`` (lost, or not yet
+        taken): their send time is reset, the caller re-sends."""
+        result = self.session.execute(
+            update(Job)
+            .where(Job.status == "queued", func.coalesce(Job.enqueued_at, Job.created_at) < before)
+            .values(enqueued_at=utcnow())
+            .returning(Job.id, Job.queue)
+        )
+        return [(row[0], row[1]) for row in result]
+
+    def mark_enqueued(self, job_id: str) -> None:
+        self.session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
+
+    # -- events and checkpoints -------------------------------------------------------------------
+    def add_event(self, job_id: str, kind: str, payload: dict[str, Any]) -> None:
+        self.session.add(JobEvent(job_id=job_id, kind=kind, payload=payload, created_at=utcnow()))
+
+    def events(self, job_id: str, after_id: int = 0) -> list[JobEvent]:
+        query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
+        return list(self.session.scalars(query.order_by(JobEvent.id)))
+
+    def add_checkpoint(self, job_id: str, attempt: int, step: int, path: str, nbytes: int) -> None:
+        existing = self.session.scalars(
+            select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+        ).one_or_none()
+        if existing is None:
+            self.session.add(Checkpoint(job_id=job_id, attempt=attempt, step=step, path=path, bytes=nbytes))
+        else:  # a resumed attempt rewrote the same step: the file is the same path
+            existing.attempt, existing.bytes = attempt, nbytes
+
+    def checkpoints(self, job_id: str) -> list[Checkpoint]:
+        query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
+        return list(self.session.scalars(query))
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _cas(self, job_id: str, states: Sequence[str], attempt: int | None = None, **values: Any) -> bool:
+        stmt = update(Job).where(Job.id == job_id, Job.status.in_(states))
+        if attempt is not None:
+            stmt = stmt.where(Job.attempt == attempt)
+        return self.session.execute(stmt.values(**values)).rowcount == 1

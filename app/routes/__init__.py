@@ -1,0 +1,1 @@
+"""HTTP routes: thin, one module per resource."""

@@ -1,0 +1,112 @@
+"""Response schemas of the HTTP API (one family per resource)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+
+
+class ErrorDetail(BaseModel):
+    code: Literal[
+        "unauthorized", "not_found", "conflict", "payload_too_large", "validation_error", "rate_limited", "internal"
+    ]
+    message: str
+    param: str | None = Field(None, description="The offending field, dotted (e.g. optimizer.lr), or null.")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "error": {
+                        "code": "validation_error",
+                        "message": "Input should be greater than 0",
+                        "param": "optimizer.lr",
+                    }
+                }
+            ]
+        }
+    )
+
+
+class Progress(BaseModel):
+    step: int = Field(description="Optimizer steps completed.")
+    total_steps: int
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class Job(BaseModel):
+    id: str
+    name: str | None
+    status: JobStatus
+    spec: dict[str, Any] = Field(description="The validated JobSpec, defaults filled in.")
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    attempt: int = Field(description="Worker attempts so far (a resumed job counts each).")
+    progress: Progress
+    summary: dict[str, Any] = Field(description="Latest loss, val_loss, attn_max_logit, ...")
+    error: JobError | None
+
+    @classmethod
+    def of(cls, job: Any) -> Job:
+        return cls(
+            id=job.id,
+            name=job.name,
+            status=job.status,
+            spec=job.spec,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            attempt=job.attempt,
+            progress=Progress(step=job.progress_step, total_steps=job.total_steps),
+            summary=job.summary or {},
+            error=job.error,
+        )
+
+
+class JobList(BaseModel):
+    data: list[Job]
+    has_more: bool
+    next_after: str | None = Field(description="Pass as `after` for the next page.")
+
+
+class Dataset(BaseModel):
+    id: str
+    name: str
+    bytes: int
+    sha256: str
+    created_at: datetime
+
+    model_config = ConfigDict(from_attributes=True)
+
+
+class DatasetList(BaseModel):
+    data: list[Dataset]
+    has_more: bool
+    next_after: str | None
+
+
+class Checkpoint(BaseModel):
+    step: int
+    bytes: int
+    created_at: datetime
+
+    model_config = ConfigDict(from_attributes=True)
+
+
+class CheckpointList(BaseModel):
+    data: list[Checkpoint]
+    has_more: bool = False
+    next_after: str | None = None

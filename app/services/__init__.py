@@ -1,0 +1,1 @@
+"""Use cases of the service; they never commit (the request or task that owns the session does)."""

@@ -1,0 +1,63 @@
+"""The reaper: jobs whose worker stopped renewing its lease go back to the queue (to resume from
+their latest checkpoint), or end cancelled / failed; queued jobs whose task got lost are re-sent.
+Several reapers may run at once (API and workers): every change is a compare-and-set."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from app.db.base import utcnow
+from app.db.session import transaction
+from app.queue import enqueue_train
+from app.repositories.jobs import JobRepository
+from app.services.jobs import status_event
+from app.settings import Settings
+
+log = logging.getLogger("muonforge.reaper")
+
+
+def reap(session: Session, settings: Settings, now: datetime) -> list[tuple[str, str]]:
+    """Release expired leases; returns the (job id, queue) pairs whose task must be sent."""
+    repo = JobRepository(session)
+    resend: list[tuple[str, str]] = []
+    for job in repo.expired_leases(now):
+        error = None
+        if job.cancel_requested:
+            status = "cancelled"
+        elif job.attempt > job.max_restarts:
+            status = "failed"
+            error = {
+                "code": "worker_lost",
+                "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
+                f"max_restarts ({job.max_restarts}) used up",
+            }
+        else:
+            status = "queued"
+        if repo.release_expired(job, now, status, error):
+            log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
+            status_event(repo, job)
+            if status == "queued":
+                resend.append((job.id, job.queue))
+    resend += repo.stale_queued(now - timedelta(seconds=settings.requeue_after_seconds))
+    return resend
+
+
+def reap_once(settings: Settings) -> int:
+    with transaction(settings.sqlalchemy_url) as session:
+        resend = reap(session, settings, utcnow())
+    for job_id, queue in resend:  # after commit
+        enqueue_train(settings, job_id, queue)
+    return len(resend)
+
+
+def run_reaper(settings: Settings, stop: threading.Event) -> None:
+    """Reap every ``reaper_seconds`` until ``stop`` is set."""
+    while not stop.wait(settings.reaper_seconds):
+        try:
+            reap_once(settings)
+        except Exception:
+            log.exception("reaper pass failed")

@@ -1,0 +1,63 @@
+"""The one Settings class: every setting is a MUONFORGE_* environment variable.
+
+Unset MUONFORGE_DATABASE_URL / MUONFORGE_REDIS_URL mean the embedded default: a SQLite file
+and a SQLite-backed broker under ./var, no server needed.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+VAR = Path("var")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MUONFORGE_", extra="ignore")
+
+    database_url: str | None = Field(None, description="postgresql+psycopg://… ; unset: SQLite under ./var")
+    redis_url: str | None = Field(None, description="redis://… (broker and live bus); unset: SQLite broker under ./var")
+    artifact_dir: Path = Field(VAR / "artifacts", description="Checkpoints, corpora and run outputs.")
+
+    # Resource caps, checked before a job is queued.
+    max_params: int = Field(200_000_000, description="Largest model, in parameters.")
+    max_steps: int = Field(1_000_000, description="Most optimizer steps per job.")
+    max_batch_tokens: int = Field(1_048_576, description="Largest batch_size x seq_len.")
+    tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
+    upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
+
+    # Leases: a running attempt renews its lease every heartbeat; an expired lease is requeued.
+    lease_seconds: float = Field(30.0, description="How long a worker's claim on a job lasts without a heartbeat.")
+    heartbeat_seconds: float = Field(5.0, description="How often a running attempt renews its lease.")
+    reaper_seconds: float = Field(10.0, description="How often expired leases are looked for.")
+    requeue_after_seconds: float = Field(300.0, description="Re-send a queued job's task after this long.")
+    cancel_poll_seconds: float = Field(1.0, description="How often a running job reads its cancel flag.")
+
+    # Client side (the Python client and `muonforge submit`).
+    api_url: str = Field("http://127.0.0.1:8000", description="Where the client finds the API.")
+    api_key: str | None = Field(None, description="The client's API key.")
+
+    @field_validator("artifact_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url is None
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return self.database_url or f"sqlite:///{(VAR / 'muonforge.db').resolve()}"
+
+    @property
+    def broker_url(self) -> str:
+        return self.redis_url or f"sqla+sqlite:///{(VAR / 'broker.db').resolve()}"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

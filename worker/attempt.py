@@ -1,0 +1,156 @@
+"""One worker attempt at a job: claim it with a lease, keep the lease alive, train with the engine
+while keeping the job's progress and summary current in the database, then record the outcome.
+
+Every write is fenced by the attempt number: an attempt that lost its lease (the reaper gave the
+job to another) changes nothing and stops at its next step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from app.db.session import transaction
+from app.repositories.jobs import JobRepository
+from app.repositories.tenants import DatasetRepository
+from app.services.jobs import status_event
+from app.settings import Settings
+from worker.engine.run import run_job
+from worker.engine.trainer import TrainingError
+
+log = logging.getLogger("muonforge.worker")
+SUMMARY_KEYS = ("loss", "val_loss", "attn_max_logit", "tokens_per_s", "lr", "grad_norm", "update_rms")
+
+
+class LeaseLost(RuntimeError):
+    """Another attempt owns the job now."""
+
+
+class JobSink:
+    """The engine's telemetry sink for a service job: progress and summary in the database
+    (written at most every ``flush_seconds`` and at evaluations), checkpoints recorded."""
+
+    def __init__(self, settings: Settings, job_id: str, attempt: int, flush_seconds: float = 1.0) -> None:
+        self.settings, self.job_id, self.attempt = settings, job_id, attempt
+        self.flush_seconds = flush_seconds
+        self.summary: dict[str, float] = {}
+        self.step = 0
+        self._flushed_at = 0.0
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        self.step = step + 1 if "loss" in values else step  # optimizer steps completed
+        self.summary.update({k: v for k, v in values.items() if k in SUMMARY_KEYS})
+        if "val_loss" in values or time.monotonic() - self._flushed_at >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        with transaction(self.settings.sqlalchemy_url) as session:
+            if not JobRepository(session).record_progress(self.job_id, self.attempt, self.step, dict(self.summary)):
+                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
+        self._flushed_at = time.monotonic()
+
+    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
+        relative = str(path.relative_to(self.settings.artifact_dir))
+        with transaction(self.settings.sqlalchemy_url) as session:
+            repo = JobRepository(session)
+            repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes)
+            repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes})
+
+    def log(self, level: str, message: str) -> None:
+        with transaction(self.settings.sqlalchemy_url) as session:
+            JobRepository(session).add_event(self.job_id, "log", {"level": level, "message": message})
+
+
+class Lease:
+    """Renews the attempt's lease from a background thread; remembers whether it was lost."""
+
+    def __init__(self, settings: Settings, job_id: str, attempt: int) -> None:
+        self.settings, self.job_id, self.attempt = settings, job_id, attempt
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
+
+    def __enter__(self) -> Lease:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        lease = timedelta(seconds=self.settings.lease_seconds)
+        while not self._stop.wait(self.settings.heartbeat_seconds):
+            try:
+                with transaction(self.settings.sqlalchemy_url) as session:
+                    if not JobRepository(session).heartbeat(self.job_id, self.attempt, lease):
+                        self.lost.set()
+                        return
+            except Exception:  # a database blip: try again next beat; the lease has slack
+                log.exception("job %s: heartbeat failed", self.job_id)
+
+
+def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
+    """Claim and run ``job_id``; returns what happened ("skipped" if another attempt holds it)."""
+    with transaction(settings.sqlalchemy_url) as session:
+        repo = JobRepository(session)
+        attempt = repo.claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
+        if attempt is None:
+            return "skipped"  # a redelivery, a finished job, or another worker's live lease
+        job = repo.get(job_id)
+        status_event(repo, job)
+        spec, dataset_id = job.spec, job.dataset_id
+        corpus = None
+        if dataset_id:
+            corpus = settings.artifact_dir / DatasetRepository(session).get_any(dataset_id).path
+    log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
+
+    sink = JobSink(settings, job_id, attempt)
+    with Lease(settings, job_id, attempt) as lease:
+        should_cancel = _cancel_flag(settings, job_id, lease)
+        try:
+            result = run_job(
+                spec, settings.artifact_dir / "jobs" / job_id, corpus=corpus, sink=sink, should_cancel=should_cancel
+            )
+        except LeaseLost:
+            return "lease_lost"
+        except TrainingError as exc:
+            return _finish(settings, job_id, attempt, "failed", sink, {"code": "training_error", "message": str(exc)})
+        except Exception as exc:
+            log.exception("job %s: attempt %d crashed", job_id, attempt)
+            error = {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}
+            return _finish(settings, job_id, attempt, "failed", sink, error)
+        if lease.lost.is_set():
+            return "lease_lost"
+    sink.step = result.steps
+    return _finish(settings, job_id, attempt, result.status, sink, None)
+
+
+def _finish(settings: Settings, job_id: str, attempt: int, status: str, sink: JobSink, error: dict | None) -> str:
+    with transaction(settings.sqlalchemy_url) as session:
+        repo = JobRepository(session)
+        if not repo.finish(job_id, attempt, status, error, progress_step=sink.step, summary=dict(sink.summary)):
+            return "lease_lost"
+        status_event(repo, repo.get(job_id))
+    log.info("job %s: attempt %d %s", job_id, attempt, status)
+    return status
+
+
+def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
+    """should_cancel for the trainer: the job's cancel flag, read at most every cancel_poll_seconds,
+    or a lost lease."""
+    state = {"at": 0.0, "cancel": False}
+
+    def should_cancel() -> bool:
+        if lease.lost.is_set():
+            raise LeaseLost(f"job {job_id}: the lease was lost")
+        now = time.monotonic()
+        if now - state["at"] >= settings.cancel_poll_seconds:
+            with transaction(settings.sqlalchemy_url) as session:
+                state["cancel"] = JobRepository(session).cancel_requested(job_id)
+            state["at"] = now
+        return state["cancel"]
+
+    return should_cancel
