@@ -1,0 +1,166 @@
+"""Fixtures on the real services: a fresh Postgres database migrated for this run, a Redis
+database, the API in-process (FastAPI TestClient) and Celery workers as real processes."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from app.db.session import transaction
+from app.main import create_app
+from app.migrate import upgrade
+from app.services.auth import create_api_key
+from app.settings import Settings
+
+PG_ADMIN = os.environ.get("MUONFORGE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS = os.environ.get("MUONFORGE_TEST_REDIS", "redis://127.0.0.1:6379/13")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _create_database() -> str:
+    name = f"muonforge_test_{os.getpid()}_{secrets.token_hex(3)}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return name
+
+
+def _drop_database(name: str) -> None:
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    name = _create_database()
+    base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    yield f"{base}/{name}"
+    _drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    redis.Redis.from_url(REDIS).flushdb()
+    return REDIS
+
+
+@pytest.fixture(scope="session")
+def settings(database_url, redis_url, tmp_path_factory) -> Settings:
+    s = Settings(
+        database_url=database_url,
+        redis_url=redis_url,
+        artifact_dir=tmp_path_factory.mktemp("artifacts"),
+        tenant_job_cap=100,
+        lease_seconds=3.0,
+        heartbeat_seconds=0.5,
+        reaper_seconds=0.5,
+        requeue_after_seconds=30.0,
+        cancel_poll_seconds=0.1,
+    )
+    upgrade(s)
+    return s
+
+
+def service_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
+    env.update(
+        MUONFORGE_DATABASE_URL=settings.database_url,
+        MUONFORGE_REDIS_URL=settings.redis_url,
+        MUONFORGE_ARTIFACT_DIR=str(settings.artifact_dir),
+        MUONFORGE_LEASE_SECONDS=str(settings.lease_seconds),
+        MUONFORGE_HEARTBEAT_SECONDS=str(settings.heartbeat_seconds),
+        MUONFORGE_REAPER_SECONDS=str(settings.reaper_seconds),
+        MUONFORGE_CANCEL_POLL_SECONDS=str(settings.cancel_poll_seconds),
+        MUONFORGE_TENANT_JOB_CAP=str(settings.tenant_job_cap),
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+@pytest.fixture(scope="session")
+def client(settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def new_key(settings: Settings, tenant: str | None = None) -> str:
+    with transaction(settings.sqlalchemy_url) as session:
+        return create_api_key(session, tenant or f"tenant-{secrets.token_hex(4)}")
+
+
+@pytest.fixture
+def auth(settings) -> dict[str, str]:
+    """Headers of a fresh tenant."""
+    return {"Authorization": f"Bearer {new_key(settings)}"}
+
+
+class Worker:
+    """A real `celery worker` process (solo pool, one job at a time)."""
+
+    def __init__(self, settings: Settings, log_path: Path) -> None:
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "muonforge.cli", "worker", "--queues", "default,cpu"]
+        self.log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=service_env(settings), stdout=self.log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 60
+        while b" ready." not in log_path.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture
+def start_worker(settings, tmp_path):
+    workers: list[Worker] = []
+
+    def start() -> Worker:
+        w = Worker(settings, tmp_path / f"worker{len(workers)}.log")
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.stop()
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def tiny_spec(steps: int = 20, **train) -> dict:
+    return {
+        "name": "tiny",
+        "model": {"arch": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 16},
+        "data": {"builtin": "synthetic"},
+        "train": {"steps": steps, "batch_size": 4, "eval_every": 10, "checkpoint_every": 10, **train},
+    }

@@ -1,0 +1,100 @@
+"""`muonforge migrate`, `keys create` and `up` (on the embedded default), as processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psycopg
+import pytest
+from alembic import command
+
+from app.migrate import alembic_config, downgrade, upgrade
+from app.settings import Settings
+from tests.service.conftest import PG_ADMIN, ROOT, _create_database, _drop_database, service_env, tiny_spec
+
+
+def tables(name: str) -> set[str]:
+    url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'").fetchall()
+    return {r[0] for r in rows}
+
+
+def test_migrations_upgrade_and_downgrade_cleanly():
+    name = _create_database()
+    try:
+        base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+        s = Settings(database_url=f"{base}/{name}")
+        upgrade(s)
+        expected = {"tenants", "api_keys", "datasets", "jobs", "job_events", "checkpoints", "alembic_version"}
+        assert tables(name) == expected
+        command.check(alembic_config(s.sqlalchemy_url))  # the models and the migrations agree
+        downgrade(s)
+        assert tables(name) == {"alembic_version"}
+        upgrade(s)
+        assert tables(name) == expected
+    finally:
+        _drop_database(name)
+
+
+def test_keys_create_prints_a_working_key_alone_on_the_last_line(settings, client):
+    out = subprocess.run(
+        [sys.executable, "-m", "muonforge.cli", "keys", "create", "--tenant", "cli-tenant"],
+        env=service_env(settings), capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
+    )  # fmt: skip
+    key = out.stdout.strip().splitlines()[-1]
+    assert key.startswith("mf_") and " " not in key
+    assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_up_with_nothing_configured_runs_a_job_end_to_end(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "muonforge.cli", "up", "--port", str(port)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        url = key = None
+        deadline = time.monotonic() + 120
+        lines = []
+        while key is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("URL: "):
+                url = line.split(" ", 1)[1].strip()
+            if line.startswith("API key: "):
+                key = line.split(" ", 2)[2].strip()
+        assert url == f"http://127.0.0.1:{port}" and key, "".join(lines)
+        headers = {"Authorization": f"Bearer {key}"}
+        job = httpx.post(f"{url}/v1/jobs", json=tiny_spec(steps=20), headers=headers).json()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            current = httpx.get(f"{url}/v1/jobs/{job['id']}", headers=headers).json()
+            if current["status"] in ("succeeded", "failed"):
+                break
+            time.sleep(0.3)
+        assert current["status"] == "succeeded", current
+        assert current["progress"]["step"] == 20 and "loss" in current["summary"]
+        assert (tmp_path / "var" / "muonforge.db").exists()  # the embedded default, under ./var
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

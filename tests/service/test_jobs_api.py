@@ -1,0 +1,223 @@
+"""The jobs and datasets API on real Postgres and Redis (no worker: jobs stay queued)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+
+from tests.service.conftest import new_key, tiny_spec
+
+
+def cancel_all(client, auth):
+    for job in client.get("/v1/jobs?limit=100", headers=auth).json()["data"]:
+        if job["status"] == "queued":
+            client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth)
+
+
+def test_auth_is_required(client):
+    for headers in ({}, {"Authorization": "Bearer mf_wrong"}, {"Authorization": "Basic abc"}):
+        r = client.get("/v1/jobs", headers=headers)
+        assert r.status_code == 401
+        assert r.json() == {"error": {"code": "unauthorized", "message": r.json()["error"]["message"], "param": None}}
+
+
+def test_create_and_get_a_job(client, auth):
+    r = client.post("/v1/jobs", json=tiny_spec(), headers=auth)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["status"] == "queued" and job["attempt"] == 0
+    assert job["progress"] == {"step": 0, "total_steps": 20}
+    assert job["spec"]["optimizer"]["lr"] == 0.02  # defaults are filled in
+    assert client.get(f"/v1/jobs/{job['id']}", headers=auth).json()["id"] == job["id"]
+    cancel_all(client, auth)
+
+
+def test_pagination_newest_first(client, auth):
+    ids = [client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"] for _ in range(7)]
+    seen, after = [], None
+    while True:
+        page = client.get("/v1/jobs", params={"limit": 3, **({"after": after} if after else {})}, headers=auth).json()
+        seen += [j["id"] for j in page["data"]]
+        if not page["has_more"]:
+            assert page["next_after"] is None
+            break
+        after = page["next_after"]
+    assert seen == ids[::-1]
+    cancel_all(client, auth)
+    cancelled = client.get("/v1/jobs", params={"status": "cancelled", "limit": 100}, headers=auth).json()
+    assert len(cancelled["data"]) == 7
+    assert client.get("/v1/jobs", params={"limit": 101}, headers=auth).json()["error"]["param"] == "limit"
+
+
+def test_another_tenants_job_is_not_found(client, settings, auth):
+    job = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()
+    other = {"Authorization": f"Bearer {new_key(settings)}"}
+    for method, path in (("get", f"/v1/jobs/{job['id']}"), ("post", f"/v1/jobs/{job['id']}/cancel")):
+        r = getattr(client, method)(path, headers=other)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert client.get("/v1/jobs", headers=other).json()["data"] == []
+    cancel_all(client, auth)
+
+
+def test_cancel_a_queued_job_then_409(client, auth):
+    job = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()
+    r = client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.json()["finished_at"]
+    r = client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+
+
+def test_idempotency_key(client, auth):
+    headers = {**auth, "Idempotency-Key": "abc-123"}
+    first = client.post("/v1/jobs", json=tiny_spec(), headers=headers)
+    again = client.post("/v1/jobs", json=tiny_spec(), headers=headers)
+    assert first.status_code == 201 and again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    other = client.post("/v1/jobs", json=tiny_spec(steps=21), headers=headers)
+    assert other.status_code == 409 and other.json()["error"]["param"] == "Idempotency-Key"
+    assert len(client.get("/v1/jobs", headers=auth).json()["data"]) == 1
+    cancel_all(client, auth)
+
+
+def test_tenant_job_cap_answers_429_with_retry_after(client, settings):
+    tenant = f"capped-{hashlib.sha1(str(id(client)).encode()).hexdigest()[:6]}"
+    headers = {"Authorization": f"Bearer {new_key(settings, tenant)}"}
+    from app.db.session import transaction
+    from app.repositories.tenants import TenantRepository
+
+    with transaction(settings.sqlalchemy_url) as session:
+        TenantRepository(session).by_name(tenant).job_cap = 2
+    assert [client.post("/v1/jobs", json=tiny_spec(), headers=headers).status_code for _ in range(3)] == [
+        201,
+        201,
+        429,
+    ]
+    r = client.post("/v1/jobs", json=tiny_spec(), headers=headers)
+    assert r.json()["error"]["code"] == "rate_limited" and int(r.headers["Retry-After"]) > 0
+    cancel_all(client, headers)
+    assert client.post("/v1/jobs", json=tiny_spec(), headers=headers).status_code == 201
+    cancel_all(client, headers)
+
+
+def _with(path: str, value):
+    spec = copy.deepcopy(tiny_spec())
+    *parents, leaf = path.split(".")
+    node = spec
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is KeyError:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+    return spec
+
+
+INVALID = [
+    (_with("model.arch", "rnn"), "model.arch"),
+    (_with("model.arch", KeyError), "model.arch"),
+    (_with("model.n_layer", 0), "model.n_layer"),
+    (_with("model.n_head", 3), "model.d_model"),
+    (_with("model.d_model", 4), "model.d_model"),
+    (_with("model.seq_len", 1), "model.seq_len"),
+    (_with("model.top_k", 2), "model.top_k"),
+    ({**_with("model.arch", "moe"), "model": {"arch": "moe", "n_experts": 2, "top_k": 3}}, "model.top_k"),
+    (_with("model.depth", 3), "model.depth"),
+    (_with("data.builtin", "imagenet"), "data.builtin"),
+    ({**tiny_spec(), "data": {}}, "data"),
+    ({**tiny_spec(), "data": {"builtin": "synthetic", "dataset_id": "ds_x"}}, "data"),
+    (_with("data.tokenizer", "bpe"), "data.tokenizer"),
+    (_with("data.val_fraction", 0.9), "data.val_fraction"),
+    (_with("data.path", "/etc/passwd") | {"data": {"path": "/etc/passwd"}}, "data.path"),
+    (_with("optimizer.name", "sgd"), "optimizer.name"),
+    (_with("optimizer.lr", -1), "optimizer.lr"),
+    (_with("optimizer.momentum", 1.0), "optimizer.momentum"),
+    (_with("optimizer.ns_steps", 0), "optimizer.ns_steps"),
+    (_with("optimizer.ns_coefficients", "cubic"), "optimizer.ns_coefficients"),
+    (_with("optimizer.adjust_lr", "rms"), "optimizer.adjust_lr"),
+    (_with("optimizer.qk_clip_tau", 50), "optimizer.qk_clip_tau"),
+    (_with("optimizer.adamw_betas", [0.9, 1.5]), "optimizer.adamw_betas.1"),
+    (_with("train.steps", 0), "train.steps"),
+    (_with("train.batch_size", 0), "train.batch_size"),
+    (_with("train.lr_schedule", "linear"), "train.lr_schedule"),
+    (_with("train.warmup_steps", 20), "train.warmup_steps"),
+    (_with("train.device", "tpu"), "train.device"),
+    (_with("train.precision", "fp8"), "train.precision"),
+    (_with("train.grad_clip", -1.0), "train.grad_clip"),
+    (_with("telemetry.every", 0), "telemetry.every"),
+    ({**tiny_spec(), "extra": 1}, "extra"),
+    (_with("train.steps", 10_000_000), "train.steps"),  # over the server's step cap
+    (_with("model.d_model", 8192) | {"model": {"arch": "gpt", "n_layer": 64, "d_model": 8192}}, "model"),
+    (_with("train.batch_size", 4096) | {"model": {"arch": "gpt", "seq_len": 4096}}, "train.batch_size"),
+    (_with("data.dataset_id", "ds_missing") | {"data": {"dataset_id": "ds_missing"}}, "data.dataset_id"),
+]
+
+
+@pytest.mark.parametrize(("spec", "param"), INVALID, ids=[p for _, p in INVALID])
+def test_invalid_specs_answer_422_with_the_offending_param(client, auth, spec, param):
+    r = client.post("/v1/jobs", json=spec, headers=auth)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "validation_error" and error["param"] == param and error["message"]
+    assert client.get("/v1/jobs", headers=auth).json()["data"] == []  # nothing stored
+
+
+def test_non_json_body(client, auth):
+    r = client.post("/v1/jobs", content=b"{not json", headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error"
+
+
+def test_dataset_upload_list_get_and_use(client, settings, auth):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50
+    r = client.post(
+        "/v1/datasets", files={"file": ("shakespeare.txt", text.encode())}, data={"name": "bard"}, headers=auth
+    )
+    assert r.status_code == 201, r.text
+    ds = r.json()
+    assert ds["name"] == "bard" and ds["bytes"] == len(text.encode())
+    assert ds["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert client.get(f"/v1/datasets/{ds['id']}", headers=auth).json() == ds
+    assert client.get("/v1/datasets", headers=auth).json()["data"] == [ds]
+    spec = tiny_spec() | {"data": {"dataset_id": ds["id"], "tokenizer": "char"}}
+    assert client.post("/v1/jobs", json=spec, headers=auth).status_code == 201
+    other = {"Authorization": f"Bearer {new_key(settings)}"}
+    assert client.get(f"/v1/datasets/{ds['id']}", headers=other).status_code == 404
+    r = client.post("/v1/jobs", json=spec, headers=other)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "data.dataset_id"
+    cancel_all(client, auth)
+
+
+def test_dataset_rejects_non_utf8_empty_and_too_large(client, settings, auth):
+    r = client.post("/v1/datasets", files={"file": ("x.bin", b"abc\xff\xfe")}, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "file"
+    r = client.post("/v1/datasets", files={"file": ("e.txt", b"")}, headers=auth)
+    assert r.status_code == 422
+    limit = settings.upload_limit_bytes
+    settings.upload_limit_bytes = 1000
+    try:
+        r = client.post("/v1/datasets", files={"file": ("big.txt", b"a" * 1001)}, headers=auth)
+    finally:
+        settings.upload_limit_bytes = limit
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    assert client.get("/v1/datasets", headers=auth).json()["data"] == []
+    leftovers = (
+        list((settings.artifact_dir / "datasets").rglob("*.part"))
+        if (settings.artifact_dir / "datasets").exists()
+        else []
+    )
+    assert leftovers == []
+
+
+def test_health_readiness_metrics_and_openapi(client, auth):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok"}
+    client.get("/v1/jobs", headers=auth)
+    text = client.get("/metrics").text
+    assert 'muonforge_jobs{status="queued"}' in text and "muonforge_queue_depth" in text
+    assert 'muonforge_http_requests_total{method="GET",route="/v1/jobs",status="200"}' in text
+    schema = client.get("/openapi.json").json()
+    assert {"JobSpec", "Job", "JobList", "ErrorBody", "Dataset"} <= set(schema["components"]["schemas"])
+    assert schema["components"]["schemas"]["JobSpec"]["examples"]
+    assert client.get("/docs").status_code == 200

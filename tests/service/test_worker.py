@@ -1,0 +1,86 @@
+"""Jobs run by real Celery worker processes: success, cancel, redelivery, kill -9 and resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.db.session import transaction
+from app.queue import enqueue_train
+from app.repositories.jobs import JobRepository
+from tests.service.conftest import tiny_spec, wait_for
+
+
+def job(client, auth, job_id):
+    return client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+
+
+def events(settings, job_id):
+    with transaction(settings.sqlalchemy_url) as session:
+        return [(e.kind, e.payload) for e in JobRepository(session).events(job_id)]
+
+
+def test_submit_run_succeed_with_summary(client, settings, auth, start_worker):
+    start_worker()
+    created = client.post("/v1/jobs", json=tiny_spec(steps=30), headers=auth).json()
+    done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=120)
+    assert done["progress"] == {"step": 30, "total_steps": 30} and done["attempt"] == 1
+    assert {"loss", "val_loss", "attn_max_logit", "tokens_per_s"} <= set(done["summary"])
+    assert done["started_at"] and done["finished_at"] and done["error"] is None
+    statuses = [p["status"] for kind, p in events(settings, created["id"]) if kind == "status"]
+    assert statuses == ["queued", "running", "succeeded"]
+    checkpoints = [p["step"] for kind, p in events(settings, created["id"]) if kind == "checkpoint"]
+    assert checkpoints == [10, 20, 30]
+
+
+def test_cancel_while_running(client, settings, auth, start_worker):
+    start_worker()
+    created = client.post("/v1/jobs", json=tiny_spec(steps=100_000, checkpoint_every=100_000), headers=auth).json()
+    wait_for(lambda: job(client, auth, created["id"])["progress"]["step"] > 5, timeout=120)
+    r = client.post(f"/v1/jobs/{created['id']}/cancel", headers=auth)
+    assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
+    done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "cancelled" and j, timeout=60)
+    assert done["finished_at"] and 5 < done["progress"]["step"] < 100_000
+
+
+def test_a_second_delivery_does_not_run_the_job_twice(client, settings, auth, start_worker):
+    created = client.post("/v1/jobs", json=tiny_spec(steps=40), headers=auth).json()
+    enqueue_train(settings, created["id"], "default")  # the same task delivered again
+    enqueue_train(settings, created["id"], "default")
+    start_worker()
+    done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=120)
+    assert done["attempt"] == 1
+    statuses = [p["status"] for kind, p in events(settings, created["id"]) if kind == "status"]
+    assert statuses.count("running") == 1
+
+
+def test_a_job_whose_corpus_is_gone_fails_with_the_reason(client, settings, auth, start_worker):
+    start_worker()
+    ds = client.post("/v1/datasets", files={"file": ("c.txt", b"some text " * 200)}, headers=auth).json()
+    for path in (settings.artifact_dir / "datasets").rglob(f"{ds['id']}.txt"):
+        path.unlink()
+    spec = tiny_spec() | {"data": {"dataset_id": ds["id"]}}
+    created = client.post("/v1/jobs", json=spec, headers=auth).json()
+    done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "failed" and j, timeout=120)
+    assert done["error"]["code"] == "internal" and "does not exist" in done["error"]["message"]
+    assert done["attempt"] == 1 and done["finished_at"]
+
+
+@pytest.mark.slow
+def test_kill_9_mid_job_then_a_fresh_worker_resumes_from_the_checkpoint(client, settings, auth, start_worker):
+    first = start_worker()
+    spec = tiny_spec(steps=600, checkpoint_every=50, eval_every=100)
+    created = client.post("/v1/jobs", json=spec, headers=auth).json()
+    wait_for(lambda: job(client, auth, created["id"])["progress"]["step"] >= 120, timeout=120, interval=0.02)
+    first.kill()  # SIGKILL: no cleanup, the lease just stops being renewed
+    killed_at = job(client, auth, created["id"])["progress"]["step"]
+    assert job(client, auth, created["id"])["status"] == "running"
+    start_worker()
+    done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=180)
+    assert done["attempt"] == 2 and done["progress"]["step"] == 600
+    history = events(settings, created["id"])
+    resumed = [p["message"] for kind, p in history if kind == "log" and "resumed from" in p["message"]]
+    assert len(resumed) == 1
+    resumed_step = int(resumed[0].split("at step ")[1])
+    assert resumed_step % 50 == 0 and 100 <= resumed_step <= killed_at
+    statuses = [p["status"] for kind, p in history if kind == "status"]
+    assert statuses == ["queued", "running", "queued", "running", "succeeded"]
