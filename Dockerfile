@@ -1,0 +1,31 @@
+# One image for the API, the worker and the one-shot migration.
+# TORCH_SPEC picks the PyTorch build: the default CUDA 12.8 wheels for a GPU worker; pass
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU-only image.
+FROM python:3.11-slim
+
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX="https://download.pytorch.org/whl/cu128"
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    MUONFORGE_ARTIFACT_DIR=/artifacts
+
+WORKDIR /app
+RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH_SPEC"
+
+COPY pyproject.toml README.md ./
+COPY optim ./optim
+COPY app ./app
+COPY worker ./worker
+COPY muonforge ./muonforge
+COPY alembic.ini ./
+COPY migrations ./migrations
+COPY examples ./examples
+# Editable: app.migrate finds alembic.ini and migrations/ beside the packages.
+RUN pip install --no-cache-dir -e .
+
+RUN useradd --create-home --uid 1000 muonforge && mkdir -p /artifacts && chown muonforge /artifacts
+USER muonforge
+EXPOSE 8000
+CMD ["muonforge", "api", "--host", "0.0.0.0", "--port", "8000"]
