@@ -40,6 +40,11 @@ class QKClipTarget:
         """[heads, rows, *rest] view into the tensor (no copy), for in-place scaling."""
         t = self.tensor
         stride = self.rows if self.stride is None else self.stride
+        if self.offset < 0 or self.heads < 1 or self.rows < 1 or stride < self.rows:
+            raise ValueError(
+                f"QK-Clip target must have offset >= 0, heads >= 1, rows >= 1 and stride >= rows (heads may "
+                f"not overlap); got offset={self.offset}, heads={self.heads}, rows={self.rows}, stride={stride}"
+            )
         last_row = self.offset + (self.heads - 1) * stride + self.rows
         if last_row > t.shape[0]:
             raise ValueError(f"QK-Clip target needs {last_row} rows but the tensor has {t.shape[0]}")
@@ -135,12 +140,14 @@ def qk_clip(sources: Sequence[QKClipSource], tau: float) -> tuple[Tensor, Tensor
     s_max = torch.cat([m.to(device) for m in maxima])  # [total heads]
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(s_max, op=dist.ReduceOp.MAX)
-    clipped = s_max > tau
+    # A non-finite maximum (a diverged forward) is not clipped: gamma = tau / inf would zero the
+    # head for good; the trainer's non-finite loss check stops such a run instead.
+    clipped = torch.isfinite(s_max) & (s_max > tau)
     gamma = torch.where(clipped, tau / s_max, torch.ones_like(s_max))  # exactly 1.0 where not clipped
     for src, g in zip(sources, gamma.split(heads)):
         for target in src.qk_clip_targets():
             view = target.head_view()  # [heads, rows, ...]
-            factor = g.pow(target.exponent).to(view.dtype)
+            factor = g.pow(target.exponent).to(device=view.device, dtype=view.dtype)
             view.mul_(factor.view(-1, *([1] * (view.ndim - 1))))
         src.reset_qk_max_logits()
     return clipped.sum(), gamma.min()
