@@ -15,7 +15,8 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # No pre-ping (it costs a round trip per request); connections are recycled every half hour.
+    return create_engine(url, pool_size=10, max_overflow=20, pool_recycle=1800)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

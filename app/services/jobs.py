@@ -40,8 +40,11 @@ def queue_for(spec: JobSpec) -> str:
     return "default" if spec.train.device == "auto" else spec.train.device
 
 
-def status_event(repo: JobRepository, job: Job) -> None:
-    repo.session.refresh(job)
+def status_event(repo: JobRepository, job: Job, refresh: bool = True) -> None:
+    """Record the job's current state as a status event. ``refresh`` re-reads the row (needed
+    after a compare-and-set UPDATE, which bypasses the loaded object)."""
+    if refresh:
+        repo.session.refresh(job)
     repo.add_event(job.id, "status", schemas.Job.of(job).model_dump(mode="json"))
 
 
@@ -75,7 +78,7 @@ def create_job(
         if existing is None:
             raise
         return _replay(existing, digest), False
-    status_event(repo, job)
+    status_event(repo, job, refresh=False)  # just inserted: the object is the row
     after_commit(session, lambda: enqueue_train(settings, job.id, job.queue))
     return job, True
 
