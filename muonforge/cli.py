@@ -14,12 +14,9 @@ class SpecError(ValueError):
     """A job spec that cannot be read or does not validate; the message is for people."""
 
 
-def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
-    """Read a YAML or JSON job spec, apply ``--data``, validate it with JobSpec; return its dict."""
-    import pydantic
+def read_spec(path: Path) -> dict[str, Any]:
+    """A YAML or JSON job spec as a dict (not yet validated)."""
     import yaml
-
-    from app.schemas import JobSpec
 
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
@@ -29,9 +26,24 @@ def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
         raise SpecError(f"{path} is not valid YAML or JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{path} must hold a mapping (a JobSpec), not {type(raw).__name__}")
+    return raw
+
+
+def with_source(raw: dict[str, Any], **source: str) -> dict[str, Any]:
+    """The spec with its data source replaced (``path=`` or ``dataset_id=``)."""
+    data = {k: v for k, v in (raw.get("data") or {}).items() if k not in ("dataset_id", "builtin", "path")}
+    return {**raw, "data": {**data, **source}}
+
+
+def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
+    """Read a job spec, apply ``--data``, validate it with JobSpec; return its dict."""
+    import pydantic
+
+    from app.schemas import JobSpec
+
+    raw = read_spec(path)
     if data is not None:
-        raw["data"] = {k: v for k, v in (raw.get("data") or {}).items() if k not in ("dataset_id", "builtin")}
-        raw["data"]["path"] = str(data)
+        raw = with_source(raw, path=str(data))
     try:
         return JobSpec.model_validate(raw).model_dump()
     except pydantic.ValidationError as exc:
@@ -55,6 +67,32 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 1
     print(json.dumps(result.as_dict()))
     return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from muonforge.client import ApiError, Client
+    from muonforge.progress import follow
+
+    raw = read_spec(args.spec)
+    try:
+        with Client() as client:
+            if args.data is not None:
+                dataset = client.upload_dataset(args.data)
+                print(f"uploaded {args.data} as {dataset['id']} ({dataset['bytes']:,} bytes)", file=sys.stderr)
+                raw = with_source(raw, dataset_id=dataset["id"])
+            job = client.create_job(raw)
+            print(job["id"])
+            if not args.follow:
+                return 0
+            job = follow(client, job)
+    except ApiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if exc.status in (401, 404, 409, 413, 422, 429) else 1
+    except ValueError as exc:  # no API key configured
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: job[k] for k in ("id", "status", "progress", "summary", "error")}))
+    return 0 if job["status"] == "succeeded" else 1
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -106,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", type=Path, help="corpus file (UTF-8 text); replaces the spec's data source")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.set_defaults(func=cmd_train)
+
+    submit = sub.add_parser("submit", help="submit a job spec to a server (MUONFORGE_API_URL, MUONFORGE_API_KEY)")
+    submit.add_argument("spec", type=Path, help="job spec, YAML or JSON")
+    submit.add_argument("--data", type=Path, help="upload this corpus and train on it")
+    submit.add_argument("--follow", action="store_true", help="show progress until the job finishes")
+    submit.set_defaults(func=cmd_submit)
 
     up = sub.add_parser("up", help="migrate, then run the API and worker(s) together")
     up.add_argument("--host", default="127.0.0.1")

@@ -31,6 +31,10 @@ class ProgressSink:
         self._progress.stop()
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
+        self.show(step + 1 if "loss" in values else step, values)
+
+    def show(self, completed: int, values: dict[str, float]) -> None:
+        """Steps completed, and whichever of loss, val_loss and tokens_per_s are known."""
         fields = {}
         if "loss" in values:
             fields["loss"] = f"{values['loss']:.4f}"
@@ -38,11 +42,24 @@ class ProgressSink:
             fields["val"] = f"{values['val_loss']:.4f}"
         if "tokens_per_s" in values:
             fields["tps"] = f"{values['tokens_per_s']:,.0f}"
-        done = step + 1 if "loss" in values else step
-        self._progress.update(self._task, completed=done, **fields)
+        self._progress.update(self._task, completed=completed, **fields)
 
     def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
         self._progress.console.log(f"checkpoint step {step}: {path} ({nbytes / 2**20:.1f} MiB)")
 
     def log(self, level: str, message: str) -> None:
         self._progress.console.log(f"[{level}] {message}")
+
+
+def follow(client, job: dict) -> dict:
+    """Draw the job's progress (polled) until it finishes; returns the final Job."""
+    bar = ProgressSink(job["progress"]["total_steps"])
+    with bar:
+
+        def update(current: dict) -> None:
+            summary = current.get("summary") or {}
+            fields = {"loss": summary.get("loss"), "val_loss": summary.get("val_loss")}
+            fields["tokens_per_s"] = summary.get("tokens_per_s")
+            bar.show(current["progress"]["step"], {k: v for k, v in fields.items() if v is not None})
+
+        return client.wait(job["id"], poll=1.0, on_update=update)

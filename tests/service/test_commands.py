@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -92,6 +93,25 @@ def test_up_with_nothing_configured_runs_a_job_end_to_end(tmp_path):
         assert current["status"] == "succeeded", current
         assert current["progress"]["step"] == 20 and "loss" in current["summary"]
         assert (tmp_path / "var" / "muonforge.db").exists()  # the embedded default, under ./var
+
+        # The client command against the same server: upload a corpus, submit, follow to the end.
+        spec_path, corpus = tmp_path / "spec.yaml", tmp_path / "corpus.txt"
+        spec_path.write_text(json.dumps(tiny_spec(steps=15) | {"data": {"tokenizer": "char"}}))
+        corpus.write_text("to be or not to be, that is the question. " * 100)
+        submit = subprocess.run(
+            [sys.executable, "-m", "muonforge.cli", "submit", str(spec_path), "--data", str(corpus), "--follow"],
+            env={**env, "MUONFORGE_API_URL": url, "MUONFORGE_API_KEY": key},
+            capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        )  # fmt: skip
+        assert submit.returncode == 0, submit.stderr
+        final = json.loads(submit.stdout.strip().splitlines()[-1])
+        assert final["status"] == "succeeded" and final["progress"] == {"step": 15, "total_steps": 15}
+        bad = subprocess.run(
+            [sys.executable, "-m", "muonforge.cli", "submit", str(spec_path)],
+            env={**env, "MUONFORGE_API_URL": url, "MUONFORGE_API_KEY": key},
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        )  # fmt: skip
+        assert bad.returncode == 2 and "data" in bad.stderr
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -221,3 +221,21 @@ def test_health_readiness_metrics_and_openapi(client, auth):
     assert {"JobSpec", "Job", "JobList", "ErrorBody", "Dataset"} <= set(schema["components"]["schemas"])
     assert schema["components"]["schemas"]["JobSpec"]["examples"]
     assert client.get("/docs").status_code == 200
+
+
+def test_python_client(client, auth):
+    from muonforge import ApiError, Client
+
+    py = Client(url="http://testserver", api_key=auth["Authorization"].split()[1])
+    py._http = client  # the in-process app behind the same httpx interface
+    py._http.headers.update(auth)
+    ids = [py.create_job(tiny_spec())["id"] for _ in range(3)]
+    again = py.create_job(tiny_spec(), idempotency_key="k1")
+    assert py.create_job(tiny_spec(), idempotency_key="k1")["id"] == again["id"]
+    assert [j["id"] for j in py.list_jobs(limit=2)] == [again["id"], *ids[::-1]]
+    with pytest.raises(ApiError) as err:
+        py.create_job(tiny_spec() | {"optimizer": {"lr": -1}})
+    assert err.value.status == 422 and err.value.param == "optimizer.lr"
+    assert py.cancel_job(ids[0])["status"] == "cancelled"
+    assert py.wait(ids[0], poll=0.01)["status"] == "cancelled"
+    cancel_all(client, auth)
