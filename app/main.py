@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.errors import DomainError
 from app.observability import install_metrics, readiness
-from app.routes import datasets, jobs
+from app.routes import checkpoints, datasets, jobs
 from app.services.reaper import run_reaper
 from app.settings import Settings, get_settings
 
@@ -47,6 +47,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     )
     app.state.settings = settings
     app.include_router(jobs.router)
+    app.include_router(checkpoints.router)
     app.include_router(datasets.router)
     install_metrics(app, settings)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
+import torch
 
 from app.db.session import transaction
 from app.queue import enqueue_train
 from app.repositories.jobs import JobRepository
-from tests.service.conftest import tiny_spec, wait_for
+from tests.service.conftest import new_key, tiny_spec, wait_for
 
 
 def job(client, auth, job_id):
@@ -30,6 +33,17 @@ def test_submit_run_succeed_with_summary(client, settings, auth, start_worker):
     assert statuses == ["queued", "running", "succeeded"]
     checkpoints = [p["step"] for kind, p in events(settings, created["id"]) if kind == "checkpoint"]
     assert checkpoints == [10, 20, 30]
+
+    listed = client.get(f"/v1/jobs/{created['id']}/checkpoints", headers=auth).json()["data"]
+    assert [c["step"] for c in listed] == [30, 20, 10] and all(c["bytes"] > 0 for c in listed)
+    download = client.get(f"/v1/jobs/{created['id']}/checkpoints/20", headers=auth)
+    assert download.status_code == 200 and len(download.content) == listed[1]["bytes"]
+    state = torch.load(io.BytesIO(download.content), weights_only=False)
+    assert state["step"] == 20 and "model" in state and "optimizer" in state
+    assert client.get(f"/v1/jobs/{created['id']}/checkpoints/25", headers=auth).status_code == 404
+    other = {"Authorization": f"Bearer {new_key(settings)}"}
+    for path in (f"/v1/jobs/{created['id']}/checkpoints", f"/v1/jobs/{created['id']}/checkpoints/20"):
+        assert client.get(path, headers=other).status_code == 404
 
 
 def test_cancel_while_running(client, settings, auth, start_worker):

@@ -1,0 +1,32 @@
+"""/v1/jobs/{id}/checkpoints: list a job's checkpoints and download one (streamed)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+
+from app.deps import CurrentTenant, SessionDep, SettingsDep
+from app.routes.jobs import ERRORS
+from app.schemas import api as schemas
+from app.services import checkpoints as service
+
+router = APIRouter(prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"])
+
+
+@router.get("", response_model=schemas.CheckpointList, responses=ERRORS)
+def list_checkpoints(job_id: str, tenant: CurrentTenant, session: SessionDep) -> schemas.CheckpointList:
+    """Newest first."""
+    rows = service.list_checkpoints(session, tenant, job_id)
+    return schemas.CheckpointList(data=[schemas.Checkpoint.model_validate(c) for c in rows])
+
+
+@router.get(
+    "/{step}",
+    response_class=FileResponse,
+    responses={**ERRORS, 200: {"content": {"application/octet-stream": {}}, "description": "The checkpoint file."}},
+)
+def download_checkpoint(job_id: str, step: int, tenant: CurrentTenant, session: SessionDep, settings: SettingsDep):
+    """The checkpoint written after `step` optimizer steps (a torch.save file: model, optimizer,
+    RNG states, step), streamed."""
+    path = service.checkpoint_file(session, tenant, job_id, step, settings)
+    return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}-step{step:08d}.pt")
