@@ -1,46 +1,59 @@
-"""Request dependencies, declared once as Annotated aliases."""
+"""Request dependencies, declared once as Annotated aliases.
+
+A request's database work runs as one unit in one worker thread: authenticate, call the
+service, commit once, then the after-commit actions. Holding a pooled connection across several
+thread hops (one per sync dependency) deadlocks under load once every thread waits for a
+connection that a request parked between hops is holding.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Header, Request
-from sqlalchemy.orm import Session
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
-from app.db.models import Tenant
 from app.db.session import session_factory
 from app.services.auth import authenticate
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.api")
+T = TypeVar("T")
+bearer = HTTPBearer(auto_error=False, description="An API key from `muonforge keys create`.")
 
 
-def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+class UnitOfWork:
+    """``await work(service_fn, *args)`` runs ``service_fn(session, tenant, *args)`` for the
+    request's tenant in one thread and one transaction."""
 
+    def __init__(self, settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> None:
+        self.settings = settings
+        self._authorization = f"{credentials.scheme} {credentials.credentials}" if credentials else None
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        return await run_in_threadpool(self._run, fn, args)
 
-
-def get_session(settings: SettingsDep) -> Iterator[Session]:
-    """One session per request, committed once at the end; then the after-commit actions run."""
-    with session_factory(settings.sqlalchemy_url)() as session:
-        yield session
-        session.commit()
-        for action in session.info.pop("after_commit", []):
+    def _run(self, fn: Callable[..., T], args: tuple) -> T:
+        with session_factory(self.settings.sqlalchemy_url)() as session:
+            tenant = authenticate(session, self._authorization)
+            result = fn(session, tenant, *args)
+            session.commit()
+            actions = session.info.pop("after_commit", [])
+        for action in actions:
             try:
                 action()
             except Exception:  # the job is stored as queued; the reaper re-sends its task later
                 log.exception("after-commit action failed")
+        return result
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+def unit_of_work(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> UnitOfWork:
+    return UnitOfWork(request.app.state.settings, credentials)
 
 
-def current_tenant(session: SessionDep, authorization: Annotated[str | None, Header()] = None) -> Tenant:
-    return authenticate(session, authorization)
-
-
-CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
+Work = Annotated[UnitOfWork, Depends(unit_of_work)]

@@ -16,7 +16,8 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     # No pre-ping (it costs a round trip per request); connections are recycled every half hour.
-    return create_engine(url, pool_size=10, max_overflow=20, pool_recycle=1800)
+    # 50 > the 40 threads of the API's thread pool, each holding at most one connection at a time.
+    return create_engine(url, pool_size=20, max_overflow=30, pool_recycle=1800)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from app.deps import CurrentTenant, SessionDep, SettingsDep
+from app.deps import Work
 from app.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.services import checkpoints as service
@@ -14,9 +14,9 @@ router = APIRouter(prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 
 
 @router.get("", response_model=schemas.CheckpointList, responses=ERRORS)
-def list_checkpoints(job_id: str, tenant: CurrentTenant, session: SessionDep) -> schemas.CheckpointList:
+async def list_checkpoints(job_id: str, work: Work) -> schemas.CheckpointList:
     """Newest first."""
-    rows = service.list_checkpoints(session, tenant, job_id)
+    rows = await work(service.list_checkpoints, job_id)
     return schemas.CheckpointList(data=[schemas.Checkpoint.model_validate(c) for c in rows])
 
 
@@ -25,8 +25,8 @@ def list_checkpoints(job_id: str, tenant: CurrentTenant, session: SessionDep) ->
     response_class=FileResponse,
     responses={**ERRORS, 200: {"content": {"application/octet-stream": {}}, "description": "The checkpoint file."}},
 )
-def download_checkpoint(job_id: str, step: int, tenant: CurrentTenant, session: SessionDep, settings: SettingsDep):
+async def download_checkpoint(job_id: str, step: int, work: Work):
     """The checkpoint written after `step` optimizer steps (a torch.save file: model, optimizer,
     RNG states, step), streamed."""
-    path = service.checkpoint_file(session, tenant, job_id, step, settings)
+    path = await work(service.checkpoint_file, job_id, step, work.settings)
     return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}-step{step:08d}.pt")
