@@ -55,6 +55,8 @@ class JobSink:
         relative = str(path.relative_to(self.settings.artifact_dir))
         with transaction(self.settings.sqlalchemy_url) as session:
             repo = JobRepository(session)
+            if not repo.record_progress(self.job_id, self.attempt, self.step, dict(self.summary)):  # fenced
+                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
             repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes)
             repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes})
 
@@ -102,12 +104,14 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         job = repo.get(job_id)
         status_event(repo, job)
         spec, dataset_id = job.spec, job.dataset_id
+        progress, summary = job.progress_step, dict(job.summary or {})
         corpus = None
         if dataset_id:
             corpus = settings.artifact_dir / DatasetRepository(session).get_any(dataset_id).path
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
     sink = JobSink(settings, job_id, attempt)
+    sink.step, sink.summary = progress, summary  # a resumed attempt starts from what is known
     with Lease(settings, job_id, attempt) as lease:
         should_cancel = _cancel_flag(settings, job_id, lease)
         try:

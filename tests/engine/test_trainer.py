@@ -200,3 +200,12 @@ def test_real_run_on_tinyshakespeare_reaches_val_loss_below_2_3(tmp_path):
     result = run_job(s, tmp_path)
     print(f"tinyshakespeare byte-level gpt, Muon, 300 steps: val_loss {result.val_loss:.3f}")
     assert result.status == "succeeded" and result.val_loss < 2.3
+
+
+def test_a_resume_after_the_last_step_keeps_the_summary(tmp_path):
+    s = spec(steps=8, checkpoint_every=4)
+    first = run_job(s, tmp_path)
+    again = run_job(s, tmp_path)  # resumes at step 8 and trains nothing
+    assert again.steps == 8 and again.status == "succeeded"
+    assert again.loss == first.loss and again.attn_max_logit == first.attn_max_logit
+    assert again.val_loss == first.val_loss

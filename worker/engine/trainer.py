@@ -110,14 +110,14 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, job.optimizer)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.step = 0
+        self.last: dict[str, float] = {}  # latest value of every metric (kept in checkpoints)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, resume: bool = True) -> RunResult:
         cfg, start_wall = self.job.train, time.perf_counter()
         if resume:
             self._resume()
-        first = self.step
-        last: dict[str, float] = {}
+        first, last = self.step, self.last
         tokens = step_seconds = 0.0
         while True:
             step = self.step
@@ -204,6 +204,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "data_position": self.step,  # batches are a function of (seed, step)
+            "last_metrics": dict(self.last),
             "config": asdict(self.job),
             "tokenizer": self.data.tokenizer.to_dict() if self.data.tokenizer else None,
         }
@@ -219,6 +220,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng(state["rng"])
         self.step = state["step"]
+        self.last.update(state.get("last_metrics", {}))
         self.sink.log("info", f"resumed from {path.name} at step {self.step}")
 
     # -- helpers --------------------------------------------------------------------------------
