@@ -1,0 +1,351 @@
+"""Worker kills: SIGKILL workers mid-job and check that no job is lost or run twice.
+
+    .venv/bin/python bench/kill_chaos.py [--jobs 24] [--workers 2] [--kill-every 4] [--timeout 600] [--quick]
+
+Starts its own API (uvicorn) and N Celery workers on a fresh Postgres database (dropped at the
+end) and Redis db 12 (flushed), with 3 s leases. Submits small training jobs over HTTP, then
+every --kill-every seconds SIGKILLs a random worker that holds a job's lease and starts a
+replacement. A job is killed again only once it has written a new checkpoint since its last
+kill, so that every job makes progress. Kills stop when all jobs are finished or at --timeout;
+the jobs then get --grace seconds more. Then it checks, per job: it ended succeeded at the last
+step; its status events read queued, (running, queued)*, running, succeeded; one "running"
+event per attempt; checkpoints strictly increasing; loss and val_loss in the database summary
+and in summary.json. Exits 1 if any check fails (logs and artifacts are then kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_ADMIN = os.environ.get("MUONFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS = os.environ.get("MUONFORGE_BENCH_REDIS", "redis://127.0.0.1:6379/12")
+FINISHED = ("succeeded", "failed", "cancelled")
+STATUS_SEQUENCE = re.compile(r"queued( running queued)* running succeeded")
+
+
+def job_spec(steps: int, index: int) -> dict:
+    """A tiny GPT on the builtin synthetic task: about 1 s per 100 steps on one CPU thread.
+    max_restarts is the cap (100) so that a job that is killed often does not end worker_lost."""
+    every = steps // 4
+    train = {"steps": steps, "batch_size": 4, "eval_every": every, "checkpoint_every": every, "max_restarts": 100}
+    return {
+        "name": f"chaos-{index}",
+        "model": {"arch": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 16},
+        "data": {"builtin": "synthetic"},
+        "train": train | {"seed": index},
+    }
+
+
+class Cluster:
+    """The processes this bench starts (API, workers); every one of them is stopped by close()."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env, self.logs = env, logs
+        self.procs: list[subprocess.Popen] = []
+        self.workers: dict[int, subprocess.Popen] = {}  # pid -> live worker
+
+    def _start(self, cmd: list[str], log_name: str) -> subprocess.Popen:
+        with (self.logs / log_name).open("ab") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def start_api(self, port: int) -> str:
+        """uvicorn on ``port``; returns its URL once /readyz answers 200."""
+        cmd = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--port", str(port),
+               "--log-level", "warning", "--no-access-log"]  # fmt: skip
+        proc = self._start(cmd, "api.log")
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the API exited with {proc.returncode}; see {self.logs / 'api.log'}")
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the API did not become ready")
+
+    def start_worker(self) -> int:
+        """A `muonforge worker` (solo pool, one job at a time); returns its pid (that of its lease_owner)."""
+        cmd = [sys.executable, "-m", "muonforge.cli", "worker", "--queues", "default,cpu"]
+        proc = self._start(cmd, f"worker-{len(self.procs)}.log")
+        self.workers[proc.pid] = proc
+        return proc.pid
+
+    def crashed_workers(self) -> list[int]:
+        """Workers that exited without being killed (forgotten here; the caller replaces them)."""
+        dead = [pid for pid, proc in self.workers.items() if proc.poll() is not None]
+        for pid in dead:
+            del self.workers[pid]
+        return dead
+
+    def kill_worker(self, pid: int) -> None:
+        """SIGKILL: no cleanup, the worker's lease just stops being renewed."""
+        proc = self.workers.pop(pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def close(self) -> None:
+        """SIGTERM everything still running, then SIGKILL what has not exited after 20 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for the API)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_workers_ready(logs: Path, count: int, timeout: float = 120.0) -> None:
+    """Until ``count`` worker logs say " ready." (celery is consuming)."""
+    deadline = time.monotonic() + timeout
+    while sum(b" ready." in p.read_bytes() for p in logs.glob("worker-*.log")) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers did not start; see {logs}")
+        time.sleep(0.2)
+
+
+def pick_victim(db: psycopg.Connection, cluster: Cluster, killed_at: dict[str, int]) -> tuple[int, str] | None:
+    """(pid, job id) of a random live worker that holds a running job's lease, among jobs never
+    killed or with a newer checkpoint than at their last kill; None if there is none."""
+    rows = db.execute(
+        "SELECT j.id, j.lease_owner, COALESCE(MAX(c.step), 0) FROM jobs j LEFT JOIN checkpoints c"
+        " ON c.job_id = j.id WHERE j.status = 'running' AND j.lease_owner IS NOT NULL GROUP BY j.id"
+    ).fetchall()
+    candidates = []
+    for job_id, owner, checkpoint in rows:
+        pid = int(owner.split(":")[1])  # host:pid:task id
+        if pid in cluster.workers and checkpoint > killed_at.get(job_id, -1):
+            candidates.append((pid, job_id, checkpoint))
+    if not candidates:
+        return None
+    pid, job_id, checkpoint = random.choice(candidates)
+    killed_at[job_id] = checkpoint
+    return pid, job_id
+
+
+def chaos(db: psycopg.Connection, cluster: Cluster, kill_every: float, kill_until: float, grace: float):
+    """Kill a job-holding worker every ``kill_every`` s (as soon as one is eligible) and start a
+    replacement, until no job is queued or running; kills stop at ``kill_until``, the wait
+    ``grace`` s later. Returns the kills as (job id, UTC time) and the count of workers that
+    exited on their own (replaced too)."""
+    kills, crashes, killed_at = [], 0, {}
+    start, next_kill = time.monotonic(), time.monotonic() + kill_every
+    while time.monotonic() < kill_until + grace:
+        unfinished = db.execute("SELECT count(*) FROM jobs WHERE status <> ALL(%s)", (list(FINISHED),)).fetchone()[0]
+        if unfinished == 0:
+            break
+        for pid in cluster.crashed_workers():
+            print(f"  worker pid {pid} exited on its own; see its log", flush=True)
+            crashes += 1
+            cluster.start_worker()
+        now = time.monotonic()
+        if next_kill <= now < kill_until and (victim := pick_victim(db, cluster, killed_at)):
+            cluster.kill_worker(victim[0])
+            kills.append((victim[1], datetime.now(UTC)))
+            cluster.start_worker()
+            next_kill = time.monotonic() + kill_every
+            print(f"  {now - start:6.1f} s  kill {len(kills)}: worker {victim[0]} running {victim[1]}"
+                  f" ({unfinished} jobs left)", flush=True)  # fmt: skip
+        time.sleep(0.2)
+    return kills, crashes
+
+
+def recovery(db: psycopg.Connection, kills: list[tuple[str, datetime]]) -> dict[str, list[float]]:
+    """Seconds from each kill to its job's next status events: back to "queued" (the lease
+    expired and was reaped) and "running" again (a worker claimed the next attempt)."""
+    delays: dict[str, list[float]] = {"queued": [], "running": []}
+    for job_id, at in kills:
+        rows = db.execute(
+            "SELECT payload->>'status', created_at FROM job_events WHERE job_id = %s AND kind = 'status'"
+            " AND created_at > %s ORDER BY id",
+            (job_id, at),
+        ).fetchall()
+        for status in delays:
+            first = next((t for s, t in rows if s == status), None)
+            if first is not None:
+                delays[status].append((first - at).total_seconds())
+    return delays
+
+
+def verify(db: psycopg.Connection, http: httpx.Client, jobs: dict[str, int], artifacts: Path) -> tuple[list, dict]:
+    """Check every job's invariants; returns (failures as "job: reason", counts)."""
+    failures: list[str] = []
+    counts = {"succeeded": 0, "lost": 0, "doubly_run": 0, "interrupted": 0, "max_attempts": 0, "resumes": 0}
+    for job_id, steps in jobs.items():
+        bad = []
+        api = http.get(f"/v1/jobs/{job_id}").json()
+        status, attempt, owner = db.execute(
+            "SELECT status, attempt, lease_owner FROM jobs WHERE id = %s", (job_id,)
+        ).fetchone()
+        events = db.execute(
+            "SELECT kind, payload FROM job_events WHERE job_id = %s ORDER BY id", (job_id,)
+        ).fetchall()  # fmt: skip
+        statuses = [p["status"] for kind, p in events if kind == "status"]
+        checkpoints = [p["step"] for kind, p in events if kind == "checkpoint"]
+        resumes = sum(kind == "log" and "resumed from" in p["message"] for kind, p in events)
+        if status != "succeeded" or api["status"] != "succeeded":
+            bad.append(f"ended {status} (API: {api['status']}, error {api['error']})")
+            counts["lost"] += 1
+        else:
+            counts["succeeded"] += 1
+        run_twice = [
+            f"status events {statuses}" if not STATUS_SEQUENCE.fullmatch(" ".join(statuses)) else "",
+            f"{statuses.count('running')} running events, attempt {attempt}"
+            if statuses.count("running") != attempt else "",
+            f"{statuses.count('succeeded')} succeeded events" if statuses.count("succeeded") != 1 else "",
+            f"{resumes} resumes in {attempt} attempts" if resumes > attempt - 1 else "",
+        ]  # fmt: skip
+        if any(run_twice):
+            counts["doubly_run"] += 1
+            bad += [r for r in run_twice if r]
+        if api["progress"] != {"step": steps, "total_steps": steps}:
+            bad.append(f"progress {api['progress']}")
+        if checkpoints != sorted(set(checkpoints)) or not checkpoints or checkpoints[-1] != steps:
+            bad.append(f"checkpoint events {checkpoints}")
+        if owner is not None:
+            bad.append(f"lease_owner still {owner}")
+        if api["summary"].get("loss") is None or api["summary"].get("val_loss") is None:
+            bad.append(f"summary {api['summary']}")
+        summary_file = artifacts / "jobs" / job_id / "summary.json"
+        on_disk = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+        if on_disk.get("steps") != steps or on_disk.get("loss") is None or on_disk.get("val_loss") is None:
+            bad.append(f"summary.json {on_disk or 'missing'}")
+        failures += [f"{job_id}: {reason}" for reason in bad]
+        counts["interrupted"] += attempt > 1
+        counts["max_attempts"] = max(counts["max_attempts"], attempt)
+        counts["resumes"] += resumes
+    return failures, counts
+
+
+def task_outcomes(logs: Path) -> dict[str, int]:
+    """How the workers' tasks ended, from celery's "succeeded in ...: 'outcome'" log lines:
+    'lease_lost' is an attempt that outlived its lease (fenced off), 'skipped' a delivery for a
+    job that was not queued (a duplicate send)."""
+    text = "\n".join(p.read_text(errors="replace") for p in logs.glob("worker-*.log"))
+    return {
+        outcome: len(re.findall(rf"succeeded in [0-9.]+s: '{outcome}'", text)) for outcome in ("lease_lost", "skipped")
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=24)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--kill-every", type=float, default=4.0, help="seconds between kills")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds after which the kills stop")
+    parser.add_argument("--grace", type=float, default=120.0, help="seconds to wait for the jobs after --timeout")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per job")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the choice of victims")
+    parser.add_argument("--quick", action="store_true", help="6 jobs of 200 steps, 180 s timeout")
+    args = parser.parse_args()
+    if args.quick:
+        args.jobs, args.steps, args.timeout = 6, 200, 180.0
+    random.seed(args.seed)
+
+    name = f"muonforge_chaos_{secrets.token_hex(3)}"
+    db_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+    tmp = Path(tempfile.mkdtemp(prefix="kill_chaos_"))
+    (tmp / "logs").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
+    env.update(
+        MUONFORGE_DATABASE_URL=db_url.replace("postgresql://", "postgresql+psycopg://"),
+        MUONFORGE_REDIS_URL=REDIS, MUONFORGE_ARTIFACT_DIR=str(tmp / "artifacts"), MUONFORGE_LEASE_SECONDS="3",
+        MUONFORGE_HEARTBEAT_SECONDS="0.5", MUONFORGE_REAPER_SECONDS="0.5", MUONFORGE_TENANT_JOB_CAP="100000",
+        OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    redis.Redis.from_url(REDIS).flushdb()
+    cluster = Cluster(env, tmp / "logs")
+    ok = False
+    try:
+        subprocess.run([sys.executable, "-m", "muonforge.cli", "migrate"], env=env, cwd=ROOT, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "muonforge.cli", "keys", "create", "--tenant", "chaos"],
+            env=env, cwd=ROOT, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        headers = {"Authorization": f"Bearer {out.stdout.strip().splitlines()[-1]}"}
+        url = cluster.start_api(free_port())
+        for _ in range(args.workers):
+            cluster.start_worker()
+        wait_workers_ready(tmp / "logs", args.workers)
+        with (
+            httpx.Client(base_url=url, headers=headers, timeout=30) as http,
+            psycopg.connect(db_url, autocommit=True) as db,
+        ):
+            start = time.monotonic()
+            jobs = {}
+            for i in range(args.jobs):
+                response = http.post("/v1/jobs", json=job_spec(args.steps, i))
+                response.raise_for_status()
+                jobs[response.json()["id"]] = args.steps
+            print(f"submitted {len(jobs)} jobs of {args.steps} steps to {args.workers} workers", flush=True)
+            kills, crashes = chaos(db, cluster, args.kill_every, start + args.timeout, args.grace)
+            wall = time.monotonic() - start
+            failures, counts = verify(db, http, jobs, tmp / "artifacts")
+            delays = recovery(db, kills)
+        failures += [f"{crashes} worker(s) exited on their own"] if crashes else []
+        ok = not failures
+        print(f"\njobs {len(jobs)} x {args.steps} steps, workers {args.workers}, kill every {args.kill_every:g} s")
+        print(f"wall {wall:.1f} s{' (kills stopped at --timeout)' if wall > args.timeout else ''}")
+        print(f"kills {len(kills)}; interrupted jobs (attempt > 1) {counts['interrupted']}; "
+              f"max attempts {counts['max_attempts']}; resumes from a checkpoint {counts['resumes']}")  # fmt: skip
+        for status, values in delays.items():
+            if values:
+                print(f"kill -> {status:<7}: median {statistics.median(values):.2f} s, max {max(values):.2f} s")
+        outcomes = task_outcomes(tmp / "logs")
+        print(f"tasks that found their lease lost {outcomes['lease_lost']}; deliveries skipped {outcomes['skipped']}")
+        print(f"succeeded {counts['succeeded']}; lost or stuck {counts['lost']}; run twice {counts['doubly_run']}")
+        for failure in failures[:40]:
+            print(f"  FAIL {failure}")
+        target = counts["lost"] == counts["doubly_run"] == 0
+        print(f"target (zero lost, zero doubly-run jobs): {'met' if target else 'NOT met'}")
+        print(f"all invariants: {'hold' if ok else f'{len(failures)} failure(s)'}")
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        cluster.close()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"logs and artifacts kept in {tmp}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
