@@ -70,14 +70,17 @@ def create_job(
         max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={}, enqueued_at=utcnow(),
         attempt=0, progress_step=0, cancel_requested=False,
     )  # fmt: skip
-    try:
-        with session.begin_nested():
-            repo.add(job)
-    except IntegrityError:  # a concurrent request with the same key won the insert
-        existing = repo.by_idempotency_key(tenant.id, idempotency_key or "")
-        if existing is None:
-            raise
-        return _replay(existing, digest), False
+    if idempotency_key is None:
+        repo.add(job)
+    else:  # a savepoint (two round trips) only where a concurrent replay can collide
+        try:
+            with session.begin_nested():
+                repo.add(job)
+        except IntegrityError:  # a concurrent request with the same key won the insert
+            existing = repo.by_idempotency_key(tenant.id, idempotency_key)
+            if existing is None:
+                raise
+            return _replay(existing, digest), False
     status_event(repo, job, refresh=False)  # just inserted: the object is the row
     after_commit(session, lambda: enqueue_train(settings, job.id, job.queue))
     return job, True
