@@ -14,7 +14,8 @@ Part 2 (logit growth): a fixed configuration in which plain Muon's max attention
 clip, with a final validation loss within 1% of plain Muon's or better).
 
 Part 2 uses the same model and data with Muon lr 0.05 and tau 30 for 400 steps. It also
-re-measures the final weights' max logit on unseen batches: the batch-to-batch spread that a
+re-measures the final weights' per-head max logits on unseen batches, at the training batch
+and at a 32x larger one, and replays a perfect clip on them: the batch-to-batch spread that a
 clip on one batch cannot remove from the next one's measurement.
 
     .venv/bin/python bench/convergence.py [--seeds 0 1 2] [--steps 400] [--threads N] [--quick] [--json PATH]
@@ -25,6 +26,7 @@ clip on one batch cannot remove from the next one's measurement.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -65,6 +67,7 @@ LOGIT_MUON_LR = 0.05
 LOGIT_TAU = 30.0
 SPREAD_BATCHES = 16  # fresh training batches on which the final weights' max logit is re-measured
 SPREAD_OFFSET = 1_000_000  # batch indices far beyond any run's steps
+SPREAD_LARGE_BATCH = 1024  # 32x the training batch: 65,536 tokens
 GROWTH_FACTOR = 3.0  # plain Muon's max logit must pass GROWTH_FACTOR x tau
 OVERSHOOT = 1.05  # MuonClip's max logit after its first clip must stay <= OVERSHOOT x tau
 LOSS_TOLERANCE = 0.01  # MuonClip's final val loss within 1% of plain Muon's (or better)
@@ -150,15 +153,17 @@ def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: i
     }).model_dump()  # fmt: skip
 
 
-def train(contender: str, spec: dict[str, Any], data: TokenData, eval_batches: int, spread: bool = False) -> RunRecord:
-    """Train one spec through the engine's Trainer and collect its telemetry (and, if ``spread``,
-    the batch-to-batch spread of the final weights' max logit).
+def train(
+    contender: str, spec: dict[str, Any], data: TokenData, eval_batches: int, spread_tau: float | None = None
+) -> RunRecord:
+    """Train one spec through the engine's Trainer and collect its telemetry (and, given
+    ``spread_tau``, the batch-to-batch spread of the final weights' max logits).
 
     ``eval_batches`` is an engine-side setting (TrainConfig.eval_batches) the JobSpec does not
     expose, so it is set on the built config."""
     job = job_config_from_dict(spec)
     job = replace(job, train=replace(job.train, eval_batches=eval_batches))
-    sink = RecordingSink()
+    sink, seq_len = RecordingSink(), job.model.seq_len
     trainer = Trainer(job, data, None, sink)
     result = trainer.run(resume=False)
     if result.status != "succeeded":
@@ -172,33 +177,54 @@ def train(contender: str, spec: dict[str, Any], data: TokenData, eval_batches: i
         heads_clipped=sink.series.get("qk_clip/heads_clipped", []),
         tokens_per_s=result.tokens_per_s,
         wall_s=result.wall_s,
-        spread=batch_spread(trainer.model, data, job.train.seed, job.model.seq_len) if spread else None,
+        spread=None if spread_tau is None else batch_spread(trainer.model, data, job.train.seed, seq_len, spread_tau),
     )
 
 
 @torch.no_grad()
-def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: int) -> dict[str, Any]:
-    """The max attention logit (over layers and heads) of fixed weights on SPREAD_BATCHES training
-    batches the run never saw: how much the ``attn_max_logit`` of one step varies with the batch
-    alone, i.e. the overshoot over tau that a clip on one batch cannot prevent on the next."""
+def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: int, tau: float) -> dict[str, Any]:
+    """Per-head max attention logits of fixed weights on SPREAD_BATCHES training batches the run
+    never saw, at the benchmark's batch size and at SPREAD_LARGE_BATCH: how much the
+    ``attn_max_logit`` of one step varies with the batch alone.
+
+    ``ideal_clip`` replays a perfect QK-Clip on these fixed weights: after batch i every head
+    above tau is scaled to exactly tau *on batch i*, with no update in between; the figure is
+    what batch i + 1 then reads (max over heads, / tau). It is the overshoot that no clip based
+    on the batch just seen can prevent."""
+    out = {}
+    for label, batch_size in (("train_batch", BATCH_SIZE), ("large_batch", SPREAD_LARGE_BATCH)):
+        per_head = [head_maxima(model, data.batch("train", SPREAD_OFFSET + i, batch_size, seq_len, seed)[0])
+                    for i in range(SPREAD_BATCHES)]  # fmt: skip
+        maxima = [max(h) for h in per_head]
+        median = statistics.median(maxima)
+        ideal = [
+            max(min(1.0, tau / s_prev) * s_next for s_prev, s_next in zip(prev, nxt)) / tau
+            for prev, nxt in itertools.pairwise(per_head)
+        ]
+        out[label] = {
+            "batch_size": batch_size,
+            "per_head_maxima": per_head,
+            "maxima": maxima,
+            "rel_std": statistics.pstdev(maxima) / statistics.fmean(maxima),
+            "max_over_median": max(maxima) / median,
+            "ideal_clip": ideal,
+            "ideal_clip_max": max(ideal),
+            "ideal_clip_over_overshoot": sum(v > OVERSHOOT for v in ideal) / len(ideal),
+        }
+    return out
+
+
+def head_maxima(model: torch.nn.Module, x: torch.Tensor) -> list[float]:
+    """Max q.k / sqrt(d) of every head (layer-major) in one training-mode forward on ``x``."""
     layers = model.attention_layers()
-    maxima = []
-    for i in range(SPREAD_BATCHES):
-        x, _ = data.batch("train", SPREAD_OFFSET + i, BATCH_SIZE, seq_len, seed)
-        for layer in layers:
-            layer.reset_qk_max_logits()
-            layer.record_max_logits = True
-        model(x)
-        maxima.append(max(float(layer.qk_max_logits().max()) for layer in layers))
-        for layer in layers:
-            layer.reset_qk_max_logits()
-    median = statistics.median(maxima)
-    return {
-        "maxima": maxima,
-        "rel_std": statistics.pstdev(maxima) / statistics.fmean(maxima),
-        "max_over_median": max(maxima) / median,
-        "min_over_median": min(maxima) / median,
-    }
+    for layer in layers:
+        layer.reset_qk_max_logits()
+        layer.record_max_logits = True
+    model(x)
+    maxima = torch.cat([layer.qk_max_logits() for layer in layers]).tolist()
+    for layer in layers:
+        layer.reset_qk_max_logits()
+    return maxima
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -215,14 +241,14 @@ def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | Non
 
 def run_all(
     contenders: dict[str, dict], model: dict, steps: int, seeds: list[int], eval_every: int,
-    eval_batches: int, data: TokenData, label: str, spread: bool = False,
+    eval_batches: int, data: TokenData, label: str, spread_tau: float | None = None,
 ) -> dict[str, list[RunRecord]]:  # fmt: skip
     """Every contender on every seed (seed-major, so a seed's runs are close in time); prints progress."""
     runs: dict[str, list[RunRecord]] = {name: [] for name in contenders}
     for seed in seeds:
         for name, optimizer in contenders.items():
             spec = make_spec(model, optimizer, steps, seed, eval_every)
-            record = train(name, spec, data, eval_batches, spread)
+            record = train(name, spec, data, eval_batches, spread_tau)
             runs[name].append(record)
             print(f"  [{label}] seed {seed} {name:<22} final val {record.final_val:.4f}  "
                   f"peak logit {record.peak_logit:7.2f}  {record.wall_s:5.1f} s", flush=True)  # fmt: skip
@@ -412,16 +438,20 @@ def report_logits(a: dict[str, Any], steps: int) -> None:
     for r in rows:
         print(f"{r['seed']:>4}{r['muon_peak_logit']:>11.2f}{r['muon_peak_over_tau']:>7.2f}{r['muon_final_val']:>10.4f}"
               f"{r['muonclip_final_val']:>10.4f}{100 * r['val_rel_diff']:>+10.2f}%")  # fmt: skip
-    print("MuonClip's attn_max_logit / tau after its first clip; spread = max / median of the final weights'")
-    print(f"max logit over {SPREAD_BATCHES} unseen batches (the batch-to-batch variation alone)")
-    print(f"{'seed':>4}{'1st clip':>9}{'median':>8}{'p95':>7}{'max':>7}{'>1.05':>9}{'spread':>8}  growth/hold/loss ok")
+    print("MuonClip's attn_max_logit / tau after its first clip")
+    print(f"{'seed':>4}{'1st clip':>9}{'median':>8}{'p95':>7}{'max':>7}{'>1.05':>9}  growth/hold/loss ok")
     for r in rows:
         ok = "/".join("y" if r[k] else "n" for k in ("growth_ok", "hold_ok", "loss_ok"))
         over = f"{r['muonclip_steps_over_overshoot']}/{r['muonclip_steps_after_first_clip']}"
-        spread = r["muonclip_spread"]["max_over_median"] if r["muonclip_spread"] else None
         print(f"{r['seed']:>4}{fmt(r['muonclip_first_clip_step'], 'd'):>9}{fmt(r['muonclip_median_over_tau']):>8}"
-              f"{fmt(r['muonclip_p95_over_tau']):>7}{fmt(r['muonclip_peak_over_tau']):>7}{over:>9}"
-              f"{fmt(spread):>8}  {ok}")  # fmt: skip
+              f"{fmt(r['muonclip_p95_over_tau']):>7}{fmt(r['muonclip_peak_over_tau']):>7}{over:>9}  {ok}")  # fmt: skip
+    print(f"MuonClip's final weights on {SPREAD_BATCHES} unseen batches: spread = max / median of the max logit;")
+    print("ideal clip = what batch i+1 reads after a perfect clip to tau on batch i (no update): max, share > 1.05")
+    print(f"{'seed':>4}{'batch':>7}{'rel std':>9}{'spread':>8}{'ideal max':>11}{'ideal>1.05':>12}")
+    for r in rows:
+        for s in (r["muonclip_spread"] or {}).values():
+            print(f"{r['seed']:>4}{s['batch_size']:>7}{s['rel_std']:>9.3f}{s['max_over_median']:>8.3f}"
+                  f"{s['ideal_clip_max']:>11.3f}{s['ideal_clip_over_overshoot']:>12.2f}")  # fmt: skip
     print(f"all targets met: {a['all_ok']} (growth > {GROWTH_FACTOR:g} tau, hold <= {OVERSHOOT:g} tau at every step "
           f"after the first clip, val within {100 * LOSS_TOLERANCE:g}% or better)")  # fmt: skip
 
@@ -523,7 +553,7 @@ def run(args: argparse.Namespace, img_dir: Path | None, cache: Path) -> dict[str
     if args.part in ("all", "logits"):
         t0 = time.perf_counter()
         runs = run_all(logit_contenders(), LOGIT_MODEL, args.logit_steps, args.seeds, args.eval_every,
-                       args.eval_batches, data, "logits", spread=True)  # fmt: skip
+                       args.eval_batches, data, "logits", spread_tau=LOGIT_TAU)  # fmt: skip
         analysis = analyse_logits(runs, LOGIT_TAU)
         analysis["runtime_s"] = time.perf_counter() - t0
         report_logits(analysis, args.logit_steps)
