@@ -8,7 +8,6 @@ connection that a request parked between hops is holding.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -18,19 +17,20 @@ from starlette.concurrency import run_in_threadpool
 
 from app.db.session import session_factory
 from app.services.auth import authenticate
-from app.settings import Settings
 
-log = logging.getLogger("muonforge.api")
 T = TypeVar("T")
 bearer = HTTPBearer(auto_error=False, description="An API key from `muonforge keys create`.")
 
 
 class UnitOfWork:
     """``await work(service_fn, *args)`` runs ``service_fn(session, tenant, *args)`` for the
-    request's tenant in one thread and one transaction."""
+    request's tenant in one thread and one transaction. It also carries the API process's
+    shared parts: the key cache, the admission estimate and the JobWriter."""
 
-    def __init__(self, settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> None:
-        self.settings = settings
+    def __init__(self, request: Request, credentials: HTTPAuthorizationCredentials | None) -> None:
+        state = request.app.state
+        self.settings, self.key_cache, self.admission = state.settings, state.key_cache, state.admission
+        self.writer = state.writer
         self._authorization = f"{credentials.scheme} {credentials.credentials}" if credentials else None
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
@@ -38,22 +38,16 @@ class UnitOfWork:
 
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
         with session_factory(self.settings.sqlalchemy_url)() as session:
-            tenant = authenticate(session, self._authorization)
+            tenant = authenticate(session, self._authorization, self.key_cache)
             result = fn(session, tenant, *args)
             session.commit()
-            actions = session.info.pop("after_commit", [])
-        for action in actions:
-            try:
-                action()
-            except Exception:  # the job is stored as queued; the reaper re-sends its task later
-                log.exception("after-commit action failed")
         return result
 
 
 def unit_of_work(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 ) -> UnitOfWork:
-    return UnitOfWork(request.app.state.settings, credentials)
+    return UnitOfWork(request, credentials)
 
 
 Work = Annotated[UnitOfWork, Depends(unit_of_work)]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from kombu import Connection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import func, select, text
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.db.models import JOB_STATUSES, Job
 from app.db.session import session_factory
@@ -35,6 +36,33 @@ class JobCollector:
         )
 
 
+class RequestMetrics:
+    """Counts requests and times them per route: a pure ASGI middleware (the decorator form,
+    BaseHTTPMiddleware, costs an extra task and a body stream on every request)."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
+        self.app, self.requests, self.latency = app, requests, latency
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            path = getattr(scope.get("route"), "path", "unmatched")
+            self.requests.labels(scope["method"], path, str(status)).inc()
+            self.latency.labels(path).observe(time.perf_counter() - start)
+
+
 def install_metrics(app: FastAPI, settings: Settings) -> None:
     registry = CollectorRegistry()
     requests = Counter(
@@ -43,15 +71,7 @@ def install_metrics(app: FastAPI, settings: Settings) -> None:
     latency = Histogram("muonforge_http_request_seconds", "HTTP request latency.", ["route"], registry=registry)
     registry.register(JobCollector(settings))
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        requests.labels(request.method, path, str(response.status_code)).inc()
-        latency.labels(path).observe(time.perf_counter() - start)
-        return response
+    app.add_middleware(RequestMetrics, requests=requests, latency=latency)
 
     @app.get("/metrics", tags=["health"], include_in_schema=True)
     def metrics() -> Response:

@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(1_048_576, description="Largest batch_size x seq_len.")
     tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
     upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
+    auth_cache_seconds: float = Field(
+        10.0, description="How long a verified API key is trusted without a database lookup (0: never)."
+    )
 
     # Leases: a running attempt renews its lease every heartbeat; an expired lease is requeued.
     lease_seconds: float = Field(30.0, description="How long a worker's claim on a job lasts without a heartbeat.")

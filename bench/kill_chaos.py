@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/kill_chaos.py [--jobs 24] [--workers 2] [--kill-every 4] [--timeout 600] [--quick]
 
-Starts its own API (uvicorn) and N Celery workers on a fresh Postgres database (dropped at the
+Starts its own API (`muonforge api`) and N Celery workers on a fresh Postgres database (dropped at the
 end) and Redis db 12 (flushed), with 3 s leases. Submits small training jobs over HTTP, then
 every --kill-every seconds SIGKILLs a random worker that holds a job's lease and starts a
 replacement. A job is killed again only once it has written a new checkpoint since its last
@@ -17,28 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import secrets
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import psycopg
-import redis
+from stack import Stack
 
-ROOT = Path(__file__).resolve().parents[1]
-PG_ADMIN = os.environ.get("MUONFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS = os.environ.get("MUONFORGE_BENCH_REDIS", "redis://127.0.0.1:6379/12")
+REDIS = "redis://127.0.0.1:6379/12"
 FINISHED = ("succeeded", "failed", "cancelled")
 STATUS_SEQUENCE = re.compile(r"queued( running queued)* running succeeded")
 
@@ -56,87 +47,7 @@ def job_spec(steps: int, index: int) -> dict:
     }
 
 
-class Cluster:
-    """The processes this bench starts (API, workers); every one of them is stopped by close()."""
-
-    def __init__(self, env: dict[str, str], logs: Path) -> None:
-        self.env, self.logs = env, logs
-        self.procs: list[subprocess.Popen] = []
-        self.workers: dict[int, subprocess.Popen] = {}  # pid -> live worker
-
-    def _start(self, cmd: list[str], log_name: str) -> subprocess.Popen:
-        with (self.logs / log_name).open("ab") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc
-
-    def start_api(self, port: int) -> str:
-        """uvicorn on ``port``; returns its URL once /readyz answers 200."""
-        cmd = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--port", str(port),
-               "--log-level", "warning", "--no-access-log"]  # fmt: skip
-        proc = self._start(cmd, "api.log")
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the API exited with {proc.returncode}; see {self.logs / 'api.log'}")
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("the API did not become ready")
-
-    def start_worker(self) -> int:
-        """A `muonforge worker` (solo pool, one job at a time); returns its pid (that of its lease_owner)."""
-        cmd = [sys.executable, "-m", "muonforge.cli", "worker", "--queues", "default,cpu"]
-        proc = self._start(cmd, f"worker-{len(self.procs)}.log")
-        self.workers[proc.pid] = proc
-        return proc.pid
-
-    def crashed_workers(self) -> list[int]:
-        """Workers that exited without being killed (forgotten here; the caller replaces them)."""
-        dead = [pid for pid, proc in self.workers.items() if proc.poll() is not None]
-        for pid in dead:
-            del self.workers[pid]
-        return dead
-
-    def kill_worker(self, pid: int) -> None:
-        """SIGKILL: no cleanup, the worker's lease just stops being renewed."""
-        proc = self.workers.pop(pid)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def close(self) -> None:
-        """SIGTERM everything still running, then SIGKILL what has not exited after 20 s."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for the API)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_workers_ready(logs: Path, count: int, timeout: float = 120.0) -> None:
-    """Until ``count`` worker logs say " ready." (celery is consuming)."""
-    deadline = time.monotonic() + timeout
-    while sum(b" ready." in p.read_bytes() for p in logs.glob("worker-*.log")) < count:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"workers did not start; see {logs}")
-        time.sleep(0.2)
-
-
-def pick_victim(db: psycopg.Connection, cluster: Cluster, killed_at: dict[str, int]) -> tuple[int, str] | None:
+def pick_victim(db: psycopg.Connection, cluster: Stack, killed_at: dict[str, int]) -> tuple[int, str] | None:
     """(pid, job id) of a random live worker that holds a running job's lease, among jobs never
     killed or with a newer checkpoint than at their last kill; None if there is none."""
     rows = db.execute(
@@ -155,7 +66,7 @@ def pick_victim(db: psycopg.Connection, cluster: Cluster, killed_at: dict[str, i
     return pid, job_id
 
 
-def chaos(db: psycopg.Connection, cluster: Cluster, kill_every: float, kill_until: float, grace: float):
+def chaos(db: psycopg.Connection, cluster: Stack, kill_every: float, kill_until: float, grace: float):
     """Kill a job-holding worker every ``kill_every`` s (as soon as one is eligible) and start a
     replacement, until no job is queued or running; kills stop at ``kill_until``, the wait
     ``grace`` s later. Returns the kills as (job id, UTC time) and the count of workers that
@@ -274,77 +185,59 @@ def main() -> int:
         args.jobs, args.steps, args.timeout = 6, 200, 180.0
     random.seed(args.seed)
 
-    name = f"muonforge_chaos_{secrets.token_hex(3)}"
-    db_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
-    tmp = Path(tempfile.mkdtemp(prefix="kill_chaos_"))
-    (tmp / "logs").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
-    env.update(
-        MUONFORGE_DATABASE_URL=db_url.replace("postgresql://", "postgresql+psycopg://"),
-        MUONFORGE_REDIS_URL=REDIS, MUONFORGE_ARTIFACT_DIR=str(tmp / "artifacts"), MUONFORGE_LEASE_SECONDS="3",
-        MUONFORGE_HEARTBEAT_SECONDS="0.5", MUONFORGE_REAPER_SECONDS="0.5", MUONFORGE_TENANT_JOB_CAP="100000",
-        OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    redis.Redis.from_url(REDIS).flushdb()
-    cluster = Cluster(env, tmp / "logs")
-    ok = False
+    settings = {
+        "MUONFORGE_LEASE_SECONDS": "3", "MUONFORGE_HEARTBEAT_SECONDS": "0.5", "MUONFORGE_REAPER_SECONDS": "0.5",
+        "MUONFORGE_TENANT_JOB_CAP": "100000",
+    }  # fmt: skip
     try:
-        subprocess.run([sys.executable, "-m", "muonforge.cli", "migrate"], env=env, cwd=ROOT, check=True)
-        out = subprocess.run(
-            [sys.executable, "-m", "muonforge.cli", "keys", "create", "--tenant", "chaos"],
-            env=env, cwd=ROOT, check=True, capture_output=True, text=True,
-        )  # fmt: skip
-        headers = {"Authorization": f"Bearer {out.stdout.strip().splitlines()[-1]}"}
-        url = cluster.start_api(free_port())
-        for _ in range(args.workers):
-            cluster.start_worker()
-        wait_workers_ready(tmp / "logs", args.workers)
-        with (
-            httpx.Client(base_url=url, headers=headers, timeout=30) as http,
-            psycopg.connect(db_url, autocommit=True) as db,
-        ):
-            start = time.monotonic()
-            jobs = {}
-            for i in range(args.jobs):
-                response = http.post("/v1/jobs", json=job_spec(args.steps, i))
-                response.raise_for_status()
-                jobs[response.json()["id"]] = args.steps
-            print(f"submitted {len(jobs)} jobs of {args.steps} steps to {args.workers} workers", flush=True)
-            kills, crashes = chaos(db, cluster, args.kill_every, start + args.timeout, args.grace)
-            wall = time.monotonic() - start
-            failures, counts = verify(db, http, jobs, tmp / "artifacts")
-            delays = recovery(db, kills)
-        failures += [f"{crashes} worker(s) exited on their own"] if crashes else []
-        ok = not failures
-        print(f"\njobs {len(jobs)} x {args.steps} steps, workers {args.workers}, kill every {args.kill_every:g} s")
-        print(f"wall {wall:.1f} s{' (kills stopped at --timeout)' if wall > args.timeout else ''}")
-        print(f"kills {len(kills)}; interrupted jobs (attempt > 1) {counts['interrupted']}; "
-              f"max attempts {counts['max_attempts']}; resumes from a checkpoint {counts['resumes']}")  # fmt: skip
-        for status, values in delays.items():
-            if values:
-                print(f"kill -> {status:<7}: median {statistics.median(values):.2f} s, max {max(values):.2f} s")
-        outcomes = task_outcomes(tmp / "logs")
-        print(f"tasks that found their lease lost {outcomes['lease_lost']}; deliveries skipped {outcomes['skipped']}")
-        print(f"succeeded {counts['succeeded']}; lost or stuck {counts['lost']}; run twice {counts['doubly_run']}")
-        for failure in failures[:40]:
-            print(f"  FAIL {failure}")
-        target = counts["lost"] == counts["doubly_run"] == 0
-        print(f"target (zero lost, zero doubly-run jobs): {'met' if target else 'NOT met'}")
-        print(f"all invariants: {'hold' if ok else f'{len(failures)} failure(s)'}")
-        return 0 if ok else 1
+        with Stack("chaos", REDIS, settings) as stack:
+            ok = run(stack, args)
+            stack.keep = not ok  # a failure keeps its logs and artifacts
+            return 0 if ok else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    finally:
-        cluster.close()
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        if ok:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print(f"logs and artifacts kept in {tmp}", file=sys.stderr)
+
+
+def run(stack: Stack, args: argparse.Namespace) -> bool:
+    """Submit, kill, verify, report; True if every invariant holds."""
+    headers = {"Authorization": f"Bearer {stack.api_key('chaos')}"}
+    url = stack.start_api()
+    for _ in range(args.workers):
+        stack.start_worker()
+    stack.wait_workers_ready(args.workers)
+    with (
+        httpx.Client(base_url=url, headers=headers, timeout=30) as http,
+        psycopg.connect(stack.db_url, autocommit=True) as db,
+    ):
+        start = time.monotonic()
+        jobs = {}
+        for i in range(args.jobs):
+            response = http.post("/v1/jobs", json=job_spec(args.steps, i))
+            response.raise_for_status()
+            jobs[response.json()["id"]] = args.steps
+        print(f"submitted {len(jobs)} jobs of {args.steps} steps to {args.workers} workers", flush=True)
+        kills, crashes = chaos(db, stack, args.kill_every, start + args.timeout, args.grace)
+        wall = time.monotonic() - start
+        failures, counts = verify(db, http, jobs, stack.tmp / "artifacts")
+        delays = recovery(db, kills)
+    failures += [f"{crashes} worker(s) exited on their own"] if crashes else []
+    print(f"\njobs {len(jobs)} x {args.steps} steps, workers {args.workers}, kill every {args.kill_every:g} s")
+    print(f"wall {wall:.1f} s{' (kills stopped at --timeout)' if wall > args.timeout else ''}")
+    print(f"kills {len(kills)}; interrupted jobs (attempt > 1) {counts['interrupted']}; "
+          f"max attempts {counts['max_attempts']}; resumes from a checkpoint {counts['resumes']}")  # fmt: skip
+    for status, values in delays.items():
+        if values:
+            print(f"kill -> {status:<7}: median {statistics.median(values):.2f} s, max {max(values):.2f} s")
+    outcomes = task_outcomes(stack.logs)
+    print(f"tasks that found their lease lost {outcomes['lease_lost']}; deliveries skipped {outcomes['skipped']}")
+    print(f"succeeded {counts['succeeded']}; lost or stuck {counts['lost']}; run twice {counts['doubly_run']}")
+    for failure in failures[:40]:
+        print(f"  FAIL {failure}")
+    target = counts["lost"] == counts["doubly_run"] == 0
+    print(f"target (zero lost, zero doubly-run jobs): {'met' if target else 'NOT met'}")
+    print(f"all invariants: {'hold' if not failures else f'{len(failures)} failure(s)'}")
+    return not failures
 
 
 if __name__ == "__main__":

@@ -119,7 +119,10 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        "app.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
+        workers=args.processes, access_log=args.access_log,
+    )  # fmt: skip
     return 0
 
 
@@ -160,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="the HTTP API (uvicorn)")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--processes", type=int, default=1, help="API processes sharing the port (one per core)")
+    api.add_argument("--no-access-log", dest="access_log", action="store_false", help="no line per request")
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="a Celery worker")

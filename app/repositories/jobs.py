@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
@@ -52,10 +53,18 @@ class JobRepository:
         return bool(self.session.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
 
     # -- writes by the API ---------------------------------------------------------------------------
-    def add(self, job: Job) -> Job:
-        self.session.add(job)
-        self.session.flush()
-        return job
+    def insert_new(self, rows: list[dict[str, Any]]) -> set[str]:
+        """INSERT new jobs (rows with the same keys, ids included) in one statement; a row whose
+        (tenant, Idempotency-Key) exists already is skipped. Returns the ids inserted."""
+        if not rows:
+            return set()
+        dialect = postgresql if self.session.get_bind().dialect.name == "postgresql" else sqlite
+        stmt = (
+            dialect.insert(Job.__table__)
+            .on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"])
+            .returning(Job.__table__.c.id)
+        )
+        return set(self.session.scalars(stmt, rows))
 
     def cancel_queued(self, job_id: str, now: datetime) -> bool:
         return self._cas(job_id, ("queued",), status="cancelled", cancel_requested=True, finished_at=now)
@@ -131,7 +140,14 @@ class JobRepository:
 
     # -- events and checkpoints -------------------------------------------------------------------
     def add_event(self, job_id: str, kind: str, payload: dict[str, Any]) -> None:
-        self.session.add(JobEvent(job_id=job_id, kind=kind, payload=payload, created_at=utcnow()))
+        self.add_events([(job_id, kind, payload)])
+
+    def add_events(self, events: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """(job id, kind, payload) events, in order, in one statement."""
+        if events:
+            now = utcnow()
+            rows = [{"job_id": j, "kind": k, "payload": p, "created_at": now} for j, k, p in events]
+            self.session.execute(insert(JobEvent.__table__), rows)
 
     def events(self, job_id: str, after_id: int = 0) -> list[JobEvent]:
         query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)

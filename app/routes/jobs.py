@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response
 
+from app.db.models import Job
 from app.deps import Work
 from app.schemas import JobSpec
 from app.schemas import api as schemas
@@ -26,7 +27,8 @@ async def create_job(
 ) -> schemas.Job:
     """Validate a JobSpec, store it and queue it. A replay with the same `Idempotency-Key` and
     body answers 200 with the same job; the same key with another body is 409."""
-    job, created = await work(service.create_job, spec, idempotency_key, work.settings)
+    prepared = await work(service.prepare_job, spec, idempotency_key, work.settings, work.admission)
+    job, created = (prepared, False) if isinstance(prepared, Job) else await work.writer.insert(prepared)
     if not created:
         response.status_code = 200
     return schemas.Job.of(job)

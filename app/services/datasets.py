@@ -10,16 +10,17 @@ from typing import BinaryIO
 from sqlalchemy.orm import Session
 
 from app.db.base import new_id
-from app.db.models import Dataset, Tenant
+from app.db.models import Dataset
 from app.errors import NotFound, PayloadTooLarge, ValidationFailed
 from app.repositories.tenants import DatasetRepository
 from app.schemas import api as schemas
+from app.services.auth import TenantRef
 from app.settings import Settings
 
 CHUNK = 1 << 20
 
 
-def upload_dataset(session: Session, tenant: Tenant, stream: BinaryIO, name: str, settings: Settings) -> Dataset:
+def upload_dataset(session: Session, tenant: TenantRef, stream: BinaryIO, name: str, settings: Settings) -> Dataset:
     dataset_id = new_id("ds")
     relative = Path("datasets") / tenant.id / f"{dataset_id}.txt"
     target = settings.artifact_dir / relative
@@ -56,14 +57,14 @@ def upload_dataset(session: Session, tenant: Tenant, stream: BinaryIO, name: str
     return DatasetRepository(session).add(dataset)
 
 
-def get_dataset(session: Session, tenant: Tenant, dataset_id: str) -> Dataset:
+def get_dataset(session: Session, tenant: TenantRef, dataset_id: str) -> Dataset:
     dataset = DatasetRepository(session).get(dataset_id, tenant.id)
     if dataset is None:
         raise NotFound(f"no dataset {dataset_id!r}", param="dataset_id")
     return dataset
 
 
-def list_datasets(session: Session, tenant: Tenant, limit: int, after: str | None) -> schemas.DatasetList:
+def list_datasets(session: Session, tenant: TenantRef, limit: int, after: str | None) -> schemas.DatasetList:
     rows = DatasetRepository(session).page(tenant.id, limit, after)
     page = rows[:limit]
     return schemas.DatasetList(

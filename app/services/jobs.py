@@ -1,33 +1,31 @@
-"""Job use cases: create (validate, cap, idempotency, enqueue after commit), list, get, cancel.
-Services never commit; the request (or task) that owns the session does."""
+"""Job use cases: create (prepare: validate, cap, idempotency; then insert, in batches, see
+JobWriter), list, get, cancel. Services never commit; the request (or task, or the JobWriter)
+that owns the session does."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.db.base import utcnow
-from app.db.models import Job, Tenant
+from app.db.base import new_id, utcnow
+from app.db.models import Job
 from app.errors import Conflict, NotFound, RateLimited, ValidationFailed
-from app.queue import enqueue_train
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.schemas import JobSpec
 from app.schemas import api as schemas
+from app.services.admission import Admission
+from app.services.auth import TenantRef
 from app.services.caps import check_caps
 from app.settings import Settings
 
 SYNTHETIC_VOCAB = 64  # the engine's builtin synthetic task
 MAX_LIMIT = 100
-
-
-def after_commit(session: Session, action) -> None:
-    """Run ``action`` once the request's transaction has committed (enqueue after commit)."""
-    session.info.setdefault("after_commit", []).append(action)
 
 
 def request_hash(spec: dict[str, Any]) -> str:
@@ -48,42 +46,77 @@ def status_event(repo: JobRepository, job: Job, refresh: bool = True) -> None:
     repo.add_event(job.id, "status", schemas.Job.of(job).model_dump(mode="json"))
 
 
-def create_job(
-    session: Session, tenant: Tenant, spec: JobSpec, idempotency_key: str | None, settings: Settings
-) -> tuple[Job, bool]:
-    """Returns (job, created). A replay of the same key and body returns the first job."""
+@dataclass
+class NewJob:
+    """A validated submission, ready to insert: the job's row and its request hash."""
+
+    row: dict[str, Any]
+    tenant_id: str
+    idempotency_key: str | None
+    digest: str
+
+    def job(self) -> Job:
+        return Job(**self.row)
+
+
+def prepare_job(
+    session: Session,
+    tenant: TenantRef,
+    spec: JobSpec,
+    idempotency_key: str | None,
+    settings: Settings,
+    admission: Admission | None = None,
+) -> Job | NewJob:
+    """Everything a submission needs before its insert: the replay of a known Idempotency-Key
+    (returns that job), the dataset, the resource caps and the tenant's job cap (returns the
+    new job's row). ``admission`` (the API process's) spares most submissions an exact count."""
     repo = JobRepository(session)
     dumped = spec.model_dump(mode="json")
     digest = request_hash(dumped)
     if idempotency_key:
         existing = repo.by_idempotency_key(tenant.id, idempotency_key)
         if existing is not None:
-            return _replay(existing, digest), False
+            return _replay(existing, digest)
     vocab = _vocabulary(session, tenant, spec)
     check_caps(dumped, vocab, settings)
     cap = tenant.job_cap or settings.tenant_job_cap
-    if repo.count_active(tenant.id) >= cap:
+    count_active = partial(repo.count_active, tenant.id)
+    if not (admission.admit(tenant.id, cap, count_active) if admission else count_active() < cap):
         raise RateLimited(f"this tenant already has {cap} queued or running jobs (the cap)", retry_after=30)
-    job = Job(
-        tenant_id=tenant.id, name=spec.name, status="queued", spec=dumped, queue=queue_for(spec),
-        dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key, request_hash=digest,
-        max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={}, enqueued_at=utcnow(),
-        attempt=0, progress_step=0, cancel_requested=False,
+    now = utcnow()
+    row = dict(
+        id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status="queued", spec=dumped,
+        queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
+        request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
+        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False,
     )  # fmt: skip
-    if idempotency_key is None:
-        repo.add(job)
-    else:  # a savepoint (two round trips) only where a concurrent replay can collide
+    return NewJob(row, tenant.id, idempotency_key, digest)
+
+
+def insert_jobs(session: Session, new_jobs: list[NewJob]) -> list[tuple[Job, bool] | Exception]:
+    """Insert prepared jobs and their first status event, in one statement per table. A job
+    whose Idempotency-Key another request inserted first is that request's replay (or a 409).
+    Returns, per job, (job, created) or the error that job answers with."""
+    repo = JobRepository(session)
+    inserted = repo.insert_new([n.row for n in new_jobs])
+    results: list[tuple[Job, bool] | Exception] = []
+    events = []
+    for new in new_jobs:
+        if new.row["id"] in inserted:
+            job = new.job()
+            events.append((job.id, "status", schemas.Job.of(job).model_dump(mode="json")))
+            results.append((job, True))
+            continue
+        existing = repo.by_idempotency_key(new.tenant_id, new.idempotency_key) if new.idempotency_key else None
+        if existing is None:  # only a concurrent insert with the same key skips a row
+            results.append(RuntimeError(f"job {new.row['id']} was not inserted"))
+            continue
         try:
-            with session.begin_nested():
-                repo.add(job)
-        except IntegrityError:  # a concurrent request with the same key won the insert
-            existing = repo.by_idempotency_key(tenant.id, idempotency_key)
-            if existing is None:
-                raise
-            return _replay(existing, digest), False
-    status_event(repo, job, refresh=False)  # just inserted: the object is the row
-    after_commit(session, lambda: enqueue_train(settings, job.id, job.queue))
-    return job, True
+            results.append((_replay(existing, new.digest), False))
+        except Conflict as exc:
+            results.append(exc)
+    repo.add_events(events)
+    return results
 
 
 def _replay(existing: Job, digest: str) -> Job:
@@ -92,7 +125,7 @@ def _replay(existing: Job, digest: str) -> Job:
     return existing
 
 
-def _vocabulary(session: Session, tenant: Tenant, spec: JobSpec) -> int:
+def _vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
     if spec.data.path is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
     if spec.data.builtin == "synthetic":
@@ -103,14 +136,16 @@ def _vocabulary(session: Session, tenant: Tenant, spec: JobSpec) -> int:
     return 256 if spec.data.tokenizer == "byte" else dataset.char_vocab
 
 
-def get_job(session: Session, tenant: Tenant, job_id: str) -> Job:
+def get_job(session: Session, tenant: TenantRef, job_id: str) -> Job:
     job = JobRepository(session).get(job_id, tenant.id)
     if job is None:
         raise NotFound(f"no job {job_id!r}", param="job_id")
     return job
 
 
-def list_jobs(session: Session, tenant: Tenant, limit: int, after: str | None, status: str | None) -> schemas.JobList:
+def list_jobs(
+    session: Session, tenant: TenantRef, limit: int, after: str | None, status: str | None
+) -> schemas.JobList:
     rows = JobRepository(session).page(tenant.id, limit, after, status)
     page = rows[:limit]
     return schemas.JobList(
@@ -120,7 +155,7 @@ def list_jobs(session: Session, tenant: Tenant, limit: int, after: str | None, s
     )
 
 
-def cancel_job(session: Session, tenant: Tenant, job_id: str) -> Job:
+def cancel_job(session: Session, tenant: TenantRef, job_id: str) -> Job:
     """queued: cancelled at once; running: cancelling until the worker stops; finished: 409."""
     repo = JobRepository(session)
     for _ in range(3):  # a concurrent status change makes the compare-and-set miss: look again

@@ -49,8 +49,8 @@ def reap(session: Session, settings: Settings, now: datetime) -> list[tuple[str,
 def reap_once(settings: Settings) -> int:
     with transaction(settings.sqlalchemy_url) as session:
         resend = reap(session, settings, utcnow())
-    for job_id, queue in resend:  # after commit
-        enqueue_train(settings, job_id, queue)
+    if resend:  # after commit
+        enqueue_train(settings, resend)
     return len(resend)
 
 

@@ -1,0 +1,211 @@
+"""What the service benchmarks share: a throwaway deployment on this machine's Postgres and Redis
+(a fresh database, migrations, API keys, API and worker processes, all stopped at the end) and
+CPU accounting per process group, with the time the hypervisor stole from the machine.
+
+    with Stack("api_load", "redis://127.0.0.1:6379/14", {"MUONFORGE_TENANT_JOB_CAP": "10000000"}) as stack:
+        key = stack.api_key("load")
+        url = stack.start_api(processes=1)
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_ADMIN = os.environ.get("MUONFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """A fresh Postgres database (dropped on exit), a flushed Redis database, an artifact
+    directory, and every process started through it (stopped on exit). Logs and artifacts are
+    kept when the block raises or ``keep`` is set, and deleted otherwise."""
+
+    def __init__(self, label: str, redis_url: str, settings: dict[str, str] | None = None) -> None:
+        self.name = f"muonforge_{label}_{secrets.token_hex(3)}"
+        self.db_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{self.name}"
+        self.redis_url = redis_url
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{label}_"))
+        self.logs = self.tmp / "logs"
+        self.logs.mkdir()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
+        self.env.update(
+            MUONFORGE_DATABASE_URL=self.db_url.replace("postgresql://", "postgresql+psycopg://"),
+            MUONFORGE_REDIS_URL=redis_url, MUONFORGE_ARTIFACT_DIR=str(self.tmp / "artifacts"), OMP_NUM_THREADS="1",
+            **(settings or {}),
+        )  # fmt: skip
+        self.procs: list[subprocess.Popen] = []
+        self.workers: dict[int, subprocess.Popen] = {}  # pid -> live worker
+        self.api: subprocess.Popen | None = None
+        self.keep = False
+
+    def __enter__(self) -> Stack:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{self.name}"')
+        redis.Redis.from_url(self.redis_url).flushdb()
+        self.muonforge("migrate")
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+        if exc_type is None and not self.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        else:
+            print(f"logs and artifacts kept in {self.tmp}", file=sys.stderr)
+
+    def muonforge(self, *args: str) -> str:
+        """Run a muonforge command to completion; returns its standard output."""
+        cmd = [sys.executable, "-m", "muonforge.cli", *args]
+        return subprocess.run(cmd, env=self.env, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+    def api_key(self, tenant: str) -> str:
+        return self.muonforge("keys", "create", "--tenant", tenant).strip().splitlines()[-1]
+
+    def _start(self, args: list[str], log_name: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "muonforge.cli", *args]
+        with (self.logs / log_name).open("ab") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def start_api(self, processes: int = 1) -> str:
+        """`muonforge api` (no access log) on a free port; returns its URL once /readyz answers 200."""
+        port = free_port()
+        args = ["api", "--port", str(port), "--processes", str(processes), "--no-access-log"]
+        self.api = self._start(args, "api.log")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.api.poll() is not None:
+                raise RuntimeError(f"the API exited with {self.api.returncode}; see {self.logs / 'api.log'}")
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", timeout=1) as response:
+                    if response.status == 200:
+                        return url
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the API did not become ready")
+
+    def start_worker(self, queues: str = "default,cpu") -> int:
+        """A `muonforge worker` (solo pool, one job at a time); returns its pid."""
+        proc = self._start(["worker", "--queues", queues], f"worker-{len(self.procs)}.log")
+        self.workers[proc.pid] = proc
+        return proc.pid
+
+    def wait_workers_ready(self, count: int, timeout: float = 120.0) -> None:
+        """Until ``count`` worker logs say " ready." (Celery is consuming)."""
+        deadline = time.monotonic() + timeout
+        while sum(b" ready." in p.read_bytes() for p in self.logs.glob("worker-*.log")) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers did not start; see {self.logs}")
+            time.sleep(0.2)
+
+    def crashed_workers(self) -> list[int]:
+        """Workers that exited without being killed (forgotten here; the caller replaces them)."""
+        dead = [pid for pid, proc in self.workers.items() if proc.poll() is not None]
+        for pid in dead:
+            del self.workers[pid]
+        return dead
+
+    def kill_worker(self, pid: int) -> None:
+        """SIGKILL: no cleanup, the worker's lease just stops being renewed."""
+        proc = self.workers.pop(pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def close(self) -> None:
+        """SIGTERM everything still running, then SIGKILL what has not exited after 20 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class CpuMeter:
+    """CPU used over a window by process groups, from /proc (Linux only): the API (the process
+    ``api_pid`` and its children), Postgres, Redis and this process; and the machine's busy and
+    stolen time. Processes that exit inside the window (a closed Postgres connection) are missed."""
+
+    def __init__(self, api_pid: int | None) -> None:
+        self.api_pid = api_pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self._start: tuple[dict[str, float], list[int]] | None = None
+        self._t0 = 0.0
+
+    def _groups(self) -> dict[str, float]:
+        procs = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+                fields = stat[stat.rindex(")") + 2 :].split()
+                procs[int(entry)] = (comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
+        api = {self.api_pid} if self.api_pid else set()
+        grew = True
+        while grew:  # the API's process tree (uvicorn's workers)
+            children = {pid for pid, (_, ppid, _) in procs.items() if ppid in api} - api
+            api |= children
+            grew = bool(children)
+        out = {"api": 0.0, "postgres": 0.0, "redis": 0.0}
+        for pid, (comm, _, cpu) in procs.items():
+            if pid in api:
+                out["api"] += cpu
+            elif comm == "postgres":
+                out["postgres"] += cpu
+            elif comm.startswith("redis-server"):
+                out["redis"] += cpu
+        own = os.times()
+        out["load generator"] = own.user + own.system
+        return out
+
+    @staticmethod
+    def _machine() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+
+    def start(self) -> None:
+        self._start = (self._groups(), self._machine())
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        """Cores used per group over the window, plus "machine busy" and "stolen" (cores)."""
+        assert self._start is not None, "start() first"
+        wall = time.perf_counter() - self._t0
+        groups0, machine0 = self._start
+        groups1, machine1 = self._groups(), self._machine()
+        out = {name: (groups1[name] - groups0[name]) / wall for name in groups1}
+        delta = [b - a for a, b in zip(machine0, machine1)]
+        out["machine busy"] = (sum(delta) - delta[3] - delta[4] - delta[7]) / self.tick / wall
+        out["stolen"] = delta[7] / self.tick / wall
+        return out
