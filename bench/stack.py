@@ -157,10 +157,11 @@ class CpuMeter:
     def __init__(self, api_pid: int | None) -> None:
         self.api_pid = api_pid
         self.tick = os.sysconf("SC_CLK_TCK")
-        self._start: tuple[dict[str, float], list[int]] | None = None
+        self._start: tuple[dict[int, tuple[str, float]], list[int]] | None = None
         self._t0 = 0.0
 
-    def _groups(self) -> dict[str, float]:
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        """pid -> (group, CPU seconds so far) of every process in a group."""
         procs = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
@@ -177,16 +178,16 @@ class CpuMeter:
             children = {pid for pid, (_, ppid, _) in procs.items() if ppid in api} - api
             api |= children
             grew = bool(children)
-        out = {"api": 0.0, "postgres": 0.0, "redis": 0.0}
+        out = {}
         for pid, (comm, _, cpu) in procs.items():
             if pid in api:
-                out["api"] += cpu
+                out[pid] = ("api", cpu)
             elif comm == "postgres":
-                out["postgres"] += cpu
+                out[pid] = ("postgres", cpu)
             elif comm.startswith("redis-server"):
-                out["redis"] += cpu
+                out[pid] = ("redis", cpu)
         own = os.times()
-        out["load generator"] = own.user + own.system
+        out[os.getpid()] = ("load generator", own.user + own.system)
         return out
 
     @staticmethod
@@ -195,16 +196,18 @@ class CpuMeter:
             return [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
 
     def start(self) -> None:
-        self._start = (self._groups(), self._machine())
+        self._start = (self._snapshot(), self._machine())
         self._t0 = time.perf_counter()
 
     def stop(self) -> dict[str, float]:
         """Cores used per group over the window, plus "machine busy" and "stolen" (cores)."""
         assert self._start is not None, "start() first"
         wall = time.perf_counter() - self._t0
-        groups0, machine0 = self._start
-        groups1, machine1 = self._groups(), self._machine()
-        out = {name: (groups1[name] - groups0[name]) / wall for name in groups1}
+        procs0, machine0 = self._start
+        procs1, machine1 = self._snapshot(), self._machine()
+        out = dict.fromkeys(("api", "postgres", "redis", "load generator"), 0.0)
+        for pid, (group, cpu) in procs1.items():  # a process started in the window counts from 0
+            out[group] += (cpu - procs0.get(pid, (group, 0.0))[1]) / wall
         delta = [b - a for a, b in zip(machine0, machine1)]
         out["machine busy"] = (sum(delta) - delta[3] - delta[4] - delta[7]) / self.tick / wall
         out["stolen"] = delta[7] / self.tick / wall
