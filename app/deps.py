@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from app.db.session import session_factory
+from app.db.session import open_session
 from app.services.auth import authenticate
 
 T = TypeVar("T")
@@ -37,7 +37,7 @@ class UnitOfWork:
         return await run_in_threadpool(self._run, fn, args)
 
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
-        with session_factory(self.settings.sqlalchemy_url)() as session:
+        with open_session(self.settings) as session:
             tenant = authenticate(session, self._authorization, self.key_cache)
             result = fn(session, tenant, *args)
             session.commit()

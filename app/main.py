@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.errors import DomainError
+from app.live import LiveReader
 from app.observability import install_metrics, readiness
 from app.queue import TaskPublisher
 from app.routes import checkpoints, datasets, jobs
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
             thread.start()
         app.state.publisher.start()
         app.state.writer.start()
+        app.state.live_reader = LiveReader(settings.redis_url) if settings.redis_url else None
         # Everything built so far lives as long as the process: keep it out of the cyclic
         # collector's full passes, and make those rarer (every few seconds under load, each a
         # pause of 20-100 ms for every request in flight).
@@ -47,6 +49,8 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
         yield
         app.state.writer.stop()
         app.state.publisher.stop()
+        if app.state.live_reader is not None:
+            await app.state.live_reader.close()
         stop.set()
         if thread:
             thread.join(timeout=5)

@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     requeue_after_seconds: float = Field(300.0, description="Re-send a queued job's task after this long.")
     cancel_poll_seconds: float = Field(1.0, description="How often a running job reads its cancel flag.")
 
+    # Telemetry.
+    telemetry_flush_seconds: float = Field(
+        1.0, description="How often a running job's metrics are written to the database (the live bus: at once)."
+    )
+    live_stream_maxlen: int = Field(10_000, description="Entries each job's Redis Stream keeps (about).")
+
     # Client side (the Python client and `muonforge submit`).
     api_url: str = Field("http://127.0.0.1:8000", description="Where the client finds the API.")
     api_key: str | None = Field(None, description="The client's API key.")

@@ -110,7 +110,7 @@ class RecordingSink:
         for name, value in values.items():
             self.series[name].append((step, value))
 
-    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         pass
 
     def log(self, level: str, message: str) -> None:

@@ -109,7 +109,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     from app.services.auth import create_api_key
     from app.settings import get_settings
 
-    with transaction(get_settings().sqlalchemy_url) as session:
+    with transaction(get_settings()) as session:
         key = create_api_key(session, args.tenant)
     print(f"API key for tenant {args.tenant!r} (shown once):")
     print(key)

@@ -44,7 +44,7 @@ class ProgressSink:
             fields["tps"] = f"{values['tokens_per_s']:,.0f}"
         self._progress.update(self._task, completed=completed, **fields)
 
-    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         self._progress.console.log(f"checkpoint step {step}: {path} ({nbytes / 2**20:.1f} MiB)")
 
     def log(self, level: str, message: str) -> None:

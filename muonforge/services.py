@@ -57,7 +57,7 @@ def run_up(host: str, port: int, workers: int) -> int:
         if not wait_ready(url):
             print("the API did not become ready", file=sys.stderr)
             return 1
-        with transaction(settings.sqlalchemy_url) as session:
+        with transaction(settings) as session:
             key = create_api_key(session, "default")
         print(f"URL: {url}", flush=True)
         print(f"API key: {key}", flush=True)

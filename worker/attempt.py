@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 from app.db.session import transaction
 from app.repositories.jobs import JobRepository
@@ -19,50 +18,9 @@ from app.services.jobs import status_event
 from app.settings import Settings
 from worker.engine.run import run_job
 from worker.engine.trainer import TrainingError
+from worker.sink import JobSink, LeaseLost
 
 log = logging.getLogger("muonforge.worker")
-SUMMARY_KEYS = ("loss", "val_loss", "attn_max_logit", "tokens_per_s", "lr", "grad_norm", "update_rms")
-
-
-class LeaseLost(RuntimeError):
-    """Another attempt owns the job now."""
-
-
-class JobSink:
-    """The engine's telemetry sink for a service job: progress and summary in the database
-    (written at most every ``flush_seconds`` and at evaluations), checkpoints recorded."""
-
-    def __init__(self, settings: Settings, job_id: str, attempt: int, flush_seconds: float = 1.0) -> None:
-        self.settings, self.job_id, self.attempt = settings, job_id, attempt
-        self.flush_seconds = flush_seconds
-        self.summary: dict[str, float] = {}
-        self.step = 0
-        self._flushed_at = 0.0
-
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self.step = step + 1 if "loss" in values else step  # optimizer steps completed
-        self.summary.update({k: v for k, v in values.items() if k in SUMMARY_KEYS})
-        if "val_loss" in values or time.monotonic() - self._flushed_at >= self.flush_seconds:
-            self.flush()
-
-    def flush(self) -> None:
-        with transaction(self.settings.sqlalchemy_url) as session:
-            if not JobRepository(session).record_progress(self.job_id, self.attempt, self.step, dict(self.summary)):
-                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
-        self._flushed_at = time.monotonic()
-
-    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
-        relative = str(path.relative_to(self.settings.artifact_dir))
-        with transaction(self.settings.sqlalchemy_url) as session:
-            repo = JobRepository(session)
-            if not repo.record_progress(self.job_id, self.attempt, self.step, dict(self.summary)):  # fenced
-                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
-            repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes)
-            repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes})
-
-    def log(self, level: str, message: str) -> None:
-        with transaction(self.settings.sqlalchemy_url) as session:
-            JobRepository(session).add_event(self.job_id, "log", {"level": level, "message": message})
 
 
 class Lease:
@@ -86,7 +44,7 @@ class Lease:
         lease = timedelta(seconds=self.settings.lease_seconds)
         while not self._stop.wait(self.settings.heartbeat_seconds):
             try:
-                with transaction(self.settings.sqlalchemy_url) as session:
+                with transaction(self.settings) as session:
                     if not JobRepository(session).heartbeat(self.job_id, self.attempt, lease):
                         self.lost.set()
                         return
@@ -96,7 +54,7 @@ class Lease:
 
 def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     """Claim and run ``job_id``; returns what happened ("skipped" if another attempt holds it)."""
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         repo = JobRepository(session)
         attempt = repo.claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
         if attempt is None:
@@ -110,14 +68,17 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
             corpus = settings.artifact_dir / DatasetRepository(session).get_any(dataset_id).path
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
-    sink = JobSink(settings, job_id, attempt)
-    sink.step, sink.summary = progress, summary  # a resumed attempt starts from what is known
+    sink = JobSink(settings, job_id, attempt, progress, summary)
     with Lease(settings, job_id, attempt) as lease:
         should_cancel = _cancel_flag(settings, job_id, lease)
         try:
-            result = run_job(
-                spec, settings.artifact_dir / "jobs" / job_id, corpus=corpus, sink=sink, should_cancel=should_cancel
-            )
+            try:
+                result = run_job(
+                    spec, settings.artifact_dir / "jobs" / job_id, corpus=corpus, sink=sink,
+                    should_cancel=should_cancel,
+                )  # fmt: skip
+            finally:
+                sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
             return "lease_lost"
         except TrainingError as exc:
@@ -133,7 +94,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
 
 
 def _finish(settings: Settings, job_id: str, attempt: int, status: str, sink: JobSink, error: dict | None) -> str:
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         repo = JobRepository(session)
         if not repo.finish(job_id, attempt, status, error, progress_step=sink.step, summary=dict(sink.summary)):
             return "lease_lost"
@@ -152,7 +113,7 @@ def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
             raise LeaseLost(f"job {job_id}: the lease was lost")
         now = time.monotonic()
         if now - state["at"] >= settings.cancel_poll_seconds:
-            with transaction(settings.sqlalchemy_url) as session:
+            with transaction(settings) as session:
                 state["cancel"] = JobRepository(session).cancel_requested(job_id)
             state["at"] = now
         return state["cancel"]

@@ -1,11 +1,11 @@
-"""Tables of the service: tenants, API keys, datasets, jobs, job events and checkpoints."""
+"""Tables of the service: tenants, API keys, datasets, jobs, job events, checkpoints and metrics."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import BigInteger, Boolean, Double, ForeignKey, Index, Integer, LargeBinary, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from .base import Base, IdColumn, JSONDoc, Timestamped, UTCDateTime, new_id
@@ -75,6 +75,11 @@ class Job(Timestamped, Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONDoc)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Telemetry: the seq of the job's latest event (events are numbered 1, 2, ... per job under
+    # this row's lock, so they commit in seq order), and the live-bus position up to which its
+    # metrics are stored (the events stream tails the bus from there).
+    event_seq: Mapped[int] = mapped_column(Integer, default=0)
+    telemetry_mark: Mapped[str | None] = mapped_column(String(40))
 
     __table_args__ = (
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
@@ -89,10 +94,14 @@ class JobEvent(Base):
 
     __tablename__ = "job_events"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)  # 1, 2, ... per job: the events stream's cursor
+    step: Mapped[int | None] = mapped_column(Integer)  # optimizer steps completed when it happened
     kind: Mapped[str] = mapped_column(String(16))  # status | checkpoint | log
     payload: Mapped[dict[str, Any]] = mapped_column(JSONDoc)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (UniqueConstraint("job_id", "seq", name="uq_job_events_job_id_seq"),)
 
 
 class Checkpoint(Timestamped, Base):
@@ -103,5 +112,38 @@ class Checkpoint(Timestamped, Base):
     path: Mapped[str] = mapped_column(String(500))  # relative to MUONFORGE_ARTIFACT_DIR
     bytes: Mapped[int] = mapped_column(BigInteger)
     attempt: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSONDoc, default=dict)  # latest value of each metric then
 
     __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_id_step"),)
+
+
+class MetricSeries(Base):
+    """One metric of one job: how many points it has and the last step stored (the ingest's
+    idempotency filter: a point at or before it is a repeat)."""
+
+    __tablename__ = "metric_series"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    points: Mapped[int] = mapped_column(BigInteger)
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+
+
+class MetricChunk(Base):
+    """Consecutive points of one series, stored columnar: ``steps`` (int32) and ``values``
+    (float64) as little-endian arrays, with the chunk's min, max and last point, so history is
+    downsampled from summaries instead of points."""
+
+    __tablename__ = "metric_chunks"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    first_step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    last_step: Mapped[int] = mapped_column(Integer)
+    n: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[bytes] = mapped_column(LargeBinary)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+    min_step: Mapped[int] = mapped_column(Integer)
+    min_value: Mapped[float] = mapped_column(Double)
+    max_step: Mapped[int] = mapped_column(Integer)
+    max_value: Mapped[float] = mapped_column(Double)
+    last_value: Mapped[float] = mapped_column(Double)

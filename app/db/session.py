@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+
+from app.live import live_bus
+from app.settings import Settings
+
+log = logging.getLogger("muonforge.db")
 
 
 def make_engine(url: str) -> Engine:
@@ -34,12 +40,37 @@ def engine_for(url: str) -> Engine:
     return make_engine(url)
 
 
+@lru_cache(maxsize=8)
 def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(engine_for(url), expire_on_commit=False)
 
 
+def open_session(settings: Settings) -> Session:
+    """A session on the settings' database whose job events reach the live bus once committed."""
+    return session_factory(settings.sqlalchemy_url)(info={"live_bus": live_bus(settings)})
+
+
 @contextmanager
-def transaction(url: str) -> Iterator[Session]:
-    """A session that commits on success and rolls back on error (for tasks and the CLI)."""
-    with session_factory(url)() as session, session.begin():
+def transaction(settings: Settings) -> Iterator[Session]:
+    """``open_session`` that commits on success and rolls back on error (for tasks and the CLI)."""
+    with open_session(settings) as session, session.begin():
         yield session
+
+
+def on_commit(session: Session, action: Callable[[], None]) -> None:
+    """Run ``action`` once the session's transaction has committed (not at all on rollback)."""
+    session.info.setdefault("on_commit", []).append(action)
+
+
+@event.listens_for(Session, "after_commit")
+def _run_on_commit(session: Session) -> None:
+    for action in session.info.pop("on_commit", []):
+        try:
+            action()
+        except Exception:  # committed is committed: the caller must not see this as a failure
+            log.exception("an after-commit action failed")
+
+
+@event.listens_for(Session, "after_rollback")
+def _forget_on_commit(session: Session) -> None:
+    session.info.pop("on_commit", None)

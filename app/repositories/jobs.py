@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import ACTIVE_STATUSES, Checkpoint, Job, JobEvent
+from app.db.session import on_commit
 
 RUNNING = ("running", "cancelling")
 
@@ -139,28 +141,48 @@ class JobRepository:
         self.session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
     # -- events and checkpoints -------------------------------------------------------------------
-    def add_event(self, job_id: str, kind: str, payload: dict[str, Any]) -> None:
-        self.add_events([(job_id, kind, payload)])
+    def add_event(self, job_id: str, kind: str, payload: dict[str, Any], step: int | None = None) -> int:
+        """Append an event to the job's log; returns its seq. The seq comes from the job's row
+        (UPDATE ... RETURNING: the row stays locked until commit, so a job's events commit in seq
+        order and a reader never sees seq n + 1 without n). Once committed, the event is published
+        to the session's live bus."""
+        seq = self.session.execute(
+            update(Job).where(Job.id == job_id).values(event_seq=Job.event_seq + 1).returning(Job.event_seq)
+        ).scalar_one()
+        event = {"job_id": job_id, "seq": seq, "step": step, "kind": kind, "payload": payload}
+        self.session.execute(insert(JobEvent.__table__), event | {"created_at": utcnow()})
+        bus = self.session.info.get("live_bus")
+        if bus is not None and bus.live:
+            on_commit(self.session, partial(bus.publish_events, [event]))
+        return seq
 
-    def add_events(self, events: list[tuple[str, str, dict[str, Any]]]) -> None:
-        """(job id, kind, payload) events, in order, in one statement."""
+    def add_first_events(self, events: list[tuple[str, int, str, dict[str, Any]]]) -> None:
+        """The first event (seq 1) of new jobs, (job id, step, kind, payload), in one statement: the
+        jobs were inserted with ``event_seq`` 1. Nobody follows a job before it exists: not published."""
         if events:
             now = utcnow()
-            rows = [{"job_id": j, "kind": k, "payload": p, "created_at": now} for j, k, p in events]
+            rows = [
+                {"job_id": j, "seq": 1, "step": step, "kind": k, "payload": p, "created_at": now}
+                for j, step, k, p in events
+            ]
             self.session.execute(insert(JobEvent.__table__), rows)
 
-    def events(self, job_id: str, after_id: int = 0) -> list[JobEvent]:
-        query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
-        return list(self.session.scalars(query.order_by(JobEvent.id)))
+    def events(self, job_id: str, after_seq: int = 0) -> list[JobEvent]:
+        query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after_seq)
+        return list(self.session.scalars(query.order_by(JobEvent.seq)))
 
-    def add_checkpoint(self, job_id: str, attempt: int, step: int, path: str, nbytes: int) -> None:
+    def add_checkpoint(
+        self, job_id: str, attempt: int, step: int, path: str, nbytes: int, metrics: dict[str, float]
+    ) -> None:
         existing = self.session.scalars(
             select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
         ).one_or_none()
         if existing is None:
-            self.session.add(Checkpoint(job_id=job_id, attempt=attempt, step=step, path=path, bytes=nbytes))
+            self.session.add(
+                Checkpoint(job_id=job_id, attempt=attempt, step=step, path=path, bytes=nbytes, metrics=metrics)
+            )
         else:  # a resumed attempt rewrote the same step: the file is the same path
-            existing.attempt, existing.bytes = attempt, nbytes
+            existing.attempt, existing.bytes, existing.metrics = attempt, nbytes, metrics
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())

@@ -1,15 +1,17 @@
-"""/v1/jobs: thin routes over app.services.jobs."""
+"""/v1/jobs: thin routes over app.services.jobs (and app.services.events for the stream)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.sse import EventSourceResponse
 
 from app.db.models import Job
 from app.deps import Work
 from app.schemas import JobSpec
 from app.schemas import api as schemas
+from app.services import events
 from app.services import jobs as service
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -54,3 +56,43 @@ async def get_job(job_id: str, work: Work) -> schemas.Job:
 async def cancel_job(job_id: str, work: Work) -> schemas.Job:
     """Queued: cancelled at once. Running: `cancelling` until the worker stops. Finished: 409."""
     return schemas.Job.of(await work(service.cancel_job, job_id))
+
+
+@router.get("/{job_id}/metrics", response_model=schemas.MetricHistory, responses=ERRORS)
+async def job_metrics(
+    job_id: str,
+    work: Work,
+    names: Annotated[str | None, Query(description="Comma-separated metric names; all when omitted.")] = None,
+    max_points: Annotated[int, Query(ge=3, le=100_000, description="Real points per series, at most.")] = 1000,
+    from_step: Annotated[int | None, Query(ge=0)] = None,
+    to_step: Annotated[int | None, Query(ge=0)] = None,
+) -> schemas.MetricHistory:
+    """History, downsampled on the server: a series with more than `max_points` points in the
+    range is cut into about `max_points / 3` step buckets, each keeping its min, max and last
+    point, so spikes survive."""
+    return await work(service.metric_history, job_id, names, max_points, from_step, to_step)
+
+
+async def followed_job(job_id: str, work: Work) -> str:
+    """The job's id once it is known to be the tenant's (404 before any event is sent)."""
+    await work(service.get_job, job_id)
+    return job_id
+
+
+def event_cursor(last_event_id: Annotated[str | None, Header()] = None) -> events.Cursor:
+    return events.Cursor.parse(last_event_id)
+
+
+@router.get("/{job_id}/events", response_class=EventSourceResponse, responses=ERRORS)
+async def job_events(
+    request: Request,
+    job_id: Annotated[str, Depends(followed_job)],
+    cursor: Annotated[events.Cursor, Depends(event_cursor)],
+):
+    """Server-Sent Events: `status` (the Job), `metrics` ({step, metrics}, one per telemetry
+    step), `checkpoint` ({step, bytes}), `log` ({level, message}), then `done` once the job has
+    finished. Reconnect with `Last-Event-ID` to resume exactly after the last event received. A
+    finished job's stream replays its history and ends. A `: ping` comment comes every 15 s."""
+    state = request.app.state
+    async for event in events.follow(state.settings, state.live_reader, job_id, cursor):
+        yield event

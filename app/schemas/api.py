@@ -102,6 +102,7 @@ class Checkpoint(BaseModel):
     step: int
     bytes: int
     created_at: datetime
+    metrics: dict[str, float] = Field(description="The latest value of every metric when it was written.")
 
     model_config = ConfigDict(from_attributes=True)
 
@@ -110,3 +111,21 @@ class CheckpointList(BaseModel):
     data: list[Checkpoint]
     has_more: bool = False
     next_after: str | None = None
+
+
+class MetricSeries(BaseModel):
+    name: str
+    points: list[tuple[int, float]] = Field(description="[step, value] pairs, real points, ascending steps.")
+
+
+class MetricHistory(BaseModel):
+    job_id: str
+    series: list[MetricSeries]
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"job_id": "job_01hx…", "series": [{"name": "loss", "points": [[0, 5.54], [1, 5.31], [2, 4.98]]}]}
+            ]
+        }
+    )

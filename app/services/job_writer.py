@@ -70,7 +70,7 @@ class JobWriter:
 
     def _write(self, batch: list[Pending]) -> None:
         try:
-            with transaction(self.settings.sqlalchemy_url) as session:
+            with transaction(self.settings) as session:
                 results = insert_jobs(session, [new for new, _ in batch])
         except Exception as exc:
             if len(batch) > 1:

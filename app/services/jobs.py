@@ -19,6 +19,7 @@ from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.schemas import JobSpec
 from app.schemas import api as schemas
+from app.services import telemetry
 from app.services.admission import Admission
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
@@ -43,7 +44,7 @@ def status_event(repo: JobRepository, job: Job, refresh: bool = True) -> None:
     after a compare-and-set UPDATE, which bypasses the loaded object)."""
     if refresh:
         repo.session.refresh(job)
-    repo.add_event(job.id, "status", schemas.Job.of(job).model_dump(mode="json"))
+    repo.add_event(job.id, "status", schemas.Job.of(job).model_dump(mode="json"), step=job.progress_step)
 
 
 @dataclass
@@ -88,7 +89,7 @@ def prepare_job(
         id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status="queued", spec=dumped,
         queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
         request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
-        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False,
+        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1,
     )  # fmt: skip
     return NewJob(row, tenant.id, idempotency_key, digest)
 
@@ -104,7 +105,7 @@ def insert_jobs(session: Session, new_jobs: list[NewJob]) -> list[tuple[Job, boo
     for new in new_jobs:
         if new.row["id"] in inserted:
             job = new.job()
-            events.append((job.id, "status", schemas.Job.of(job).model_dump(mode="json")))
+            events.append((job.id, 0, "status", schemas.Job.of(job).model_dump(mode="json")))
             results.append((job, True))
             continue
         existing = repo.by_idempotency_key(new.tenant_id, new.idempotency_key) if new.idempotency_key else None
@@ -115,7 +116,7 @@ def insert_jobs(session: Session, new_jobs: list[NewJob]) -> list[tuple[Job, boo
             results.append((_replay(existing, new.digest), False))
         except Conflict as exc:
             results.append(exc)
-    repo.add_events(events)
+    repo.add_first_events(events)
     return results
 
 
@@ -169,3 +170,16 @@ def cancel_job(session: Session, tenant: TenantRef, job_id: str) -> Job:
             status_event(repo, job)
             return job
     raise Conflict(f"job {job_id} kept changing state; try again")
+
+
+def metric_history(
+    session: Session, tenant: TenantRef, job_id: str, names: str | None, max_points: int, from_step: int | None,
+    to_step: int | None,
+) -> schemas.MetricHistory:  # fmt: skip
+    get_job(session, tenant, job_id)  # 404 for another tenant's job
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise ValidationFailed(f"from_step ({from_step}) is after to_step ({to_step})", param="from_step")
+    wanted = [n for n in names.split(",") if n.strip()] if names else None
+    series = telemetry.history(session, job_id, [n.strip() for n in wanted] if wanted else None, max_points,
+                               from_step, to_step)  # fmt: skip
+    return schemas.MetricHistory(job_id=job_id, series=series)

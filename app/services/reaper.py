@@ -47,7 +47,7 @@ def reap(session: Session, settings: Settings, now: datetime) -> list[tuple[str,
 
 
 def reap_once(settings: Settings) -> int:
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         resend = reap(session, settings, utcnow())
     if resend:  # after commit
         enqueue_train(settings, resend)

@@ -33,7 +33,7 @@ class ListSink:
     def metrics(self, step, values):
         self.records.append((step, values))
 
-    def checkpoint(self, step, path, nbytes):
+    def checkpoint(self, step, path, nbytes, metrics):
         self.checkpoints.append((step, path.name, nbytes))
 
     def log(self, level, message):

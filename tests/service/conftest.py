@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 import redis
@@ -81,6 +83,7 @@ def service_env(settings: Settings) -> dict[str, str]:
         MUONFORGE_REAPER_SECONDS=str(settings.reaper_seconds),
         MUONFORGE_CANCEL_POLL_SECONDS=str(settings.cancel_poll_seconds),
         MUONFORGE_TENANT_JOB_CAP=str(settings.tenant_job_cap),
+        MUONFORGE_TELEMETRY_FLUSH_SECONDS=str(settings.telemetry_flush_seconds),
         OMP_NUM_THREADS="1",
     )
     return env
@@ -93,7 +96,7 @@ def client(settings) -> Iterator[TestClient]:
 
 
 def new_key(settings: Settings, tenant: str | None = None) -> str:
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         return create_api_key(session, tenant or f"tenant-{secrets.token_hex(4)}")
 
 
@@ -101,6 +104,36 @@ def new_key(settings: Settings, tenant: str | None = None) -> str:
 def auth(settings) -> dict[str, str]:
     """Headers of a fresh tenant."""
     return {"Authorization": f"Bearer {new_key(settings)}"}
+
+
+@pytest.fixture(scope="session")
+def api_url(settings, tmp_path_factory) -> Iterator[str]:
+    """A real `muonforge api` process (streaming responses need a real server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("api") / "api.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "muonforge.cli", "api", "--port", str(port), "--no-access-log"],
+            cwd=ROOT, env=service_env(settings), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ready(url) or proc.poll() is not None, timeout=60)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API did not start:\n{log_path.read_text()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class Worker:

@@ -32,8 +32,28 @@ def test_migrations_upgrade_and_downgrade_cleanly():
     try:
         base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
         s = Settings(database_url=f"{base}/{name}")
+        upgrade(s, "0001")
+        with psycopg.connect(f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}", autocommit=True) as conn:  # events of 0001
+            conn.execute("INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 't', now())")
+            for job in ("job_a", "job_b"):
+                conn.execute(
+                    "INSERT INTO jobs (id, tenant_id, status, spec, queue, attempt, max_restarts, cancel_requested,"
+                    " progress_step, total_steps, summary, created_at) VALUES (%s, 'ten_1', 'queued', '{}', 'cpu',"
+                    " 0, 3, false, 0, 10, '{}', now())",
+                    (job,),
+                )
+            for job in ("job_a", "job_b", "job_a", "job_a"):
+                conn.execute(
+                    "INSERT INTO job_events (job_id, kind, payload, created_at) VALUES (%s, 'log', '{}', now())", (job,)
+                )
         upgrade(s)
-        expected = {"tenants", "api_keys", "datasets", "jobs", "job_events", "checkpoints", "alembic_version"}
+        with psycopg.connect(f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}") as conn:
+            seqs = conn.execute("SELECT job_id, seq FROM job_events ORDER BY id").fetchall()
+            counters = dict(conn.execute("SELECT id, event_seq FROM jobs").fetchall())
+        assert seqs == [("job_a", 1), ("job_b", 1), ("job_a", 2), ("job_a", 3)]
+        assert counters == {"job_a": 3, "job_b": 1}
+        expected = {"tenants", "api_keys", "datasets", "jobs", "job_events", "checkpoints", "metric_series",
+                    "metric_chunks", "alembic_version"}  # fmt: skip
         assert tables(name) == expected
         command.check(alembic_config(s.sqlalchemy_url))  # the models and the migrations agree
         downgrade(s)

@@ -42,7 +42,7 @@ def broker(redis_url):
 
 def prepared(settings, key: str, idempotency_key: str | None = None, **train):
     """A prepared job (row not inserted) of the tenant of ``key``, on the test queue."""
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         tenant = authenticate(session, f"Bearer {key}")
         new = prepare_job(session, tenant, JobSpec.model_validate(tiny_spec(**train)), idempotency_key, settings)
     new.row["queue"] = QUEUE
@@ -64,7 +64,7 @@ def test_one_batch_with_a_repeated_key_inserts_once_and_answers_the_rest(setting
     key = new_key(settings)
     first, replay, other_body = (prepared(settings, key, "k", steps=s) for s in (20, 20, 21))
     plain = prepared(settings, key)
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         results = insert_jobs(session, [first, replay, other_body, plain])
     (job, created), (same, replayed), conflict, (plain_job, plain_created) = results
     assert created and not replayed and same.id == job.id == first.row["id"]
@@ -117,13 +117,13 @@ def test_key_cache_expires_and_is_bounded():
 def test_a_revoked_key_works_until_the_cache_entry_expires(settings):
     key = new_key(settings)
     cache = KeyCache(ttl=0.5)
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         tenant = authenticate(session, f"Bearer {key}", cache)
         with pytest.raises(Unauthorized):
             authenticate(session, "Bearer mf_unknown", cache)
         session.execute(update(ApiKey).where(ApiKey.key_hash == hash_key(key)).values(revoked_at=utcnow()))
     assert cache.get(hash_key("mf_unknown")) is None  # failures are never remembered
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         assert authenticate(session, f"Bearer {key}", cache) == tenant  # from the cache
         time.sleep(0.6)
         with pytest.raises(Unauthorized):

@@ -87,7 +87,7 @@ def test_tenant_job_cap_answers_429_with_retry_after(client, settings):
     from app.db.session import transaction
     from app.repositories.tenants import TenantRepository
 
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         TenantRepository(session).by_name(tenant).job_cap = 2
     assert [client.post("/v1/jobs", json=tiny_spec(), headers=headers).status_code for _ in range(3)] == [
         201,

@@ -18,7 +18,7 @@ def job(client, auth, job_id):
 
 
 def events(settings, job_id):
-    with transaction(settings.sqlalchemy_url) as session:
+    with transaction(settings) as session:
         return [(e.kind, e.payload) for e in JobRepository(session).events(job_id)]
 
 

@@ -18,8 +18,8 @@ class TelemetrySink(Protocol):
     def metrics(self, step: int, values: dict[str, float]) -> None:
         """One telemetry step: ``{name: value}`` measured at ``step`` (optimizer steps completed)."""
 
-    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
-        """A checkpoint was written."""
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
+        """A checkpoint was written after ``step`` steps; ``metrics``: every metric's latest value."""
 
     def log(self, level: str, message: str) -> None:
         """A human-readable line."""
@@ -36,7 +36,7 @@ class JsonlSink:
         self._file.write(json.dumps({"step": step, "metrics": values}) + "\n")
         self._file.flush()
 
-    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         pass
 
     def log(self, level: str, message: str) -> None:
@@ -56,9 +56,9 @@ class FanOut:
         for s in self.sinks:
             s.metrics(step, values)
 
-    def checkpoint(self, step: int, path: Path, nbytes: int) -> None:
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         for s in self.sinks:
-            s.checkpoint(step, path, nbytes)
+            s.checkpoint(step, path, nbytes, metrics)
 
     def log(self, level: str, message: str) -> None:
         for s in self.sinks:

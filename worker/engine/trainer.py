@@ -124,6 +124,7 @@ class Trainer:
             values: dict[str, Any] = {}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 values["val_loss"] = self.evaluate()
+                last["val_loss"] = float(values["val_loss"])  # in the checkpoint written next
             if step > first and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                 self.save_checkpoint()
             if step == cfg.steps:
@@ -209,7 +210,7 @@ class Trainer:
             "tokenizer": self.data.tokenizer.to_dict() if self.data.tokenizer else None,
         }
         path, nbytes = save_checkpoint(self.checkpoint_dir, self.step, payload)
-        self.sink.checkpoint(self.step, path, nbytes)
+        self.sink.checkpoint(self.step, path, nbytes, dict(self.last))
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None

@@ -1,0 +1,120 @@
+"""All SQL about stored telemetry: metric series and their columnar chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import func, insert, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from app.db.models import Job, MetricChunk, MetricSeries
+
+CHUNK_COLUMNS = (
+    "job_id", "name", "first_step", "last_step", "n", "steps", "values",
+    "min_step", "min_value", "max_step", "max_value", "last_value",
+)  # fmt: skip
+COPY_TYPES = ("text", "text", "int4", "int4", "int4", "bytea", "bytea", "int4", "float8", "int4", "float8", "float8")
+
+# Per bucket of ``width`` steps, the chunks (entirely inside the bucket) holding its smallest value,
+# its largest value and its last point: a window over chunk summaries, never over points.
+BUCKET_EXTREMES = text("""
+SELECT b, rmin, rmax, rlast, min_step, min_value, max_step, max_value, last_step, last_value FROM (
+    SELECT (first_step - :lo) / :width AS b, min_step, min_value, max_step, max_value, last_step, last_value,
+           ROW_NUMBER() OVER (PARTITION BY (first_step - :lo) / :width ORDER BY min_value, min_step) AS rmin,
+           ROW_NUMBER() OVER (PARTITION BY (first_step - :lo) / :width ORDER BY max_value DESC, max_step) AS rmax,
+           ROW_NUMBER() OVER (PARTITION BY (first_step - :lo) / :width ORDER BY last_step DESC) AS rlast
+    FROM metric_chunks
+    WHERE job_id = :job_id AND name = :name AND first_step >= :lo AND last_step <= :hi
+      AND (first_step - :lo) / :width = (last_step - :lo) / :width
+) AS ranked WHERE rmin = 1 OR rmax = 1 OR rlast = 1
+""")
+
+
+class MetricRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    # -- ingest ---------------------------------------------------------------------------------
+    def lock_job(self, job_id: str) -> bool:
+        """Lock the job's row until commit (one writer of a job's metrics at a time); False if
+        there is no such job."""
+        query = select(Job.id).where(Job.id == job_id).with_for_update()
+        return self.session.scalar(query) is not None
+
+    def last_steps(self, job_id: str) -> dict[str, int]:
+        """The last stored step of every series of the job."""
+        query = select(MetricSeries.name, MetricSeries.last_step).where(MetricSeries.job_id == job_id)
+        return dict(self.session.execute(query).all())
+
+    def add_chunks(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Insert chunk rows: COPY (binary) on Postgres, one multi-row INSERT elsewhere."""
+        if not rows:
+            return
+        connection = self.session.connection()
+        if connection.dialect.name != "postgresql":
+            self.session.execute(insert(MetricChunk.__table__), list(rows))
+            return
+        cursor = connection.connection.driver_connection.cursor()
+        columns = ", ".join(f'"{c}"' for c in CHUNK_COLUMNS)
+        with cursor.copy(f"COPY metric_chunks ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(COPY_TYPES)
+            for row in rows:
+                copy.write_row([row[c] for c in CHUNK_COLUMNS])
+
+    def update_series(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Add points to series ({job_id, name, points, first_step, last_step}), creating new ones."""
+        if not rows:
+            return
+        dialect = postgresql if self.session.get_bind().dialect.name == "postgresql" else sqlite
+        stmt = dialect.insert(MetricSeries.__table__)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["job_id", "name"],
+            set_={"points": MetricSeries.points + stmt.excluded.points, "last_step": stmt.excluded.last_step},
+        )
+        self.session.execute(stmt, list(rows))
+
+    def set_mark(self, job_id: str, mark: str) -> None:
+        self.session.execute(update(Job).where(Job.id == job_id).values(telemetry_mark=mark))
+
+    # -- reads ----------------------------------------------------------------------------------
+    def series(self, job_id: str, names: Sequence[str] | None = None) -> list[MetricSeries]:
+        query = select(MetricSeries).where(MetricSeries.job_id == job_id)
+        if names is not None:
+            query = query.where(MetricSeries.name.in_(names))
+        return list(self.session.scalars(query.order_by(MetricSeries.name)))
+
+    def chunks(self, job_id: str, names: Sequence[str] | None, lo: int, hi: int) -> list[Any]:
+        """Chunks (with their points) overlapping steps [lo, hi], by name then step."""
+        query = select(MetricChunk.name, MetricChunk.steps, MetricChunk.values).where(
+            MetricChunk.job_id == job_id, MetricChunk.last_step >= lo, MetricChunk.first_step <= hi
+        )
+        if names is not None:
+            query = query.where(MetricChunk.name.in_(names))
+        return list(self.session.execute(query.order_by(MetricChunk.name, MetricChunk.first_step)))
+
+    def points_within(self, job_id: str, name: str, lo: int, hi: int) -> int:
+        """Points in the chunks that lie entirely inside [lo, hi]."""
+        query = select(func.coalesce(func.sum(MetricChunk.n), 0)).where(
+            MetricChunk.job_id == job_id, MetricChunk.name == name, MetricChunk.first_step >= lo,
+            MetricChunk.last_step <= hi,
+        )  # fmt: skip
+        return int(self.session.scalar(query))
+
+    def edge_chunks(self, job_id: str, name: str, lo: int, hi: int, width: int) -> list[Any]:
+        """Chunks (with their points) overlapping [lo, hi] that are not inside one bucket of it:
+        they cross lo, hi or a bucket boundary, so their points are bucketed one by one."""
+        offset_first = (MetricChunk.first_step - lo) // width
+        offset_last = (MetricChunk.last_step - lo) // width
+        query = select(MetricChunk.steps, MetricChunk.values).where(
+            MetricChunk.job_id == job_id, MetricChunk.name == name, MetricChunk.last_step >= lo,
+            MetricChunk.first_step <= hi,
+            (MetricChunk.first_step < lo) | (MetricChunk.last_step > hi) | (offset_first != offset_last),
+        )  # fmt: skip
+        return list(self.session.execute(query))
+
+    def bucket_extremes(self, job_id: str, name: str, lo: int, hi: int, width: int) -> list[Any]:
+        """BUCKET_EXTREMES: up to three summary rows per bucket (flags rmin, rmax, rlast == 1)."""
+        params = {"job_id": job_id, "name": name, "lo": lo, "hi": hi, "width": width}
+        return list(self.session.execute(BUCKET_EXTREMES, params))

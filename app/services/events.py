@@ -1,0 +1,165 @@
+"""A job's events stream: history from the database, then the live bus, resumable exactly.
+
+Events: ``status`` (the Job), ``checkpoint`` ({step, bytes}), ``log`` ({level, message}) and
+``metrics`` ({step, metrics}), then a final ``done``. Every event but ``done`` carries an id that
+encodes a cursor: the seq of the last job event delivered and the first telemetry step not yet
+delivered. Job events are numbered 1, 2, ... per job and commit in that order, and a job's
+telemetry steps are delivered in increasing order, each once (a resumed attempt sends steps
+again; they are behind the cursor), so a reconnect with ``Last-Event-ID`` gets exactly what
+follows the cursor, whether it comes from the database or from the bus.
+
+The stream reads a page from the database (everything after the cursor, in order: job events
+by seq, placed among the steps where they happened), then, in full mode, reads the job's
+Redis Stream from the position up to which the database holds the metrics (the job's
+``telemetry_mark``), skipping what the cursor has passed. When the bus has nothing for a while,
+or its order has a hole (an event whose predecessor has not arrived), or it no longer holds the
+position, it goes back to the database. In embedded mode it polls the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.sse import ServerSentEvent
+from starlette.concurrency import run_in_threadpool
+
+from app.db.models import FINISHED_STATUSES
+from app.db.session import open_session
+from app.errors import ValidationFailed
+from app.live import LiveReader
+from app.repositories.jobs import JobRepository
+from app.services.telemetry import steps_from
+from app.settings import Settings
+
+STEP_BITS = 32  # the id packs (seq, next step) into one increasing integer
+PAGE_STEPS = 500  # telemetry steps per database page
+POLL_SECONDS = 0.5  # embedded mode, and after the bus lost its place
+RECHECK_SECONDS = 15.0  # the database is read again when the bus brought nothing for this long
+READ_COUNT = 1000
+
+
+@dataclass
+class Cursor:
+    seq: int = 0  # the last job event delivered
+    next_step: int = 0  # the first telemetry step not yet delivered
+
+    @classmethod
+    def parse(cls, last_event_id: str | None) -> Cursor:
+        if not last_event_id:
+            return cls()
+        try:
+            value = int(last_event_id)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValidationFailed("Last-Event-ID must be an id this stream sent", param="Last-Event-ID")
+        return cls(value >> STEP_BITS, value & ((1 << STEP_BITS) - 1))
+
+    @property
+    def id(self) -> str:
+        return str(self.seq << STEP_BITS | self.next_step)
+
+    def job_event(self, seq: int, kind: str, data: Any) -> ServerSentEvent | None:
+        """The event if it is the next job event; None if already delivered."""
+        if seq <= self.seq:
+            return None
+        self.seq = seq
+        return ServerSentEvent(event=kind, data=data, id=self.id)
+
+    def metrics(self, step: int, values: dict[str, float]) -> ServerSentEvent | None:
+        """The event if its step is not behind the cursor; None otherwise."""
+        if step < self.next_step:
+            return None
+        self.next_step = step + 1
+        return ServerSentEvent(event="metrics", data={"step": step, "metrics": values}, id=self.id)
+
+
+@dataclass
+class Page:
+    events: list[ServerSentEvent] = field(default_factory=list)
+    more: bool = False  # a full page of steps: read the next one at once
+    done: bool = False  # the job has finished and everything has been delivered
+    mark: str | None = None  # the bus position up to which the database holds the metrics
+
+
+def read_page(settings: Settings, job_id: str, cursor: Cursor) -> Page:
+    """Everything after ``cursor`` that the database holds, up to PAGE_STEPS telemetry steps,
+    in order; advances the cursor."""
+    with open_session(settings) as session:
+        repo = JobRepository(session)
+        job = repo.get(job_id)
+        if job is None:  # deleted meanwhile
+            return Page(done=True)
+        # Read first: the rows below are at least as new.
+        mark, status, last_seq = job.telemetry_mark, job.status, job.event_seq
+        events = repo.events(job_id, after_seq=cursor.seq)
+        steps = steps_from(session, job_id, cursor.next_step, PAGE_STEPS)
+    page = Page(more=len(steps) == PAGE_STEPS, mark=mark)
+    pending = [(e.seq, e.kind, e.payload, step_of(e.kind, e.payload, e.step)) for e in events]
+    i = 0
+    for step, values in steps:  # job events in seq order, each before the steps after it
+        while i < len(pending) and pending[i][3] <= step:
+            page.events.append(cursor.job_event(*pending[i][:3]))
+            i += 1
+        page.events.append(cursor.metrics(step, values))
+    if not page.more:
+        page.events += [cursor.job_event(*p[:3]) for p in pending[i:]]
+        page.done = status in FINISHED_STATUSES and cursor.seq >= last_seq
+    page.events = [e for e in page.events if e is not None]
+    return page
+
+
+def step_of(kind: str, payload: dict[str, Any], step: int | None) -> float:
+    """Where a job event goes among the telemetry steps: a final status after all of them."""
+    if kind == "status" and payload.get("status") in FINISHED_STATUSES:
+        return float("inf")
+    return -1 if step is None else step
+
+
+async def follow(
+    settings: Settings, reader: LiveReader | None, job_id: str, cursor: Cursor
+) -> AsyncIterator[ServerSentEvent]:
+    """The job's events after ``cursor``, then ``done`` once it has finished."""
+    while True:
+        page = await run_in_threadpool(read_page, settings, job_id, cursor)
+        for event in page.events:
+            yield event
+        if page.done:
+            yield ServerSentEvent(event="done", data={})
+            return
+        if page.more:
+            continue
+        if reader is None or (page.mark and not await reader.holds(job_id, page.mark)):
+            await asyncio.sleep(POLL_SECONDS)  # no bus, or the bus lost what the database does not hold yet
+            continue
+        async for event in tail(reader, job_id, page.mark or "0-0", cursor):
+            yield event
+
+
+async def tail(reader: LiveReader, job_id: str, position: str, cursor: Cursor) -> AsyncIterator[ServerSentEvent]:
+    """Events from the bus after ``position``, until it has nothing for RECHECK_SECONDS, a job
+    event arrives out of order, the job finishes, or the bus may have dropped entries unread."""
+    deadline = time.monotonic() + RECHECK_SECONDS
+    while (left := deadline - time.monotonic()) > 0:
+        entries = await reader.read(job_id, position, block_ms=max(1, int(left * 1000)), count=READ_COUNT)
+        for entry_id, entry in entries:
+            position = entry_id
+            if entry["kind"] == "metrics":
+                event = cursor.metrics(entry["step"], entry["data"])
+            elif entry["seq"] > cursor.seq + 1:
+                return  # its predecessor has not arrived: the database has them in order
+            else:
+                event = cursor.job_event(entry["seq"], entry["kind"], entry["data"])
+                if entry["kind"] == "status" and entry["data"].get("status") in FINISHED_STATUSES:
+                    if event is not None:
+                        yield event
+                    return  # the database has the rest, and the end
+            if event is not None:
+                yield event
+            deadline = time.monotonic() + RECHECK_SECONDS
+        if len(entries) == READ_COUNT and not await reader.holds(job_id, position):
+            return  # behind by more than the stream keeps

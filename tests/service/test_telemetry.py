@@ -1,0 +1,204 @@
+"""Telemetry on real Postgres, Redis, API and worker processes: idempotent ingest, downsampled
+history, the events stream (live, dropped and resumed), checkpoints with their metrics, tenants."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from sqlalchemy import select
+
+from app.db.models import Job, MetricChunk, MetricSeries
+from app.db.session import transaction
+from app.schemas import JobSpec
+from app.services.auth import authenticate
+from app.services.jobs import insert_jobs, prepare_job
+from app.services.telemetry import store_metrics, unpack
+from muonforge.client import ApiError, Client
+from tests.service.conftest import new_key, tiny_spec
+
+
+def new_job(settings) -> str:
+    """A stored job (no task sent) to ingest telemetry into."""
+    with transaction(settings) as session:
+        tenant = authenticate(session, f"Bearer {new_key(settings)}")
+        new = prepare_job(session, tenant, JobSpec.model_validate(tiny_spec()), None, settings)
+        ((job, _),) = insert_jobs(session, [new])
+    return job.id
+
+
+def stored(settings, job_id: str) -> dict[str, dict[int, float]]:
+    """Every stored point, {name: {step: value}}, read back from the chunks."""
+    out: dict[str, dict[int, float]] = {}
+    with transaction(settings) as session:
+        for chunk in session.scalars(select(MetricChunk).where(MetricChunk.job_id == job_id)):
+            steps, values = unpack(chunk.steps, chunk.values)
+            series = out.setdefault(chunk.name, {})
+            for s, v in zip(steps.tolist(), values.tolist()):
+                assert s not in series, f"{chunk.name} step {s} stored twice"
+                series[s] = v
+    return out
+
+
+def ingest(settings, job_id: str, steps, mark=None) -> int:
+    with transaction(settings) as session:
+        return store_metrics(session, job_id, steps, mark)
+
+
+def test_ingesting_the_same_batch_twice_stores_each_point_once(settings):
+    job_id = new_job(settings)
+    batch = [(s, {"loss": 5.0 - s / 100, "lr": 0.02}) for s in range(50)]
+    assert ingest(settings, job_id, batch) == 100
+    assert ingest(settings, job_id, batch) == 0
+    assert stored(settings, job_id) == {
+        "loss": dict((s, 5.0 - s / 100) for s in range(50)),
+        "lr": dict.fromkeys(range(50), 0.02),
+    }
+    # A resumed attempt sends steps 40-59 again with other values, and a new name for a stored step.
+    resumed = [(s, {"loss": -1.0, "val_loss": 4.0}) for s in range(40, 60)]
+    assert ingest(settings, job_id, resumed) == 10 + 20
+    points = stored(settings, job_id)
+    assert points["loss"][45] == 5.0 - 45 / 100 and points["loss"][55] == -1.0  # the first value stays
+    assert sorted(points["val_loss"]) == list(range(40, 60))  # a new name at stored steps is kept
+    with transaction(settings) as session:
+        rows = session.scalars(select(MetricSeries).where(MetricSeries.job_id == job_id))
+        series = {s.name: (s.points, s.first_step, s.last_step) for s in rows}
+    assert series == {"loss": (60, 0, 59), "lr": (50, 0, 49), "val_loss": (20, 40, 59)}
+
+
+def test_non_finite_values_are_not_stored_and_the_mark_is_kept(settings):
+    job_id = new_job(settings)
+    ingest(settings, job_id, [(0, {"a": float("nan"), "b": 1.0}), (1, {"a": float("inf"), "b": 2.0})], mark="17-0")
+    assert stored(settings, job_id) == {"b": {0: 1.0, 1: 2.0}}
+    with transaction(settings) as session:
+        assert session.get(Job, job_id).telemetry_mark == "17-0"
+
+
+@pytest.fixture(scope="module")
+def spiky_series(settings):
+    """A 100,000-step series stored in chunks of 1 to 700 points, with spikes up and down."""
+    rng = np.random.default_rng(0)
+    values = np.sin(np.arange(100_000) / 500) + rng.normal(0, 0.05, 100_000)
+    spikes = {12_345: 40.0, 77_777: -35.0, 99_998: 25.0, 3: -20.0}
+    for step, value in spikes.items():
+        values[step] = value
+    job_id = new_job(settings)
+    step = 0
+    random.seed(0)
+    while step < len(values):
+        n = random.choice([1, 7, 50, 333, 700])
+        ingest(settings, job_id, [(s, {"x": float(values[s])}) for s in range(step, min(step + n, len(values)))])
+        step += n
+    return job_id, values, spikes
+
+
+def series_points(settings, job_id, **query) -> list[list[float]]:
+    from app.services.telemetry import history
+
+    with transaction(settings) as session:
+        (series,) = history(session, job_id, ["x"], query.pop("max_points", 1000), query.get("lo"), query.get("hi"))
+    return series["points"]
+
+
+@pytest.mark.parametrize("max_points", [3, 100, 1000, 5000])
+def test_downsampling_keeps_the_global_min_and_max_with_real_points(settings, spiky_series, max_points):
+    job_id, values, spikes = spiky_series
+    points = series_points(settings, job_id, max_points=max_points)
+    assert 0 < len(points) <= max_points
+    steps = [p[0] for p in points]
+    assert steps == sorted(set(steps))  # ascending, no point twice
+    assert all(values[s] == v for s, v in points)  # real points, not averages
+    assert [int(values.argmin()), values.min()] in points and [int(values.argmax()), values.max()] in points
+    if max_points >= 1000:
+        assert {s for s in spikes} <= set(steps)  # every spike survives at a useful resolution
+    assert points[-1][0] == len(values) - 1  # the last point of the last bucket
+
+
+def test_a_small_range_returns_every_point_and_edges_are_cut_exactly(settings, spiky_series):
+    job_id, values, _ = spiky_series
+    points = series_points(settings, job_id, lo=12_000, hi=12_600, max_points=1000)
+    assert points == [[s, float(values[s])] for s in range(12_000, 12_601)]
+    coarse = series_points(settings, job_id, lo=12_000, hi=40_000, max_points=60)
+    assert all(12_000 <= p[0] <= 40_000 for p in coarse) and len(coarse) <= 60
+    assert [12_345, 40.0] in coarse
+
+
+def test_follow_a_running_job_drop_the_connection_and_resume_exactly(api_url, settings, auth, start_worker):
+    start_worker()
+    key = auth["Authorization"].split()[1]
+    spec = tiny_spec(steps=1500, eval_every=100, checkpoint_every=500)
+    spec["model"] = {"arch": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32}
+    with Client(api_url, key) as client:
+        job = client.create_job(spec)
+        received, last_id = [], None
+        for cut in (60, 150):  # drop the connection twice, mid-run
+            for event in client.events(job["id"], last_event_id=last_id, reconnect=False):
+                received.append(event)
+                last_id = event.id
+                if len(received) == cut:
+                    break
+        assert client.get_job(job["id"])["status"] in ("queued", "running"), "the drops should happen mid-run"
+        received += list(client.events(job["id"], last_event_id=last_id))
+        replay = list(client.events(job["id"]))  # the finished job's whole history
+    assert received[-1].event == replay[-1].event == "done"
+    ids = [int(e.id) for e in received[:-1]]
+    assert ids == sorted(set(ids)), "ids increase: nothing repeated"
+    key_of = lambda e: (e.event, e.data["step"] if e.event == "metrics" else int(e.id or 0) >> 32)  # noqa: E731
+    assert sorted(map(key_of, received)) == sorted(map(key_of, replay)), "nothing missing, nothing repeated"
+    metrics = [e.data for e in received if e.event == "metrics"]
+    assert [m["step"] for m in metrics] == list(range(1501))
+    assert all(m == r.data for m, r in zip(metrics, (e for e in replay if e.event == "metrics")))
+    statuses = [e.data["status"] for e in received if e.event == "status"]
+    assert statuses == ["queued", "running", "succeeded"]
+    assert [e.data["step"] for e in received if e.event == "checkpoint"] == [500, 1000, 1500]
+
+
+def test_checkpoints_carry_their_metrics_and_history_matches_the_stream(api_url, settings, auth, start_worker):
+    start_worker()
+    key = auth["Authorization"].split()[1]
+    with Client(api_url, key) as client:
+        job = client.create_job(tiny_spec(steps=40))  # eval and checkpoint every 10
+        events = list(client.events(job["id"]))
+        streamed = {e.data["step"]: e.data["metrics"] for e in events if e.event == "metrics"}
+        history = client.metrics(job["id"], names=["loss", "val_loss"])
+        checkpoints = client.checkpoints(job["id"])
+    assert history["loss"] == [[s, streamed[s]["loss"]] for s in range(40)]
+    assert history["val_loss"] == [[s, streamed[s]["val_loss"]] for s in (0, 10, 20, 30, 40)]
+    assert [c["step"] for c in checkpoints] == [40, 30, 20, 10]
+    for c in checkpoints:  # the val_loss of its own step, the loss of the step before
+        assert c["metrics"]["val_loss"] == streamed[c["step"]]["val_loss"]
+        assert c["metrics"]["loss"] == streamed[c["step"] - 1]["loss"]
+
+
+def test_another_tenant_cannot_stream_read_history_or_download(api_url, settings, auth, start_worker):
+    start_worker()
+    owner = Client(api_url, auth["Authorization"].split()[1])
+    job = owner.create_job(tiny_spec(steps=20))
+    list(owner.events(job["id"]))
+    assert owner.checkpoints(job["id"])
+    other = Client(api_url, new_key(settings))
+    for call in (
+        lambda: next(other.events(job["id"], reconnect=False)),
+        lambda: other.metrics(job["id"]),
+        lambda: other.checkpoints(job["id"]),
+        lambda: other.download_checkpoint(job["id"], 20, "/dev/null"),
+    ):
+        with pytest.raises(ApiError) as err:
+            call()
+        assert err.value.status == 404 and err.value.code == "not_found"
+    with pytest.raises(ApiError) as err:
+        next(owner.events(job["id"], last_event_id="not-an-id", reconnect=False))
+    assert err.value.status == 422 and err.value.param == "Last-Event-ID"
+    owner.close()
+    other.close()
+
+
+def test_history_query_validation(client, auth, settings):
+    job = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()
+    r = client.get(f"/v1/jobs/{job['id']}/metrics", params={"from_step": 10, "to_step": 5}, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "from_step"
+    r = client.get(f"/v1/jobs/{job['id']}/metrics", params={"max_points": 2}, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "max_points"
+    assert client.get(f"/v1/jobs/{job['id']}/metrics", headers=auth).json() == {"job_id": job["id"], "series": []}
+    client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth)

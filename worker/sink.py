@@ -1,0 +1,151 @@
+"""The engine's telemetry sink for a service job.
+
+The trainer hands each telemetry step over and goes on: a background thread publishes it to
+the live bus at once (one Redis pipeline for whatever is pending, typically within a few ms)
+and writes the job's metrics to the database every ``telemetry_flush_seconds``, in the same
+transaction as the job's progress and summary (latest loss, val_loss, attn_max_logit, ...).
+Every write of progress is fenced by the attempt number: an attempt that lost its lease learns
+so at its next step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from app.db.session import transaction
+from app.live import live_bus
+from app.repositories.jobs import JobRepository
+from app.services.telemetry import store_metrics
+from app.settings import Settings
+
+log = logging.getLogger("muonforge.worker")
+SUMMARY_KEYS = ("loss", "val_loss", "attn_max_logit", "tokens_per_s", "lr", "grad_norm", "update_rms")
+_FLUSH = object()  # asks the thread to write everything pending now
+MAX_FAILURES = 5  # consecutive failed writes (one per flush interval) before the attempt fails
+
+
+class LeaseLost(RuntimeError):
+    """Another attempt owns the job now."""
+
+
+class JobSink:
+    """Telemetry of one attempt: to the live bus at once, to the database in batches; progress
+    and summary kept current; checkpoints and log lines recorded as job events."""
+
+    def __init__(self, settings: Settings, job_id: str, attempt: int, step: int, summary: dict[str, float]) -> None:
+        self.settings, self.job_id, self.attempt = settings, job_id, attempt
+        self.bus = live_bus(settings)
+        self.step, self.summary = step, dict(summary)  # a resumed attempt starts from what is known
+        self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._buffer: list[tuple[int, dict[str, float]]] = []
+        self._mark: str | None = None
+        self._progress: tuple[int, dict[str, float]] | None = None
+        self._flushed = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"telemetry-{job_id}", daemon=True)
+        self._thread.start()
+
+    # -- the engine's TelemetrySink ------------------------------------------------------------
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        self._raise_if_failed()
+        self.step = step + 1 if "loss" in values else step  # optimizer steps completed
+        self.summary.update({k: v for k, v in values.items() if k in SUMMARY_KEYS})
+        self._pending.put((step, values, dict(self.summary), self.step))
+
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
+        self.flush()  # the metrics before it are stored first
+        relative = str(path.relative_to(self.settings.artifact_dir))
+        with transaction(self.settings) as session:
+            repo = JobRepository(session)
+            if not repo.record_progress(self.job_id, self.attempt, self.step, dict(self.summary)):  # fenced
+                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
+            repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes, metrics)
+            repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
+
+    def log(self, level: str, message: str) -> None:
+        with transaction(self.settings) as session:
+            JobRepository(session).add_event(self.job_id, "log", {"level": level, "message": message}, step=self.step)
+
+    # -- control ---------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Publish and store everything handed over so far (waits for the thread)."""
+        self._flushed.clear()
+        self._pending.put(_FLUSH)
+        while not self._flushed.wait(1.0):
+            if not self._thread.is_alive():
+                break
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Flush, then stop the thread."""
+        try:
+            self.flush()
+        finally:
+            self._pending.put(None)
+            self._thread.join(timeout=30)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- the thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        flush_every = self.settings.telemetry_flush_seconds
+        next_store = time.monotonic() + flush_every
+        stop, failures = False, 0
+        while not stop:
+            try:
+                items = [self._pending.get(timeout=max(0.0, next_store - time.monotonic()))]
+            except queue.Empty:
+                items = []  # time to store
+            while True:
+                try:
+                    items.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            steps = [item for item in items if isinstance(item, tuple)]
+            flush, stop = _FLUSH in items, None in items
+            try:
+                if steps:
+                    self._publish(steps)
+                if flush or stop or time.monotonic() >= next_store:
+                    self._store()
+                    next_store = time.monotonic() + flush_every
+            except LeaseLost as exc:
+                self._error = exc  # the trainer stops at its next step
+            except Exception as exc:  # a database or Redis blip: kept, tried again at the next store
+                failures += 1
+                log.warning("job %s: telemetry write failed (%d in a row): %s", self.job_id, failures, exc)
+                if failures >= MAX_FAILURES or stop:
+                    self._error = RuntimeError(f"telemetry could not be written: {exc}")
+            else:
+                failures = 0
+            if flush:
+                self._flushed.set()
+        self._flushed.set()
+
+    def _publish(self, steps: list[tuple[int, dict[str, float], dict[str, float], int]]) -> None:
+        """To the live bus now; into the buffer for the next store."""
+        marks = self.bus.publish_metrics(self.job_id, [(step, json.dumps(values)) for step, values, _, _ in steps])
+        self._buffer += [(step, values) for step, values, _, _ in steps]
+        self._mark = marks[-1]
+        _, _, summary, progress_step = steps[-1]
+        self._progress = (progress_step, summary)
+
+    def _store(self) -> None:
+        """The buffered metrics, progress and summary, in one transaction (progress fenced)."""
+        if not self._buffer and self._progress is None:
+            return
+        with transaction(self.settings) as session:
+            store_metrics(session, self.job_id, self._buffer, self._mark)
+            if self._progress is not None:
+                step, summary = self._progress
+                if not JobRepository(session).record_progress(self.job_id, self.attempt, step, summary):
+                    raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
+        self._buffer, self._progress = [], None
