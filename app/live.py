@@ -12,19 +12,27 @@ polls the database.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import redis
 import redis.asyncio
 
+from app.db.models import FINISHED_STATUSES
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.live")
 STREAM_TTL_SECONDS = 24 * 3600  # a job's stream outlives its last event by a day
+READ_COUNT = 1000  # entries per XREAD
+FEED_BLOCK_MS = 5000  # a feed with no subscriber left stops within this
+MAX_CONNECTIONS = 1000  # Redis connections an API process may open (one per followed job, plus a few)
 
 
 def stream_key(job_id: str) -> str:
@@ -87,31 +95,130 @@ def live_bus(settings: Settings) -> RedisBus | NoBus:
     return _bus(settings.redis_url, settings.live_stream_maxlen)
 
 
+@dataclass
+class Entry:
+    """A stream entry: ``data`` is its JSON text, passed on to clients as it is."""
+
+    id: str
+    kind: str  # metrics | status | checkpoint | log
+    step: int
+    seq: int | None
+    data: str
+
+    @property
+    def final_status(self) -> bool:
+        return self.kind == "status" and json.loads(self.data).get("status") in FINISHED_STATUSES
+
+
+def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
+    seq = fields.get(b"seq")
+    return Entry(entry_id.decode(), fields[b"kind"].decode(), int(fields[b"step"]), int(seq) if seq else None,
+                 fields[b"data"].decode())  # fmt: skip
+
+
+class Resync(Exception):
+    """The subscription lost entries (too slow, or the stream dropped them unread): read the
+    database, then subscribe again."""
+
+
+class Subscription:
+    """The entries of one job's stream after a position, in order, for one reader."""
+
+    def __init__(self, after: str, limit: int) -> None:
+        self.last = stream_id_key(after)
+        self.limit = limit
+        self.backlog: deque[Entry] = deque()  # the catch-up: before anything in the queue
+        self.queue: asyncio.Queue[Entry | None] = asyncio.Queue()
+        self.broken = False
+
+    def offer(self, entry: Entry | None) -> None:
+        """From the feed: an entry, or None when entries were lost."""
+        if self.broken:
+            return
+        if entry is None or self.queue.qsize() >= self.limit:
+            self.broken = True
+            self.queue.put_nowait(None)
+        else:
+            self.queue.put_nowait(entry)
+
+    async def get(self) -> Entry:
+        while True:
+            entry = self.backlog.popleft() if self.backlog else await self.queue.get()
+            if entry is None:
+                raise Resync()
+            key = stream_id_key(entry.id)
+            if key > self.last:  # the catch-up and the live feed may overlap
+                self.last = key
+                return entry
+
+
+class JobFeed:
+    """One XREAD BLOCK loop per followed job and API process, shared by all its subscribers."""
+
+    def __init__(self, reader: LiveReader, job_id: str, position: str) -> None:
+        self.reader, self.job_id, self.position = reader, job_id, position
+        self.subscribers: set[Subscription] = set()
+        self.task = asyncio.create_task(self._run(), name=f"feed-{job_id}")
+
+    async def _run(self) -> None:
+        try:
+            while self.subscribers:
+                entries = await self.reader.read(self.job_id, self.position, FEED_BLOCK_MS, READ_COUNT)
+                for entry in entries:
+                    for sub in list(self.subscribers):
+                        sub.offer(entry)
+                if entries:
+                    self.position = entries[-1].id
+                if len(entries) == READ_COUNT and not await self.reader.holds(self.job_id, self.position):
+                    for sub in list(self.subscribers):  # behind by more than the stream keeps
+                        sub.offer(None)
+        except Exception:
+            log.exception("live feed of job %s failed", self.job_id)
+            for sub in list(self.subscribers):
+                sub.offer(None)
+        finally:
+            if self.reader.feeds.get(self.job_id) is self:
+                del self.reader.feeds[self.job_id]
+
+
 class LiveReader:
-    """Reads the per-job Redis Streams from an event loop (the API's events stream)."""
+    """Reads the per-job Redis Streams for an API process's events streams: one feed (one Redis
+    connection) per followed job, however many clients follow it."""
 
     def __init__(self, url: str) -> None:
-        self._client = redis.asyncio.Redis.from_url(url)
+        self._client = redis.asyncio.Redis.from_url(url, max_connections=MAX_CONNECTIONS)
+        self.feeds: dict[str, JobFeed] = {}
 
-    async def read(self, job_id: str, after: str, block_ms: int, count: int = 1000) -> list[tuple[str, dict]]:
+    async def read(self, job_id: str, after: str, block_ms: int, count: int = READ_COUNT) -> list[Entry]:
         """Entries after ``after`` ("0-0": from the start), waiting up to ``block_ms`` for one."""
         reply = await self._client.xread({stream_key(job_id): after}, count=count, block=block_ms)
-        if not reply:
-            return []
-        return [(entry_id.decode(), decode_entry(fields)) for entry_id, fields in reply[0][1]]
+        return [decode_entry(entry_id, fields) for entry_id, fields in reply[0][1]] if reply else []
 
     async def holds(self, job_id: str, entry_id: str) -> bool:
         """Whether the stream still holds ``entry_id``: reading after it then misses nothing."""
         return bool(await self._client.xrange(stream_key(job_id), entry_id, entry_id, count=1))
 
+    @asynccontextmanager
+    async def subscribe(self, job_id: str, after: str, limit: int = 10_000) -> AsyncIterator[Subscription]:
+        """Every entry of the job's stream after ``after``: what the job's feed has read past it
+        is caught up with one XRANGE, the rest comes from the feed. More than ``limit`` entries
+        waiting (a slow reader) breaks the subscription (Resync)."""
+        sub = Subscription(after, limit)
+        feed = self.feeds.get(job_id)
+        if feed is None:
+            feed = self.feeds[job_id] = JobFeed(self, job_id, after)
+            feed.subscribers.add(sub)
+        else:
+            feed.subscribers.add(sub)  # no await since reading feed.position: nothing slips between
+            if stream_id_key(feed.position) > stream_id_key(after):  # what the feed has read past ``after``
+                reply = await self._client.xrange(stream_key(job_id), f"({after}", feed.position)
+                sub.backlog.extend(decode_entry(entry_id, fields) for entry_id, fields in reply)
+        try:
+            yield sub
+        finally:
+            feed.subscribers.discard(sub)
+
     async def close(self) -> None:
+        for feed in list(self.feeds.values()):
+            feed.task.cancel()
         await self._client.aclose()
-
-
-def decode_entry(fields: dict[bytes, bytes]) -> dict[str, Any]:
-    """A stream entry as {kind, step, seq?, data} with the data parsed."""
-    entry: dict[str, Any] = {"kind": fields[b"kind"].decode(), "step": int(fields[b"step"])}
-    if b"seq" in fields:
-        entry["seq"] = int(fields[b"seq"])
-    entry["data"] = json.loads(fields[b"data"])
-    return entry

@@ -69,6 +69,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     app.state.admission = Admission()
     app.state.publisher = TaskPublisher(settings)
     app.state.writer = JobWriter(settings, app.state.publisher)
+    app.state.open_streams = 0
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
     app.include_router(datasets.router)

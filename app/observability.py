@@ -36,6 +36,21 @@ class JobCollector:
         )
 
 
+class StreamCollector:
+    """Open events streams and live feeds of this API process, read at scrape time."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def collect(self):
+        state = self.app.state
+        yield GaugeMetricFamily("muonforge_event_streams", "Open events streams (SSE clients).",
+                                value=getattr(state, "open_streams", 0))  # fmt: skip
+        reader = getattr(state, "live_reader", None)
+        yield GaugeMetricFamily("muonforge_live_feeds", "Jobs whose live stream this process reads.",
+                                value=len(reader.feeds) if reader else 0)  # fmt: skip
+
+
 class RequestMetrics:
     """Counts requests and times them per route: a pure ASGI middleware (the decorator form,
     BaseHTTPMiddleware, costs an extra task and a body stream on every request)."""
@@ -70,6 +85,7 @@ def install_metrics(app: FastAPI, settings: Settings) -> None:
     )  # fmt: skip
     latency = Histogram("muonforge_http_request_seconds", "HTTP request latency.", ["route"], registry=registry)
     registry.register(JobCollector(settings))
+    registry.register(StreamCollector(app))
 
     app.add_middleware(RequestMetrics, requests=requests, latency=latency)
 

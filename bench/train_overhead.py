@@ -28,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -65,40 +66,61 @@ def make_spec(optimizer: str, steps: int, every: int) -> dict[str, Any]:
     }).model_dump()  # fmt: skip
 
 
-def timed_run(optimizer: str, mode: str, steps: int, data: TokenData, jsonl: Path) -> dict[str, float]:
-    """Train once in ``mode`` ("on": telemetry every step, "off": only step 0) into a JSONL sink;
-    returns end-to-end and engine tokens/s, the wall time and how many JSONL lines were written."""
+class JsonlRecorder:
+    """The local sink of `muonforge train`: a JSONL file; ``finish`` closes it and counts its lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def open(self, mode: str) -> JsonlSink:
+        self.sink = JsonlSink(self.path)
+        return self.sink
+
+    def finish(self) -> int:
+        self.sink.close()
+        return self.path.read_text().count("\n")
+
+
+def own_cpu() -> float:
+    own = os.times()
+    return own.user + own.system
+
+
+def timed_run(
+    optimizer: str, mode: str, steps: int, data: TokenData, recorder, accounted_cpu: Callable[[], float] = own_cpu
+) -> dict[str, float]:
+    """Train once in ``mode`` ("on": telemetry every step, "off": only step 0) into the sink that
+    ``recorder.open(mode)`` gives; ``recorder.finish()`` (closing the sink, inside the timing)
+    returns how many telemetry steps it recorded. Returns end-to-end and engine tokens/s, the wall
+    time, the steps recorded and the CPU that processes other than ``accounted_cpu``'s took."""
     spec = make_spec(optimizer, steps, 1 if mode == "on" else steps + 1)
     job = job_config_from_dict(spec)
     job = replace(job, train=replace(job.train, eval_batches=EVAL_BATCHES))
-    sink = JsonlSink(jsonl)
+    sink = recorder.open(mode)
+    trainer = Trainer(job, data, None, sink)
+    busy0, own0, t0 = machine_busy(), accounted_cpu(), time.perf_counter()
     try:
-        trainer = Trainer(job, data, None, sink)
-        cpu0, t0 = cpu_seconds(), time.perf_counter()
         result = trainer.run(resume=False)
-        wall = time.perf_counter() - t0
-        cpu1 = cpu_seconds()
     finally:
-        sink.close()
-    lines = jsonl.read_text().count("\n")
+        lines = recorder.finish()
+    wall = time.perf_counter() - t0
+    busy1, own1 = machine_busy(), accounted_cpu()
     tokens = steps * BATCH_SIZE * MODEL["seq_len"]
-    foreign = None if cpu0 is None or cpu1 is None else ((cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / wall
+    foreign = None if busy0 is None or busy1 is None else ((busy1 - busy0) - (own1 - own0)) / wall
     return {"tokens_per_s": tokens / wall, "engine_tokens_per_s": result.tokens_per_s, "wall_s": wall,
             "lines": lines, "foreign_cores": foreign}  # fmt: skip
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the whole machine has been busy, CPU seconds of this process), from /proc/stat
-    and os.times(); None where /proc/stat is unavailable. Their difference over a run is the CPU
-    other processes took meanwhile, the load that distorts a timing on a small shared machine."""
+def machine_busy() -> float | None:
+    """CPU seconds the whole machine has been busy (stolen time included), from /proc/stat; None
+    where it is unavailable. Over a run, this minus the CPU of the processes the run itself uses
+    is what other processes took: the load that distorts a timing on a small shared machine."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
     except (OSError, ValueError):
         return None
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    own = os.times()
-    return busy, own.user + own.system
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def disturbed(run: dict[str, float]) -> bool:
@@ -107,19 +129,20 @@ def disturbed(run: dict[str, float]) -> bool:
 
 
 def measure(
-    optimizer: str, rounds: int, steps: int, data: TokenData, tmp: Path, max_retries: int = MAX_RETRIES
-) -> dict[str, list[dict]]:
+    optimizer: str, rounds: int, steps: int, data: TokenData, recorder, max_retries: int = MAX_RETRIES,
+    accounted_cpu: Callable[[], float] = own_cpu,
+) -> dict[str, list[dict]]:  # fmt: skip
     """One warm-up run per mode, then ``rounds`` rounds of one run per mode, order alternating.
     A round in which either run was disturbed by other processes is repeated (up to
     ``max_retries`` times, after a pause); a round kept while disturbed is flagged."""
     for mode in MODES:
-        timed_run(optimizer, mode, WARMUP_STEPS, data, tmp / f"warmup-{mode}.jsonl")
+        timed_run(optimizer, mode, WARMUP_STEPS, data, recorder, accounted_cpu)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for r in range(rounds):
         for attempt in range(max_retries + 1):
             pair = {}
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                pair[mode] = run = timed_run(optimizer, mode, steps, data, tmp / f"{mode}.jsonl")
+                pair[mode] = run = timed_run(optimizer, mode, steps, data, recorder, accounted_cpu)
                 print(f"  round {r} {mode:<3}  {run['tokens_per_s']:9.0f} tok/s end-to-end  "
                       f"{run['engine_tokens_per_s']:9.0f} tok/s engine  {run['lines']:4d} lines  "
                       f"other processes {fmt_cores(run['foreign_cores'])} cores", flush=True)  # fmt: skip
@@ -218,7 +241,8 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data = load_data(job_config_from_dict(make_spec(args.optimizer, 1, 1)).data, 0, Path(tmp), CORPUS)
-        runs = measure(args.optimizer, args.rounds, args.steps, data, Path(tmp), args.max_retries)
+        runs = measure(args.optimizer, args.rounds, args.steps, data, JsonlRecorder(Path(tmp) / "metrics.jsonl"),
+                       args.max_retries)  # fmt: skip
     loads = (load_before, os.getloadavg()[0])
     summary = summarize(runs)
     report(summary, args.optimizer, args.rounds, args.steps, loads)

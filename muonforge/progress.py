@@ -52,14 +52,17 @@ class ProgressSink:
 
 
 def follow(client, job: dict) -> dict:
-    """Draw the job's progress (polled) until it finishes; returns the final Job."""
+    """Draw the job's progress from its live events stream until it finishes; returns the final
+    Job."""
     bar = ProgressSink(job["progress"]["total_steps"])
     with bar:
-
-        def update(current: dict) -> None:
-            summary = current.get("summary") or {}
-            fields = {"loss": summary.get("loss"), "val_loss": summary.get("val_loss")}
-            fields["tokens_per_s"] = summary.get("tokens_per_s")
-            bar.show(current["progress"]["step"], {k: v for k, v in fields.items() if v is not None})
-
-        return client.wait(job["id"], poll=1.0, on_update=update)
+        for event in client.events(job["id"]):
+            if event.event == "metrics":
+                bar.metrics(event.data["step"], event.data["metrics"])
+            elif event.event == "checkpoint":
+                bar.console.log(f"checkpoint step {event.data['step']} ({event.data['bytes'] / 2**20:.1f} MiB)")
+            elif event.event == "log":
+                bar.log(event.data["level"], event.data["message"])
+            elif event.event == "status":
+                bar.console.log(f"status {event.data['status']} (attempt {event.data['attempt']})")
+    return client.get_job(job["id"])

@@ -118,8 +118,9 @@ class Checkpoint(Timestamped, Base):
 
 
 class MetricSeries(Base):
-    """One metric of one job: how many points it has and the last step stored (the ingest's
-    idempotency filter: a point at or before it is a repeat)."""
+    """One metric of one job: how many points it has, the last step stored (the ingest's
+    idempotency filter: a point at or before it is a repeat), and its last chunk, which new
+    points extend until it is full."""
 
     __tablename__ = "metric_series"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
@@ -127,6 +128,8 @@ class MetricSeries(Base):
     points: Mapped[int] = mapped_column(BigInteger)
     first_step: Mapped[int] = mapped_column(Integer)
     last_step: Mapped[int] = mapped_column(Integer)
+    tail_step: Mapped[int] = mapped_column(Integer)  # first_step of the last chunk
+    tail_points: Mapped[int] = mapped_column(Integer)
 
 
 class MetricChunk(Base):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, insert, select, text, update
+from sqlalchemy import delete, func, insert, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -43,10 +43,22 @@ class MetricRepository:
         query = select(Job.id).where(Job.id == job_id).with_for_update()
         return self.session.scalar(query) is not None
 
-    def last_steps(self, job_id: str) -> dict[str, int]:
-        """The last stored step of every series of the job."""
-        query = select(MetricSeries.name, MetricSeries.last_step).where(MetricSeries.job_id == job_id)
-        return dict(self.session.execute(query).all())
+    def series_state(self, job_id: str) -> dict[str, Any]:
+        """Every series of the job: name -> row (last_step, tail_step, tail_points)."""
+        query = select(MetricSeries.name, MetricSeries.last_step, MetricSeries.tail_step, MetricSeries.tail_points)
+        return {row.name: row for row in self.session.execute(query.where(MetricSeries.job_id == job_id))}
+
+    def take_chunks(self, job_id: str, keys: Sequence[tuple[str, int]]) -> dict[str, tuple[bytes, bytes]]:
+        """Delete the chunks (name, first_step) and return their points, by name."""
+        if not keys:
+            return {}
+        key = tuple_(MetricChunk.name, MetricChunk.first_step)
+        stmt = (
+            delete(MetricChunk)
+            .where(MetricChunk.job_id == job_id, key.in_(list(keys)))
+            .returning(MetricChunk.name, MetricChunk.steps, MetricChunk.values)
+        )
+        return {row.name: (row.steps, row.values) for row in self.session.execute(stmt)}
 
     def add_chunks(self, rows: Sequence[dict[str, Any]]) -> None:
         """Insert chunk rows: COPY (binary) on Postgres, one multi-row INSERT elsewhere."""
@@ -64,15 +76,18 @@ class MetricRepository:
                 copy.write_row([row[c] for c in CHUNK_COLUMNS])
 
     def update_series(self, rows: Sequence[dict[str, Any]]) -> None:
-        """Add points to series ({job_id, name, points, first_step, last_step}), creating new ones."""
+        """Add points to series ({job_id, name, points, first_step, last_step, tail_step,
+        tail_points}), creating new ones."""
         if not rows:
             return
         dialect = postgresql if self.session.get_bind().dialect.name == "postgresql" else sqlite
         stmt = dialect.insert(MetricSeries.__table__)
+        excluded = stmt.excluded
         stmt = stmt.on_conflict_do_update(
             index_elements=["job_id", "name"],
-            set_={"points": MetricSeries.points + stmt.excluded.points, "last_step": stmt.excluded.last_step},
-        )
+            set_={"points": MetricSeries.points + excluded.points, "last_step": excluded.last_step,
+                  "tail_step": excluded.tail_step, "tail_points": excluded.tail_points},
+        )  # fmt: skip
         self.session.execute(stmt, list(rows))
 
     def set_mark(self, job_id: str, mark: str) -> None:

@@ -94,5 +94,9 @@ async def job_events(
     finished. Reconnect with `Last-Event-ID` to resume exactly after the last event received. A
     finished job's stream replays its history and ends. A `: ping` comment comes every 15 s."""
     state = request.app.state
-    async for event in events.follow(state.settings, state.live_reader, job_id, cursor):
-        yield event
+    state.open_streams += 1
+    try:
+        async for event in events.follow(state.settings, state.live_reader, job_id, cursor):
+            yield event
+    finally:  # the stream ended, or the client went away
+        state.open_streams -= 1

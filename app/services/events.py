@@ -19,7 +19,7 @@ position, it goes back to the database. In embedded mode it polls the database.
 from __future__ import annotations
 
 import asyncio
-import time
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from app.db.models import FINISHED_STATUSES
 from app.db.session import open_session
 from app.errors import ValidationFailed
-from app.live import LiveReader
+from app.live import LiveReader, Resync
 from app.repositories.jobs import JobRepository
 from app.services.telemetry import steps_from
 from app.settings import Settings
@@ -39,7 +39,6 @@ STEP_BITS = 32  # the id packs (seq, next step) into one increasing integer
 PAGE_STEPS = 500  # telemetry steps per database page
 POLL_SECONDS = 0.5  # embedded mode, and after the bus lost its place
 RECHECK_SECONDS = 15.0  # the database is read again when the bus brought nothing for this long
-READ_COUNT = 1000
 
 
 @dataclass
@@ -63,19 +62,23 @@ class Cursor:
     def id(self) -> str:
         return str(self.seq << STEP_BITS | self.next_step)
 
-    def job_event(self, seq: int, kind: str, data: Any) -> ServerSentEvent | None:
-        """The event if it is the next job event; None if already delivered."""
+    def job_event(self, seq: int, kind: str, payload: dict[str, Any] | str) -> ServerSentEvent | None:
+        """The event if it is a job event not yet delivered (``payload`` as a dict or as JSON); None
+        otherwise."""
         if seq <= self.seq:
             return None
         self.seq = seq
-        return ServerSentEvent(event=kind, data=data, id=self.id)
+        return ServerSentEvent(event=kind, raw_data=payload if isinstance(payload, str) else json.dumps(payload),
+                               id=self.id)  # fmt: skip
 
-    def metrics(self, step: int, values: dict[str, float]) -> ServerSentEvent | None:
-        """The event if its step is not behind the cursor; None otherwise."""
+    def metrics(self, step: int, values: dict[str, float] | str) -> ServerSentEvent | None:
+        """The event if its step is not behind the cursor (``values`` as a dict or as JSON); None
+        otherwise."""
         if step < self.next_step:
             return None
         self.next_step = step + 1
-        return ServerSentEvent(event="metrics", data={"step": step, "metrics": values}, id=self.id)
+        values = values if isinstance(values, str) else json.dumps(values)
+        return ServerSentEvent(event="metrics", raw_data=f'{{"step": {step}, "metrics": {values}}}', id=self.id)
 
 
 @dataclass
@@ -142,24 +145,25 @@ async def follow(
 
 async def tail(reader: LiveReader, job_id: str, position: str, cursor: Cursor) -> AsyncIterator[ServerSentEvent]:
     """Events from the bus after ``position``, until it has nothing for RECHECK_SECONDS, a job
-    event arrives out of order, the job finishes, or the bus may have dropped entries unread."""
-    deadline = time.monotonic() + RECHECK_SECONDS
-    while (left := deadline - time.monotonic()) > 0:
-        entries = await reader.read(job_id, position, block_ms=max(1, int(left * 1000)), count=READ_COUNT)
-        for entry_id, entry in entries:
-            position = entry_id
-            if entry["kind"] == "metrics":
-                event = cursor.metrics(entry["step"], entry["data"])
-            elif entry["seq"] > cursor.seq + 1:
-                return  # its predecessor has not arrived: the database has them in order
-            else:
-                event = cursor.job_event(entry["seq"], entry["kind"], entry["data"])
-                if entry["kind"] == "status" and entry["data"].get("status") in FINISHED_STATUSES:
-                    if event is not None:
-                        yield event
-                    return  # the database has the rest, and the end
-            if event is not None:
-                yield event
-            deadline = time.monotonic() + RECHECK_SECONDS
-        if len(entries) == READ_COUNT and not await reader.holds(job_id, position):
-            return  # behind by more than the stream keeps
+    event arrives out of order, the job finishes, or the subscription lost entries."""
+    try:
+        async with reader.subscribe(job_id, position) as subscription:
+            while True:
+                try:
+                    entry = await asyncio.wait_for(subscription.get(), RECHECK_SECONDS)
+                except TimeoutError:
+                    return
+                if entry.kind == "metrics":
+                    event = cursor.metrics(entry.step, entry.data)
+                elif entry.seq is None or entry.seq > cursor.seq + 1:
+                    return  # its predecessor has not arrived: the database has them in order
+                else:
+                    event = cursor.job_event(entry.seq, entry.kind, entry.data)
+                    if entry.final_status:
+                        if event is not None:
+                            yield event
+                        return  # the database has the rest, and the end
+                if event is not None:
+                    yield event
+    except Resync:
+        return

@@ -1,11 +1,10 @@
 """Stored telemetry: ingest (idempotent per point), downsampled history, and steps for replay.
 
-A job's metrics are stored per series (one metric name) in columnar chunks: each ingest writes,
-for every series it touches, one row holding that batch's points as packed arrays plus the
-chunk's min, max and last point. Counting points, not rows: the telemetry of a step (about 40
-values for a 4-layer, 4-head gpt) costs no row of its own, and a series of 1,000,000 points is
-downsampled from its chunk summaries without reading a single point of the chunks that lie
-within one bucket.
+A job's metrics are stored per series (one metric name) in columnar chunks of up to
+CHUNK_POINTS points: packed arrays of steps and values plus the chunk's min, max and last point.
+Counting points, not rows: the telemetry of a step (about 40 values for a 4-layer, 4-head gpt)
+costs no row of its own, and a series of 1,000,000 points (about 2,000 chunks) is downsampled
+from its chunk summaries without reading the points of the chunks that lie within one bucket.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from sqlalchemy.orm import Session
 from app.repositories.metrics import MetricRepository
 
 STEP_DTYPE, VALUE_DTYPE = np.dtype("<i4"), np.dtype("<f8")
+CHUNK_POINTS = 512  # a full chunk: 6 KiB of points behind one row and one summary
 
 Point = list  # [step, value]
 
@@ -40,16 +40,33 @@ def store_metrics(
     repo = MetricRepository(session)
     if not repo.lock_job(job_id):
         return 0
-    series = new_points(steps, repo.last_steps(job_id))
-    chunks = [chunk_row(job_id, name, s, v) for name, (s, v) in series.items()]
+    state = repo.series_state(job_id)
+    series = new_points(steps, {name: row.last_step for name, row in state.items()})
+    # A series' last chunk grows until it holds CHUNK_POINTS points: it is taken out, and written
+    # back with the new points, so a series of n points has about n / CHUNK_POINTS chunks however
+    # often it is written.
+    open_tails = [
+        (name, state[name].tail_step) for name in series if name in state and state[name].tail_points < CHUNK_POINTS
+    ]
+    tails = repo.take_chunks(job_id, open_tails)
+    chunks, updates = [], []
+    for name, (new_steps, new_values) in series.items():
+        all_steps, all_values = new_steps, new_values
+        if name in tails:
+            old_steps, old_values = unpack(*tails[name])
+            all_steps, all_values = np.concatenate([old_steps, new_steps]), np.concatenate([old_values, new_values])
+        parts = [chunk_row(job_id, name, all_steps[i : i + CHUNK_POINTS], all_values[i : i + CHUNK_POINTS])
+                 for i in range(0, len(all_steps), CHUNK_POINTS)]  # fmt: skip
+        chunks += parts
+        updates.append({
+            "job_id": job_id, "name": name, "points": len(new_steps), "first_step": int(all_steps[0]),
+            "last_step": int(new_steps[-1]), "tail_step": parts[-1]["first_step"], "tail_points": parts[-1]["n"],
+        })  # fmt: skip
     repo.add_chunks(chunks)
-    repo.update_series(
-        [{"job_id": job_id, "name": c["name"], "points": c["n"], "first_step": c["first_step"],
-          "last_step": c["last_step"]} for c in chunks]
-    )  # fmt: skip
+    repo.update_series(updates)
     if mark is not None:
         repo.set_mark(job_id, mark)
-    return sum(c["n"] for c in chunks)
+    return sum(u["points"] for u in updates)
 
 
 def new_points(

@@ -45,6 +45,8 @@ def upgrade() -> None:
         sa.Column("points", sa.BigInteger(), nullable=False),
         sa.Column("first_step", sa.Integer(), nullable=False),
         sa.Column("last_step", sa.Integer(), nullable=False),
+        sa.Column("tail_step", sa.Integer(), nullable=False),
+        sa.Column("tail_points", sa.Integer(), nullable=False),
         sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], name=op.f("fk_metric_series_job_id_jobs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("job_id", "name", name=op.f("pk_metric_series")),
     )

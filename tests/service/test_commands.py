@@ -17,6 +17,7 @@ from alembic import command
 
 from app.migrate import alembic_config, downgrade, upgrade
 from app.settings import Settings
+from muonforge.client import Client
 from tests.service.conftest import PG_ADMIN, ROOT, _create_database, _drop_database, service_env, tiny_spec
 
 
@@ -113,6 +114,12 @@ def test_up_with_nothing_configured_runs_a_job_end_to_end(tmp_path):
         assert current["status"] == "succeeded", current
         assert current["progress"]["step"] == 20 and "loss" in current["summary"]
         assert (tmp_path / "var" / "muonforge.db").exists()  # the embedded default, under ./var
+        with Client(url, key) as client:  # telemetry in the embedded mode: stored in SQLite, streamed by polling
+            events = list(client.events(job["id"]))
+            assert [e.data["step"] for e in events if e.event == "metrics"] == list(range(21))
+            assert [e.data["status"] for e in events if e.event == "status"] == ["queued", "running", "succeeded"]
+            assert events[-1].event == "done"
+            assert len(client.metrics(job["id"], names=["loss"])["loss"]) == 20
 
         # The client command against the same server: upload a corpus, submit, follow to the end.
         spec_path, corpus = tmp_path / "spec.yaml", tmp_path / "corpus.txt"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import httpx
 import numpy as np
 import pytest
 from sqlalchemy import select
@@ -16,7 +17,7 @@ from app.services.auth import authenticate
 from app.services.jobs import insert_jobs, prepare_job
 from app.services.telemetry import store_metrics, unpack
 from muonforge.client import ApiError, Client
-from tests.service.conftest import new_key, tiny_spec
+from tests.service.conftest import new_key, tiny_spec, wait_for
 
 
 def new_job(settings) -> str:
@@ -202,3 +203,27 @@ def test_history_query_validation(client, auth, settings):
     assert r.status_code == 422 and r.json()["error"]["param"] == "max_points"
     assert client.get(f"/v1/jobs/{job['id']}/metrics", headers=auth).json() == {"job_id": job["id"], "series": []}
     client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth)
+
+
+def scrape(api_url: str, name: str) -> float:
+    for line in httpx.get(f"{api_url}/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_a_client_that_goes_away_releases_its_stream_and_the_feed(api_url, settings, auth):
+    """A queued job (no worker here) streams nothing but its status: the stream stays open on the
+    live feed until the client disconnects; then the server lets go of both."""
+    key = auth["Authorization"].split()[1]
+    with Client(api_url, key) as client:
+        job = client.create_job(tiny_spec())
+        stream = client.events(job["id"], reconnect=False)
+        assert next(stream).event == "status"
+        wait_for(
+            lambda: scrape(api_url, "muonforge_event_streams") == 1 and scrape(api_url, "muonforge_live_feeds") == 1
+        )
+        stream.close()  # the connection is dropped
+        wait_for(lambda: scrape(api_url, "muonforge_event_streams") == 0, timeout=20)
+        wait_for(lambda: scrape(api_url, "muonforge_live_feeds") == 0, timeout=20)  # within a feed's block time
+        client.cancel_job(job["id"])
