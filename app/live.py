@@ -170,7 +170,7 @@ class JobFeed:
                 if entries:
                     self.position = entries[-1].id
                 if len(entries) == READ_COUNT and not await self.reader.holds(self.job_id, self.position):
-                    for sub in list(self.subscribers):  # behind by more than the stream keeps
+                    for sub in list(self.subscribers):  # behind, and the stream trimmed what was next
                         sub.offer(None)
         except Exception:
             log.exception("live feed of job %s failed", self.job_id)
@@ -195,8 +195,10 @@ class LiveReader:
         return [decode_entry(entry_id, fields) for entry_id, fields in reply[0][1]] if reply else []
 
     async def holds(self, job_id: str, entry_id: str) -> bool:
-        """Whether the stream still holds ``entry_id``: reading after it then misses nothing."""
-        return bool(await self._client.xrange(stream_key(job_id), entry_id, entry_id, count=1))
+        """Whether nothing after ``entry_id`` has been trimmed from the stream (its first entry is
+        not after it): reading after it then misses nothing."""
+        first = await self._client.xrange(stream_key(job_id), "-", "+", count=1)
+        return bool(first) and stream_id_key(first[0][0].decode()) <= stream_id_key(entry_id)
 
     @asynccontextmanager
     async def subscribe(self, job_id: str, after: str, limit: int = 10_000) -> AsyncIterator[Subscription]:

@@ -16,7 +16,7 @@ from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.services.jobs import status_event
 from app.settings import Settings
-from worker.engine.run import run_job
+from worker.engine.run import checkpoint_dir, run_job
 from worker.engine.trainer import TrainingError
 from worker.sink import JobSink, LeaseLost
 
@@ -68,15 +68,14 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
             corpus = settings.artifact_dir / DatasetRepository(session).get_any(dataset_id).path
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
+    out_dir = settings.artifact_dir / "jobs" / job_id
     sink = JobSink(settings, job_id, attempt, progress, summary)
     with Lease(settings, job_id, attempt) as lease:
         should_cancel = _cancel_flag(settings, job_id, lease)
         try:
             try:
-                result = run_job(
-                    spec, settings.artifact_dir / "jobs" / job_id, corpus=corpus, sink=sink,
-                    should_cancel=should_cancel,
-                )  # fmt: skip
+                sink.adopt_checkpoints(checkpoint_dir(out_dir))
+                result = run_job(spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel)
             finally:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:

@@ -23,6 +23,7 @@ from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.services.telemetry import store_metrics
 from app.settings import Settings
+from worker.engine.checkpoints import checkpoints_in, load_checkpoint
 
 log = logging.getLogger("muonforge.worker")
 SUMMARY_KEYS = ("loss", "val_loss", "attn_max_logit", "tokens_per_s", "lr", "grad_norm", "update_rms")
@@ -67,6 +68,20 @@ class JobSink:
                 raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
             repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes, metrics)
             repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
+
+    def adopt_checkpoints(self, directory: Path) -> None:
+        """Record the checkpoint files in ``directory`` that no attempt recorded (an attempt
+        that died between writing a checkpoint and recording it): a resumed attempt starts from
+        the latest file, so its checkpoint must be listed too."""
+        with transaction(self.settings) as session:
+            repo = JobRepository(session)
+            recorded = {c.step for c in repo.checkpoints(self.job_id)}
+            for step, path in checkpoints_in(directory):
+                if step not in recorded:
+                    nbytes, metrics = path.stat().st_size, load_checkpoint(path, mmap=True).get("last_metrics", {})
+                    relative = str(path.relative_to(self.settings.artifact_dir))
+                    repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes, metrics)
+                    repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
 
     def log(self, level: str, message: str) -> None:
         with transaction(self.settings) as session:
@@ -131,12 +146,17 @@ class JobSink:
         self._flushed.set()
 
     def _publish(self, steps: list[tuple[int, dict[str, float], dict[str, float], int]]) -> None:
-        """To the live bus now; into the buffer for the next store."""
-        marks = self.bus.publish_metrics(self.job_id, [(step, json.dumps(values)) for step, values, _, _ in steps])
+        """Into the buffer for the next store, and to the live bus now (if the bus is down, the
+        events stream reads the database instead: the mark stays at the last step published)."""
         self._buffer += [(step, values) for step, values, _, _ in steps]
-        self._mark = marks[-1]
         _, _, summary, progress_step = steps[-1]
         self._progress = (progress_step, summary)
+        try:
+            marks = self.bus.publish_metrics(self.job_id, [(step, json.dumps(values)) for step, values, _, _ in steps])
+        except Exception as exc:
+            log.warning("job %s: live publish failed: %s", self.job_id, exc)
+            return
+        self._mark = marks[-1]
 
     def _store(self) -> None:
         """The buffered metrics, progress and summary, in one transaction (progress fenced)."""

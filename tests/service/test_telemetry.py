@@ -4,20 +4,27 @@ history, the events stream (live, dropped and resumed), checkpoints with their m
 from __future__ import annotations
 
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import httpx
 import numpy as np
 import pytest
+import redis
 from sqlalchemy import select
 
 from app.db.models import Job, MetricChunk, MetricSeries
 from app.db.session import transaction
+from app.live import stream_key
+from app.repositories.jobs import JobRepository
 from app.schemas import JobSpec
 from app.services.auth import authenticate
-from app.services.jobs import insert_jobs, prepare_job
-from app.services.telemetry import store_metrics, unpack
+from app.services.jobs import insert_jobs, prepare_job, status_event
+from app.services.telemetry import history, store_metrics, unpack
 from muonforge.client import ApiError, Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
+from worker.sink import JobSink
 
 
 def new_job(settings) -> str:
@@ -95,8 +102,6 @@ def spiky_series(settings):
 
 
 def series_points(settings, job_id, **query) -> list[list[float]]:
-    from app.services.telemetry import history
-
     with transaction(settings) as session:
         (series,) = history(session, job_id, ["x"], query.pop("max_points", 1000), query.get("lo"), query.get("hi"))
     return series["points"]
@@ -227,3 +232,57 @@ def test_a_client_that_goes_away_releases_its_stream_and_the_feed(api_url, setti
         wait_for(lambda: scrape(api_url, "muonforge_event_streams") == 0, timeout=20)
         wait_for(lambda: scrape(api_url, "muonforge_live_feeds") == 0, timeout=20)  # within a feed's block time
         client.cancel_job(job["id"])
+
+
+def test_the_sink_stores_everything_when_the_live_bus_is_down(settings):
+    """Redis unreachable: every step still reaches the database (the events stream then reads it
+    from there), and the job's progress and summary stay current."""
+    job_id = new_job(settings)
+    down = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    with transaction(settings) as session:
+        attempt = JobRepository(session).claim(job_id, "test", timedelta(minutes=1))
+    sink = JobSink(down, job_id, attempt, 0, {})
+    for step in range(30):
+        sink.metrics(step, {"loss": 3.0 - step / 10})
+    sink.close()
+    assert stored(settings, job_id) == {"loss": {s: 3.0 - s / 10 for s in range(30)}}
+    with transaction(settings) as session:
+        job = session.get(Job, job_id)
+        assert job.progress_step == 30 and job.summary == {"loss": 3.0 - 29 / 10} and job.telemetry_mark is None
+
+
+def test_a_stream_trimmed_past_the_stored_mark_falls_back_to_the_database(api_url, settings, auth):
+    """Redis trimmed the job's stream beyond what the database holds: a client that connects then
+    reads the database until it has caught up, then the stream again; it misses nothing."""
+    key = auth["Authorization"].split()[1]
+    slow = settings.model_copy(update={"telemetry_flush_seconds": 3600.0})  # stores only when told
+    with Client(api_url, key) as client:
+        job = client.create_job(tiny_spec(steps=100))
+        with transaction(settings) as session:
+            repo = JobRepository(session)
+            attempt = repo.claim(job["id"], "test", timedelta(minutes=5))
+            status_event(repo, repo.get(job["id"]))
+        sink = JobSink(slow, job["id"], attempt, 0, {})
+        for step in range(50):
+            sink.metrics(step, {"loss": float(step)})
+        sink.flush()  # stored, mark at step 49
+        for step in range(50, 80):
+            sink.metrics(step, {"loss": float(step)})  # published, not stored
+        wait_for(
+            lambda: redis.Redis.from_url(settings.redis_url).xlen(stream_key(job["id"])) == 81
+        )  # running + 80 steps
+        redis.Redis.from_url(settings.redis_url).xtrim(stream_key(job["id"]), maxlen=5, approximate=False)
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(lambda: list(client.events(job["id"])))
+            time.sleep(2.0)  # the client reads steps 0-49 and waits on the database
+            sink.flush()  # 50-79 stored; the stream holds the new mark again
+            for step in range(80, 100):
+                sink.metrics(step, {"loss": float(step)})
+            sink.close()
+            with transaction(settings) as session:
+                repo = JobRepository(session)
+                repo.finish(job["id"], attempt, "succeeded", None, progress_step=100, summary={})
+                status_event(repo, repo.get(job["id"]))
+            events = received.result(timeout=60)
+    assert [e.data["step"] for e in events if e.event == "metrics"] == list(range(100))
+    assert events[-1].event == "done"

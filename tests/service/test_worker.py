@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,7 +12,11 @@ import torch
 from app.db.session import transaction
 from app.queue import enqueue_train
 from app.repositories.jobs import JobRepository
+from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
+from worker.engine.checkpoints import save_checkpoint
+from worker.engine.run import checkpoint_dir
+from worker.sink import JobSink
 
 
 def job(client, auth, job_id):
@@ -80,10 +86,25 @@ def test_a_job_whose_corpus_is_gone_fails_with_the_reason(client, settings, auth
 
 
 @pytest.mark.slow
-def test_kill_9_mid_job_then_a_fresh_worker_resumes_from_the_checkpoint(client, settings, auth, start_worker):
+def test_kill_9_mid_job_then_a_fresh_worker_resumes_from_the_checkpoint(client, api_url, settings, auth, start_worker):
     first = start_worker()
     spec = tiny_spec(steps=600, checkpoint_every=50, eval_every=100)
     created = client.post("/v1/jobs", json=spec, headers=auth).json()
+    follower = Client(api_url, auth["Authorization"].split()[1])
+    with ThreadPoolExecutor(1) as pool:  # follows the job's events across the kill and the resume
+        streamed = pool.submit(lambda: list(follower.events(created["id"])))
+        _kill_and_resume(client, settings, auth, start_worker, first, created)
+        received = streamed.result(timeout=120)
+    follower.close()
+    # The resumed attempt sent the steps after its checkpoint again: each was streamed once, stored once.
+    assert [e.data["step"] for e in received if e.event == "metrics"] == list(range(601))
+    with Client(api_url, auth["Authorization"].split()[1]) as c:
+        history = c.metrics(created["id"], names=["loss", "val_loss"], max_points=1000)
+    assert [p[0] for p in history["loss"]] == list(range(600))
+    assert [p[0] for p in history["val_loss"]] == list(range(0, 601, 100))
+
+
+def _kill_and_resume(client, settings, auth, start_worker, first, created):
     wait_for(lambda: job(client, auth, created["id"])["progress"]["step"] >= 120, timeout=120, interval=0.02)
     first.kill()  # SIGKILL: no cleanup, the lease just stops being renewed
     killed_at = job(client, auth, created["id"])["progress"]["step"]
@@ -98,3 +119,22 @@ def test_kill_9_mid_job_then_a_fresh_worker_resumes_from_the_checkpoint(client, 
     assert resumed_step % 50 == 0 and 100 <= resumed_step <= killed_at
     statuses = [p["status"] for kind, p in history if kind == "status"]
     assert statuses == ["queued", "running", "queued", "running", "succeeded"]
+
+
+def test_a_checkpoint_written_but_not_recorded_is_adopted_by_the_next_attempt(settings, auth, client):
+    """An attempt that dies between writing a checkpoint file and recording it: the next attempt,
+    which resumes from that file, records it (once) with the metrics saved in it."""
+    created = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()
+    with transaction(settings) as session:
+        attempt = JobRepository(session).claim(created["id"], "test", timedelta(minutes=1))
+    directory = checkpoint_dir(settings.artifact_dir / "jobs" / created["id"])
+    save_checkpoint(directory, 20, {"model": {}, "last_metrics": {"loss": 1.25, "val_loss": 1.5}})
+    for _ in range(2):
+        sink = JobSink(settings, created["id"], attempt, 0, {})
+        sink.adopt_checkpoints(directory)
+        sink.close()
+    listed = client.get(f"/v1/jobs/{created['id']}/checkpoints", headers=auth).json()["data"]
+    assert [(c["step"], c["metrics"]) for c in listed] == [(20, {"loss": 1.25, "val_loss": 1.5})]
+    assert [p for kind, p in events(settings, created["id"]) if kind == "checkpoint"] == [
+        {"step": 20, "bytes": (directory / "step_00000020.pt").stat().st_size}
+    ]

@@ -46,13 +46,19 @@ def save_checkpoint(directory: Path, step: int, payload: dict[str, Any]) -> tupl
     return path, path.stat().st_size
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
+def checkpoints_in(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint in ``directory``, by step."""
     if not directory.is_dir():
-        return None
-    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)))
+        return []
+    return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)))
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = checkpoints_in(directory)
     return found[-1][1] if found else None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """The payload; ``mmap`` maps the tensors instead of reading them (to look at the rest)."""
     # weights_only=False: the payload holds optimizer state and RNG states, written by this engine.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

@@ -13,6 +13,11 @@ from .telemetry import FanOut, JsonlSink, TelemetrySink
 from .trainer import RunResult, Trainer
 
 
+def checkpoint_dir(out_dir: Path) -> Path:
+    """Where a run under ``out_dir`` keeps its checkpoints."""
+    return out_dir / "checkpoints"
+
+
 def run_job(
     spec: dict[str, Any],
     out_dir: Path,
@@ -26,7 +31,7 @@ def run_job(
     job = job_config_from_dict(spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = load_data(job.data, job.train.seed, out_dir / "data", corpus)
-    checkpoints = out_dir / "checkpoints"
+    checkpoints = checkpoint_dir(out_dir)
     jsonl = JsonlSink(out_dir / "metrics.jsonl", append=resume and checkpoints.exists())
     try:
         trainer = Trainer(job, data, checkpoints, FanOut(jsonl, sink), should_cancel)
