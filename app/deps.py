@@ -1,9 +1,9 @@
 """Request dependencies, declared once as Annotated aliases.
 
 A request's database work runs as one unit in one worker thread: authenticate, call the
-service, commit once, then the after-commit actions. Holding a pooled connection across several
-thread hops (one per sync dependency) deadlocks under load once every thread waits for a
-connection that a request parked between hops is holding.
+service, commit once (then the actions registered with on_commit run). Holding a pooled
+connection across several thread hops (one per sync dependency) deadlocks under load once every
+thread waits for a connection that a request parked between hops is holding.
 """
 
 from __future__ import annotations
