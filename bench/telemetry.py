@@ -398,7 +398,8 @@ def report(out: dict[str, Any]) -> None:
         for label, q in r["queries"].items():
             print(
                 f"  {label:<32} p50 {q['p50_ms']:7.1f} ms  p99 {q['p99_ms']:7.1f} ms  max {q['max_ms']:7.1f} ms  "
-                f"{q['series']} series x <= {q['points_per_series']} points  spike kept: {q['spike_kept']}"
+                f"{q['series']} series x <= {q['points_per_series']} points  spike kept: "
+                f"{'(not in range)' if q['spike_kept'] is None else q['spike_kept']}"
             )
         q = r["queries"]["loss, max_points=1000"]
         ok = q["p99_ms"] <= TARGETS["history_ms"] and q["points_per_series"] <= 1000
