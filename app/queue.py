@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Iterable
 from functools import lru_cache
 
 from celery import Celery
 
+from app.batching import batches
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.queue")
@@ -61,19 +61,8 @@ class TaskPublisher:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            batch: list[tuple[str, str]] = []
-            item = self._pending.get()
-            time.sleep(LINGER_SECONDS)  # let a burst accumulate: one pipeline for all of it
-            while item is not None:
-                batch.append(item)
-                if len(batch) >= MAX_BATCH or self._pending.empty():
-                    break
-                item = self._pending.get()
-            stopping = item is None
-            if batch:
-                try:
-                    enqueue_train(self.settings, batch)
-                except Exception:  # the jobs are stored as queued: the reaper sends their tasks later
-                    log.exception("could not send %d task(s); the reaper will send them again", len(batch))
+        for batch in batches(self._pending, LINGER_SECONDS, MAX_BATCH):
+            try:
+                enqueue_train(self.settings, batch)
+            except Exception:  # the jobs are stored as queued: the reaper sends their tasks later
+                log.exception("could not send %d task(s); the reaper will send them again", len(batch))

@@ -149,6 +149,21 @@ class Stack:
                 proc.wait()
 
 
+def processes() -> dict[int, tuple[str, int, float]]:
+    """pid -> (command name, parent pid, CPU seconds so far) of every process, from /proc."""
+    tick, procs = os.sysconf("SC_CLK_TCK"), {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            procs[int(entry)] = (comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return procs
+
+
 class CpuMeter:
     """CPU used over a window by process groups, from /proc (Linux only): the API (the process
     ``api_pid`` and its children), Postgres, Redis and this process; and the machine's busy and
@@ -162,16 +177,7 @@ class CpuMeter:
 
     def _snapshot(self) -> dict[int, tuple[str, float]]:
         """pid -> (group, CPU seconds so far) of every process in a group."""
-        procs = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:
-                    continue
-                comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-                fields = stat[stat.rindex(")") + 2 :].split()
-                procs[int(entry)] = (comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
+        procs = processes()
         api = {self.api_pid} if self.api_pid else set()
         grew = True
         while grew:  # the API's process tree (uvicorn's workers)

@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import httpx
 import uvloop
-from stack import ROOT, CpuMeter, Stack
+from stack import ROOT, CpuMeter, Stack, processes
 from train_overhead import measure, summarize
 
 from app.db.session import transaction
@@ -277,19 +277,11 @@ class ServiceRecorder:
 
 def service_cpu() -> float:
     """This process plus Postgres and Redis: the CPU a run through the service's sink uses."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            if comm == "postgres" or comm.startswith("redis-server"):
-                fields = stat[stat.rindex(")") + 2 :].split()
-                total += (int(fields[11]) + int(fields[12])) / tick
     own = os.times()
-    return total + own.user + own.system
+    services = sum(
+        cpu for comm, _, cpu in processes().values() if comm == "postgres" or comm.startswith("redis-server")
+    )
+    return services + own.user + own.system
 
 
 def overhead_part(rounds: int, steps: int) -> dict[str, Any]:

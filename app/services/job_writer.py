@@ -13,9 +13,9 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from concurrent.futures import Future
 
+from app.batching import batches
 from app.db.models import Job
 from app.db.session import transaction
 from app.queue import TaskPublisher
@@ -54,19 +54,8 @@ class JobWriter:
         return await asyncio.wrap_future(self.submit(new))
 
     def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            batch: list[Pending] = []
-            item = self._pending.get()
-            time.sleep(LINGER_SECONDS)  # let submissions that arrive meanwhile share the transaction
-            while item is not None:
-                batch.append(item)
-                if len(batch) >= MAX_BATCH or self._pending.empty():
-                    break
-                item = self._pending.get()
-            stopping = item is None
-            if batch:
-                self._write(batch)
+        for batch in batches(self._pending, LINGER_SECONDS, MAX_BATCH):
+            self._write(batch)
 
     def _write(self, batch: list[Pending]) -> None:
         try:
