@@ -39,11 +39,10 @@ def queue_for(spec: JobSpec) -> str:
     return "default" if spec.train.device == "auto" else spec.train.device
 
 
-def status_event(repo: JobRepository, job: Job, refresh: bool = True) -> None:
-    """Record the job's current state as a status event. ``refresh`` re-reads the row (needed
-    after a compare-and-set UPDATE, which bypasses the loaded object)."""
-    if refresh:
-        repo.session.refresh(job)
+def status_event(repo: JobRepository, job: Job) -> None:
+    """Record the job's current state as a status event. The row is read again first: a
+    compare-and-set UPDATE bypasses the loaded object."""
+    repo.session.refresh(job)
     repo.add_event(job.id, "status", schemas.Job.of(job).model_dump(mode="json"), step=job.progress_step)
 
 
@@ -52,8 +51,6 @@ class NewJob:
     """A validated submission, ready to insert: the job's row and its request hash."""
 
     row: dict[str, Any]
-    tenant_id: str
-    idempotency_key: str | None
     digest: str
 
     def job(self) -> Job:
@@ -91,7 +88,7 @@ def prepare_job(
         request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
         enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1,
     )  # fmt: skip
-    return NewJob(row, tenant.id, idempotency_key, digest)
+    return NewJob(row, digest)
 
 
 def insert_jobs(session: Session, new_jobs: list[NewJob]) -> list[tuple[Job, bool] | Exception]:
@@ -108,7 +105,8 @@ def insert_jobs(session: Session, new_jobs: list[NewJob]) -> list[tuple[Job, boo
             events.append((job.id, 0, "status", schemas.Job.of(job).model_dump(mode="json")))
             results.append((job, True))
             continue
-        existing = repo.by_idempotency_key(new.tenant_id, new.idempotency_key) if new.idempotency_key else None
+        key = new.row["idempotency_key"]
+        existing = repo.by_idempotency_key(new.row["tenant_id"], key) if key else None
         if existing is None:  # only a concurrent insert with the same key skips a row
             results.append(RuntimeError(f"job {new.row['id']} was not inserted"))
             continue
