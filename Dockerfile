@@ -1,6 +1,13 @@
 # One image for the API, the worker and the one-shot migration.
 # TORCH_SPEC picks the PyTorch build: the default CUDA 12.8 wheels for a GPU worker; pass
 # --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU-only image.
+
+# The web app's front-end packages, exactly as app/web/package-lock.json pins them (make web).
+FROM node:20-slim AS web
+WORKDIR /web
+COPY app/web/package.json app/web/package-lock.json ./
+RUN npm ci --no-audit --no-fund
+
 FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch==2.13.0"
@@ -17,6 +24,7 @@ RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY optim ./optim
 COPY app ./app
+COPY --from=web /web/node_modules ./app/web/node_modules
 COPY worker ./worker
 COPY muonforge ./muonforge
 COPY alembic.ini ./

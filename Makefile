@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+NPM    ?= npm
+WEB    := app/web
 
-.PHONY: install run train test lint bench
+.PHONY: install web run train test lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +15,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed
+# The web app's front-end packages (uPlot, js-yaml), exactly as app/web/package-lock.json pins them.
+$(WEB)/node_modules/.installed: $(WEB)/package.json $(WEB)/package-lock.json
+	@if command -v $(NPM) >/dev/null 2>&1; then \
+		$(NPM) ci --prefix $(WEB) --no-audit --no-fund --loglevel=error && touch $@; \
+	else \
+		echo "npm not found: the web app's charts need Node.js and npm (then run make web)"; \
+	fi
+
+web: $(WEB)/node_modules/.installed
+
+install: $(VENV)/.installed web
 
 ## run: the service on the embedded default (SQLite and a local broker under ./var) unless
 ## MUONFORGE_DATABASE_URL / MUONFORGE_REDIS_URL are set; prints the URL and an API key

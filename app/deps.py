@@ -11,27 +11,35 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Cookie, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from app.db.session import open_session
+from app.live import LiveBus, live_bus
 from app.services.auth import authenticate
+from app.services.intake import Intake
 
 T = TypeVar("T")
 bearer = HTTPBearer(auto_error=False, description="An API key from `muonforge keys create`.")
+# The web app's sign-in keeps the key in this cookie: HttpOnly (page scripts never see it) and
+# SameSite=Strict (no other site's page can make the browser send it), for the browser session.
+SESSION_COOKIE = "muonforge_key"
 
 
 class UnitOfWork:
     """``await work(service_fn, *args)`` runs ``service_fn(session, tenant, *args)`` for the
-    request's tenant in one thread and one transaction. It also carries the API process's
-    shared parts: the key cache, the admission estimate and the JobWriter."""
+    request's tenant in one thread and one transaction (then the actions registered with
+    on_commit run, e.g. publishing job events to ``bus``)."""
 
-    def __init__(self, request: Request, credentials: HTTPAuthorizationCredentials | None) -> None:
-        state = request.app.state
-        self.settings, self.key_cache, self.admission = state.settings, state.key_cache, state.admission
-        self.writer = state.writer
-        self._authorization = f"{credentials.scheme} {credentials.credentials}" if credentials else None
+    def __init__(self, request: Request, authorization: str | None) -> None:
+        self.request, self.settings, self.key_cache = request, request.app.state.settings, request.app.state.key_cache
+        self.bus: LiveBus = live_bus(self.settings)
+        self._authorization = authorization
+
+    def with_key(self, key: str) -> UnitOfWork:
+        """The same unit of work for the tenant of ``key`` (a sign-in's key, not the request's)."""
+        return UnitOfWork(self.request, f"Bearer {key}")
 
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
         return await run_in_threadpool(self._run, fn, args)
@@ -45,9 +53,19 @@ class UnitOfWork:
 
 
 def unit_of_work(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    session_key: Annotated[str | None, Cookie(alias=SESSION_COOKIE, include_in_schema=False)] = None,
 ) -> UnitOfWork:
-    return UnitOfWork(request, credentials)
+    """The request's key: the Authorization header, else the web app's session cookie."""
+    if credentials:
+        return UnitOfWork(request, f"{credentials.scheme} {credentials.credentials}")
+    return UnitOfWork(request, f"Bearer {session_key}" if session_key else None)
+
+
+def intake(request: Request) -> Intake:
+    return request.app.state.intake
 
 
 Work = Annotated[UnitOfWork, Depends(unit_of_work)]
+JobIntake = Annotated[Intake, Depends(intake)]

@@ -2,7 +2,7 @@
 
 With Redis (full mode), each job has one Redis Stream: the worker's sink appends every telemetry
 step as it happens (XADD, trimmed to about ``live_stream_maxlen`` entries), and whoever commits a
-job event (status, checkpoint, log) appends it once committed. The events stream reads it with
+job event (app.services.job_events) appends it once committed. The events stream reads it with
 XREAD BLOCK. The database stays the record: the stream only brings events sooner, and the
 events stream falls back to the database for anything the stream no longer holds.
 
@@ -25,7 +25,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from app.db.models import FINISHED_STATUSES
+from app.job_status import is_finished
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.live")
@@ -86,12 +86,16 @@ class NoBus:
         pass
 
 
+LiveBus = RedisBus | NoBus
+
+
 @lru_cache(maxsize=8)
-def _bus(url: str | None, maxlen: int) -> RedisBus | NoBus:
+def _bus(url: str | None, maxlen: int) -> LiveBus:
     return RedisBus(url, maxlen) if url else NoBus()
 
 
-def live_bus(settings: Settings) -> RedisBus | NoBus:
+def live_bus(settings: Settings) -> LiveBus:
+    """The process's bus for these settings: Redis Streams in full mode, none in embedded mode."""
     return _bus(settings.redis_url, settings.live_stream_maxlen)
 
 
@@ -100,14 +104,14 @@ class Entry:
     """A stream entry: ``data`` is its JSON text, passed on to clients as it is."""
 
     id: str
-    kind: str  # metrics | status | checkpoint | log
+    kind: str  # metrics | status | checkpoint | log | sample
     step: int
     seq: int | None
     data: str
 
     @property
     def final_status(self) -> bool:
-        return self.kind == "status" and json.loads(self.data).get("status") in FINISHED_STATUSES
+        return self.kind == "status" and is_finished(json.loads(self.data).get("status"))
 
 
 def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:

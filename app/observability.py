@@ -5,14 +5,15 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI, Response
-from kombu import Connection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from sqlalchemy import func, select, text
+from sqlalchemy import text
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.db.models import JOB_STATUSES, Job
-from app.db.session import session_factory
+from app.broker import broker_reachable
+from app.db.session import open_session
+from app.job_status import JobStatus
+from app.repositories.jobs import JobRepository
 from app.settings import Settings
 
 
@@ -23,14 +24,15 @@ class JobCollector:
         self.settings = settings
 
     def collect(self):
-        with session_factory(self.settings.sqlalchemy_url)() as session:
-            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-            steps = session.scalar(select(func.coalesce(func.sum(Job.progress_step), 0))) or 0
+        with open_session(self.settings) as session:
+            repo = JobRepository(session)
+            counts, steps = repo.count_by_status(), repo.steps_completed()
         jobs = GaugeMetricFamily("muonforge_jobs", "Jobs by status.", labels=["status"])
-        for status in JOB_STATUSES:
+        for status in JobStatus:
             jobs.add_metric([status], counts.get(status, 0))
         yield jobs
-        yield GaugeMetricFamily("muonforge_queue_depth", "Jobs waiting for a worker.", value=counts.get("queued", 0))
+        queued = counts.get(JobStatus.QUEUED, 0)
+        yield GaugeMetricFamily("muonforge_queue_depth", "Jobs waiting for a worker.", value=queued)
         yield CounterMetricFamily(
             "muonforge_training_steps", "Optimizer steps completed over all jobs (rate() = step rate).", value=steps
         )
@@ -98,14 +100,13 @@ def install_metrics(app: FastAPI, settings: Settings) -> None:
 def readiness(settings: Settings) -> dict[str, str]:
     checks = {}
     try:
-        with session_factory(settings.sqlalchemy_url)() as session:
+        with open_session(settings) as session:
             session.execute(text("SELECT 1"))
         checks["database"] = "ok"
     except Exception as exc:  # the message says which part is down
         checks["database"] = f"error: {type(exc).__name__}"
     try:
-        with Connection(settings.broker_url, connect_timeout=2) as conn:
-            conn.ensure_connection(max_retries=1)
+        broker_reachable(settings)
         checks["broker"] = "ok"
     except Exception as exc:
         checks["broker"] = f"error: {type(exc).__name__}"

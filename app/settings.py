@@ -45,10 +45,6 @@ class Settings(BaseSettings):
     )
     live_stream_maxlen: int = Field(10_000, description="Entries each job's Redis Stream keeps (about).")
 
-    # Client side (the Python client and `muonforge submit`).
-    api_url: str = Field("http://127.0.0.1:8000", description="Where the client finds the API.")
-    api_key: str | None = Field(None, description="The client's API key.")
-
     @field_validator("artifact_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:

@@ -41,6 +41,7 @@ import torch
 from app.schemas import JobSpec
 from worker.engine.config import job_config_from_dict
 from worker.engine.data import TokenData, load_data
+from worker.engine.telemetry import Report
 from worker.engine.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,14 +107,17 @@ class RecordingSink:
     def __init__(self) -> None:
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        for name, value in values.items():
-            self.series[name].append((step, value))
+    def metrics(self, report: Report) -> None:
+        for name, value in report.values.items():
+            self.series[name].append((report.step, value))
 
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         pass
 
     def log(self, level: str, message: str) -> None:
+        pass
+
+    def sample(self, step: int, prompt: str, text: str) -> None:
         pass
 
 
@@ -149,7 +153,7 @@ def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: i
         "optimizer": optimizer,
         "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": eval_every,
                   "checkpoint_every": steps + 1, "seed": seed, "device": "cpu"},
-        "telemetry": {"every": 1},
+        "telemetry": {"every": 1, "sample_tokens": 0},  # samples would cost time the comparison does not want
     }).model_dump()  # fmt: skip
 
 

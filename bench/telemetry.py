@@ -41,12 +41,15 @@ from stack import ROOT, CpuMeter, Stack, processes
 from train_overhead import measure, summarize
 
 from app.db.session import transaction
+from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.schemas import JobSpec
 from app.services.auth import authenticate
-from app.services.jobs import insert_jobs, prepare_job, status_event
+from app.services.intake import insert_submissions, prepare_submission
+from app.services.job_events import record_status
 from app.services.telemetry import store_metrics
 from app.settings import Settings
+from worker.engine.telemetry import Report
 from worker.sink import JobSink
 
 REDIS = "redis://127.0.0.1:6379/10"
@@ -67,12 +70,17 @@ def running_job(settings: Settings, key: str, steps: int = 1_000_000) -> tuple[s
             "data": {"builtin": "synthetic"}, "train": {"steps": steps}}  # fmt: skip
     with transaction(settings) as session:
         tenant = authenticate(session, f"Bearer {key}")
-        ((job, _),) = insert_jobs(session, [prepare_job(session, tenant, JobSpec.model_validate(spec), None, settings)])
+        submission = prepare_submission(session, tenant, JobSpec.model_validate(spec), None, settings)
+        ((job, _),) = insert_submissions(session, [submission])
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        attempt = repo.claim(job.id, "bench", timedelta(hours=1))
-        status_event(repo, repo.get(job.id))
+        attempt = JobRepository(session).claim(job.id, "bench", timedelta(hours=1))
+        record_status(session, live_bus(settings), job.id)
     return job.id, attempt
+
+
+def step_report(step: int, values: dict[str, float]) -> Report:
+    """A training step's report, as the trainer hands it to the sink."""
+    return Report(step, values, completed=step + 1, summary={"loss": values.get("loss", 0.0)})
 
 
 def gpt_telemetry() -> dict[str, float]:
@@ -85,13 +93,16 @@ def gpt_telemetry() -> dict[str, float]:
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
 
-        def metrics(self, step, values):
-            self.steps.append(values)
+        def metrics(self, report):
+            self.steps.append(report.values)
 
         def checkpoint(self, *args):
             pass
 
         def log(self, *args):
+            pass
+
+        def sample(self, *args):
             pass
 
     spec = JobSpec.model_validate({
@@ -140,9 +151,9 @@ def ingest_part(steps: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             handover = 0.0
             for step in range(steps):
-                values = step_values(template, step)
+                values = step_report(step, step_values(template, step))
                 h0 = time.perf_counter()
-                sink.metrics(step, values)
+                sink.metrics(values)
                 handover += time.perf_counter() - h0
             sink.close()
             wall = time.perf_counter() - t0
@@ -167,12 +178,12 @@ def emit_main(argv: list[str]) -> None:
         delay = start + step / rate - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        sink.metrics(step, step_values(template, step) | {"bench/sent_at": time.time()})
+        sink.metrics(step_report(step, step_values(template, step) | {"bench/sent_at": time.time()}))
     sink.close()
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        repo.finish(job_id, attempt, "succeeded", None, progress_step=int(rate * seconds), summary=dict(sink.summary))
-        status_event(repo, repo.get(job_id))
+        steps = int(rate * seconds)
+        JobRepository(session).finish(job_id, attempt, "succeeded", None, progress_step=steps, summary=sink.summary)
+        record_status(session, live_bus(settings), job_id)
 
 
 async def follow(url: str, key: str, job_id: str, latencies: list[float], connected: asyncio.Event) -> dict:

@@ -62,18 +62,19 @@ def make_spec(optimizer: str, steps: int, every: int) -> dict[str, Any]:
         "optimizer": {"name": optimizer},
         "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": steps + 1,
                   "checkpoint_every": steps + 1, "seed": 0, "device": "cpu"},
-        "telemetry": {"every": every},
+        "telemetry": {"every": every, "sample_tokens": 0},
     }).model_dump()  # fmt: skip
 
 
 class JsonlRecorder:
-    """The local sink of `muonforge train`: a JSONL file; ``finish`` closes it and counts its lines."""
+    """The local sink of `muonforge train`: its JSONL files in a directory; ``finish`` closes them
+    and counts the lines of metrics.jsonl."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "metrics.jsonl"
 
     def open(self, mode: str) -> JsonlSink:
-        self.sink = JsonlSink(self.path)
+        self.sink = JsonlSink(self.path.parent)
         return self.sink
 
     def finish(self) -> int:
@@ -241,7 +242,7 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data = load_data(job_config_from_dict(make_spec(args.optimizer, 1, 1)).data, 0, Path(tmp), CORPUS)
-        runs = measure(args.optimizer, args.rounds, args.steps, data, JsonlRecorder(Path(tmp) / "metrics.jsonl"),
+        runs = measure(args.optimizer, args.rounds, args.steps, data, JsonlRecorder(Path(tmp)),
                        args.max_retries)  # fmt: skip
     loads = (load_before, os.getloadavg()[0])
     summary = summarize(runs)

@@ -1,5 +1,37 @@
-"""User-facing entry points: the ``muonforge`` CLI and the Python client (``from muonforge import Client``)."""
+"""User-facing entry points: the ``muonforge`` CLI and the Python clients
+(``from muonforge import Client, AsyncClient``)."""
 
-from muonforge.client import ApiError, Client
+from muonforge.client import FINISHED, STATUSES, AsyncClient, Client, Event, Retry
+from muonforge.errors import (
+    ApiError,
+    ConfigError,
+    Conflict,
+    ConnectionFailed,
+    MuonforgeError,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    ServerError,
+    Unauthorized,
+    ValidationError,
+)
 
-__all__ = ["ApiError", "Client"]
+__all__ = [
+    "FINISHED",
+    "STATUSES",
+    "ApiError",
+    "AsyncClient",
+    "Client",
+    "ConfigError",
+    "Conflict",
+    "ConnectionFailed",
+    "Event",
+    "MuonforgeError",
+    "NotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "Retry",
+    "ServerError",
+    "Unauthorized",
+    "ValidationError",
+]

@@ -1,54 +1,33 @@
-"""The ``muonforge`` command line. Each subcommand imports what it needs lazily."""
+"""The ``muonforge`` command line: the service commands here, the client commands in
+``muonforge.client_commands``. A service command imports app, worker or torch only when it
+runs; a client command never does."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
 
+from muonforge import errors
+from muonforge.client_commands import add_client_commands
+from muonforge.specs import InputError, SpecError, load_spec
 
-class SpecError(ValueError):
-    """A job spec that cannot be read or does not validate; the message is for people."""
+EXIT_STATUS = """\
+exit status:
+  0    ok
+  1    the job ended failed or cancelled (submit --follow, logs --follow), or an unexpected error
+  2    bad input: a spec or argument that does not validate (422), an unknown id (404), a conflict
+       such as cancelling a finished job (409), an upload over the limit (413), the job cap (429)
+  3    cannot reach or authenticate to the server: refused, timed out, server errors (5xx) after
+       retries, no API key, a rejected one (401, 403)
+  130  interrupted (Ctrl-C); a job being followed goes on
 
-
-def read_spec(path: Path) -> dict[str, Any]:
-    """A YAML or JSON job spec as a dict (not yet validated)."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
-    except OSError as exc:
-        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path} is not valid YAML or JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise SpecError(f"{path} must hold a mapping (a JobSpec), not {type(raw).__name__}")
-    return raw
-
-
-def with_source(raw: dict[str, Any], **source: str) -> dict[str, Any]:
-    """The spec with its data source replaced (``path=`` or ``dataset_id=``)."""
-    data = {k: v for k, v in (raw.get("data") or {}).items() if k not in ("dataset_id", "builtin", "path")}
-    return {**raw, "data": {**data, **source}}
-
-
-def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
-    """Read a job spec, apply ``--data``, validate it with JobSpec; return its dict."""
-    import pydantic
-
-    from app.schemas import JobSpec
-
-    raw = read_spec(path)
-    if data is not None:
-        raw = with_source(raw, path=str(data))
-    try:
-        return JobSpec.model_validate(raw).model_dump()
-    except pydantic.ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in exc.errors()]
-        raise SpecError(f"{path} is not a valid job spec:\n" + "\n".join(lines)) from None
+environment: MUONFORGE_API_URL (default http://127.0.0.1:8000), MUONFORGE_API_KEY,
+MUONFORGE_DEBUG=1 (as --debug); the service's settings are listed in the README."""
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -67,32 +46,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 1
     print(json.dumps(result.as_dict()))
     return 0
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    from muonforge.client import ApiError, Client
-    from muonforge.progress import follow
-
-    raw = read_spec(args.spec)
-    try:
-        with Client() as client:
-            if args.data is not None:
-                dataset = client.upload_dataset(args.data)
-                print(f"uploaded {args.data} as {dataset['id']} ({dataset['bytes']:,} bytes)", file=sys.stderr)
-                raw = with_source(raw, dataset_id=dataset["id"])
-            job = client.create_job(raw)
-            print(job["id"])
-            if not args.follow:
-                return 0
-            job = follow(client, job)
-    except ApiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if exc.status in (401, 404, 409, 413, 422, 429) else 1
-    except ValueError as exc:  # no API key configured
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({k: job[k] for k in ("id", "status", "progress", "summary", "error")}))
-    return 0 if job["status"] == "succeeded" else 1
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -138,8 +91,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(args.host, args.port, args.workers)
 
 
+def connection_options(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("--url", default=default, help="the server (default: MUONFORGE_API_URL)")
+    parser.add_argument("--api-key", default=default, help="the API key (default: MUONFORGE_API_KEY)")
+    parser.add_argument("--debug", action="store_true", default=default, help="tracebacks and retries on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="muonforge", description="Training as a service with Muon and MuonClip.")
+    parser = argparse.ArgumentParser(
+        prog="muonforge", description="Training as a service with Muon and MuonClip.", epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    connection_options(parser, None)
+    common = argparse.ArgumentParser(add_help=False)
+    connection_options(common, argparse.SUPPRESS)  # also after the command; unset there, the global value holds
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run one job spec locally, no service")
     train.add_argument("spec", type=Path, help="job spec, YAML or JSON")
@@ -148,11 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.set_defaults(func=cmd_train)
 
-    submit = sub.add_parser("submit", help="submit a job spec to a server (MUONFORGE_API_URL, MUONFORGE_API_KEY)")
-    submit.add_argument("spec", type=Path, help="job spec, YAML or JSON")
-    submit.add_argument("--data", type=Path, help="upload this corpus and train on it")
-    submit.add_argument("--follow", action="store_true", help="show progress until the job finishes")
-    submit.set_defaults(func=cmd_submit)
+    add_client_commands(sub, common)
 
     up = sub.add_parser("up", help="migrate, then run the API and worker(s) together")
     up.add_argument("--host", default="127.0.0.1")
@@ -182,16 +143,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def explain(exc: Exception) -> tuple[int, str]:
+    """The exit status of an error that ends a command, and its line for people."""
+    match exc:
+        case InputError():
+            return 2, str(exc)
+        case errors.ConfigError():
+            return 3, f"{exc.problem}: set {exc.env} or pass --{exc.argument.replace('_', '-')}"
+        case errors.ConnectionFailed():
+            return 3, f"{exc}; start one with 'muonforge up', or point MUONFORGE_API_URL (or --url) at it"
+        case errors.Unauthorized():
+            return 3, f"the server refused the API key: {exc.message}; check MUONFORGE_API_KEY or --api-key"
+        case errors.ServerError():
+            return 3, f"the server failed: {exc.message} ({exc.status} {exc.code})"
+        case errors.ValidationError() if exc.param:
+            return 2, f"{exc.param}: {exc.message} ({exc.status} {exc.code})"
+        case errors.RateLimited() if exc.retry_after is not None:
+            return 2, f"{exc.message}; retry in {exc.retry_after:.0f} s ({exc.status} {exc.code})"
+        case errors.ApiError():
+            return 2, f"{exc.message} ({exc.status} {exc.code})"
+        case OSError() if exc.filename:
+            return 2, f"{exc.filename}: {exc.strerror}"
+    return 1, f"unexpected {type(exc).__name__}: {exc} (--debug shows the traceback)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("MUONFORGE_DEBUG") == "1"
+    if debug:  # the client's retries
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("muonforge.client").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        status, message = explain(exc)
+        print(f"error: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

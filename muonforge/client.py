@@ -1,4 +1,4 @@
-"""The Python client: ``from muonforge import Client``.
+"""The Python clients: ``from muonforge import Client, AsyncClient``.
 
 client = Client()                      # MUONFORGE_API_URL, MUONFORGE_API_KEY
 job = client.create_job(spec_dict)     # a JobSpec as a dict
@@ -6,65 +6,72 @@ for event in client.events(job["id"]): # live: status, metrics, checkpoint, log 
     print(event.event, event.data)
 job = client.wait(job["id"])           # polls until the job finishes
 history = client.metrics(job["id"], names=["loss", "val_loss"], max_points=500)
+
+AsyncClient has the same methods, awaited; its lists and events are async iterators. Both
+retry 429, 5xx, connection failures and timeouts as their ``retry`` policy says (see
+``muonforge.retry``), and raise ``ApiError`` (a subclass per kind), ``ConnectionFailed`` or
+``ConfigError`` (all ``MuonforgeError``). Every request, and the description of its answer, is
+in ``muonforge.api``; the methods here only send them.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
-FINISHED = ("succeeded", "failed", "cancelled")
+from muonforge import api
+from muonforge.api import ACTIVE, FINISHED, STATUSES, Call, Event, SseParser
+from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError
+from muonforge.retry import NO_RETRY, Attempts, Retry
+from muonforge.transfer import Download, Progress, open_upload
+
+__all__ = [
+    "ACTIVE", "FINISHED", "STATUSES", "ApiError", "AsyncClient", "Client", "ConfigError", "ConnectionFailed", "Event",
+    "MuonforgeError", "Retry",
+]  # fmt: skip
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+PAGE_SIZE = 100  # the server's largest page
+DEFAULT_RETRY = Retry()
+Json = dict[str, Any]
 
 
-class ApiError(RuntimeError):
-    """An error answer of the API: ``status``, ``code``, ``message``, ``param``."""
+class _ClientBase:
+    """What both clients are built from: the URL and key (arguments, else the environment), the
+    timeout and the retry policy."""
 
-    def __init__(self, status: int, code: str, message: str, param: str | None) -> None:
-        super().__init__(f"{status} {code}: {message}" + (f" ({param})" if param else ""))
-        self.status, self.code, self.message, self.param = status, code, message, param
-
-
-@dataclass
-class Event:
-    """One Server-Sent Event: its type, id (None for ``done``) and JSON data."""
-
-    event: str
-    id: str | None
-    data: Any
-
-
-def parse_sse(lines: Iterable[str]) -> Iterator[Event]:
-    """Events from the lines of a text/event-stream (comments, such as pings, skipped)."""
-    fields: dict[str, str] = {}
-    data: list[str] = []
-    for line in lines:
-        if not line:
-            if data:
-                yield Event(fields.get("event", "message"), fields.get("id"), json.loads("\n".join(data)))
-            fields, data = {}, []
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            value = value.removeprefix(" ")
-            if name == "data":
-                data.append(value)
-            else:
-                fields[name] = value
-
-
-class Client:
-    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0) -> None:
-        url = url or os.environ.get("MUONFORGE_API_URL", "http://127.0.0.1:8000")
+    def __init__(self, url: str | None, api_key: str | None, timeout: float, retry: Retry) -> None:
+        self.url = (url or os.environ.get("MUONFORGE_API_URL") or DEFAULT_URL).rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            problem = f"the API URL {self.url!r} does not start with http:// or https://"
+            raise ConfigError(problem, "MUONFORGE_API_URL", "url")
         key = api_key or os.environ.get("MUONFORGE_API_KEY")
         if not key:
-            raise ValueError("no API key: pass api_key= or set MUONFORGE_API_KEY")
-        self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
+            raise ConfigError("no API key", "MUONFORGE_API_KEY", "api_key")
+        self.retry = retry
+        self._http_options = {"base_url": self.url, "headers": {"Authorization": f"Bearer {key}"}, "timeout": timeout}
+
+    def _attempts(self, call: Call, retrying: bool = True) -> Attempts:
+        return Attempts(self.retry if retrying else NO_RETRY, call.repeat, self.url, call.what)
+
+
+class Client(_ClientBase):
+    """The API over HTTP (httpx), one request at a time. ``sleep`` is how it waits between
+    attempts (seconds)."""
+
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0, *,
+        retry: Retry = DEFAULT_RETRY, sleep: Callable[[float], None] = time.sleep,
+    ) -> None:  # fmt: skip
+        super().__init__(url, api_key, timeout, retry)
+        self._sleep = sleep
+        self._http = httpx.Client(**self._http_options)
 
     def __enter__(self) -> Client:
         return self
@@ -76,111 +83,285 @@ class Client:
         self._http.close()
 
     # -- jobs -------------------------------------------------------------------------------------
-    def create_job(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self._call("POST", "/v1/jobs", json=spec, headers=headers)
+    def create_job(self, spec: Json, idempotency_key: str | None = None) -> Json:
+        """Submit a JobSpec (a dict); returns the Job. Without ``idempotency_key`` the client makes
+        one, so its own retries cannot create the job twice."""
+        return self._call(api.create_job(spec, idempotency_key))
 
-    def get_job(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}")
+    def get_job(self, job_id: str) -> Json:
+        return self._call(api.get_job(job_id))
 
-    def cancel_job(self, job_id: str) -> dict[str, Any]:
-        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+    def list_jobs(self, status: str | None = None, page_size: int = PAGE_SIZE) -> Iterator[Json]:
+        """Every job (of ``status``, if given), newest first, fetched a page at a time."""
+        return self._each(lambda after: api.jobs_page(status, page_size, after))
 
-    def list_jobs(self, status: str | None = None, limit: int = 100) -> Iterator[dict[str, Any]]:
-        """Every job, newest first, following the pages."""
-        after = None
-        while True:
-            params = {"limit": limit, **({"status": status} if status else {}), **({"after": after} if after else {})}
-            page = self._call("GET", "/v1/jobs", params=params)
-            yield from page["data"]
-            if not page["has_more"]:
-                return
-            after = page["next_after"]
+    def list_jobs_page(self, status: str | None = None, limit: int = 20, after: str | None = None) -> Json:
+        """One page: ``{data, has_more, next_after}``; pass ``next_after`` as ``after`` for the next."""
+        return self._call(api.jobs_page(status, limit, after))
 
-    def wait(
-        self, job_id: str, poll: float = 1.0, on_update: Callable[[dict[str, Any]], None] | None = None
-    ) -> dict[str, Any]:
-        """Poll until the job is succeeded, failed or cancelled; returns the final Job."""
+    def cancel_job(self, job_id: str) -> Json:
+        """A queued job is cancelled at once, a running one is ``cancelling`` until its worker
+        stops; a finished one raises Conflict. Returns the Job."""
+        return self._call(api.cancel_job(job_id))
+
+    def wait(self, job_id: str, poll: float = 1.0, on_update: Callable[[Json], None] | None = None) -> Json:
+        """Poll every ``poll`` seconds until the job has finished; returns the final Job."""
         while True:
             job = self.get_job(job_id)
             if on_update:
                 on_update(job)
             if job["status"] in FINISHED:
                 return job
-            time.sleep(poll)
+            self._sleep(poll)
 
     def events(self, job_id: str, last_event_id: str | None = None, reconnect: bool = True) -> Iterator[Event]:
-        """The job's events (``GET /v1/jobs/{id}/events``) until ``done``, after ``last_event_id``
-        if given. A dropped connection is resumed from the last id received, as a browser's
-        EventSource does."""
+        """The job's events until ``done``, after ``last_event_id`` if given. A dropped connection
+        is resumed after the last event received (``reconnect=False``: raised instead)."""
+        parser = SseParser(last_event_id)
+        attempts = self._attempts(api.job_events(job_id, last_event_id), reconnect)
         while True:
-            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
-            timeout = httpx.Timeout(30.0, read=60.0)  # the server pings every 15 s
             try:
-                with self._http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=timeout) as r:
-                    if not r.is_success:
-                        r.read()
-                        self._raise(r)
-                    for event in parse_sse(r.iter_lines()):
-                        last_event_id = event.id or last_event_id
-                        yield event
-                        if event.event == "done":
-                            return
-            except httpx.TransportError:
-                if not reconnect:
-                    raise
-                time.sleep(1.0)
+                with self._http.stream(**api.job_events(job_id, parser.last_event_id).request()) as response:
+                    if not response.is_success:
+                        response.read()
+                        delay = attempts.after_response(response)
+                    else:
+                        parser.connect()
+                        for line in response.iter_lines():
+                            if (event := parser.feed(line)) is not None:
+                                attempts.reset()
+                                yield event
+                                if event.event == "done":
+                                    return
+                        delay = attempts.after_error(httpx.ReadError("the stream ended before its done event"))
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+            self._sleep(delay)
 
     def metrics(
         self, job_id: str, names: Iterable[str] | None = None, max_points: int = 1000,
         from_step: int | None = None, to_step: int | None = None,
     ) -> dict[str, list[list[float]]]:  # fmt: skip
-        """History per metric name, downsampled by the server to at most ``max_points`` points."""
-        params: dict[str, Any] = {"max_points": max_points}
-        if names is not None:
-            params["names"] = ",".join(names)
-        params |= {k: v for k, v in (("from_step", from_step), ("to_step", to_step)) if v is not None}
-        history = self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)
-        return {s["name"]: s["points"] for s in history["series"]}
+        """``{name: [[step, value], ...]}``, downsampled by the server to at most ``max_points``
+        real points per series (min, max and last of each step bucket, so spikes survive)."""
+        return self._call(api.job_metrics(job_id, names, max_points, from_step, to_step))
 
-    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+    def checkpoints(self, job_id: str) -> list[Json]:
         """The job's checkpoints, newest first, each with the metrics of its step."""
-        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")["data"]
+        return self._call(api.checkpoints(job_id))
 
-    def download_checkpoint(self, job_id: str, step: int, path: str | Path) -> Path:
-        """Stream the checkpoint written after ``step`` steps to ``path``."""
-        path = Path(path)
-        with self._http.stream("GET", f"/v1/jobs/{job_id}/checkpoints/{step}") as response:
-            if not response.is_success:
-                response.read()
-                self._raise(response)
-            with path.open("wb") as f:
+    def download_checkpoint(self, job_id: str, step: int, path: str | Path, progress: Progress | None = None) -> Path:
+        """Stream the checkpoint written after ``step`` steps to ``path``; ``progress(done, total)``
+        is called in bytes as it arrives. Returns the path."""
+
+        def save(response: httpx.Response) -> Path:
+            with Download(path, response.headers, progress) as out:
                 for chunk in response.iter_bytes():
-                    f.write(chunk)
-        return path
+                    out.write(chunk)
+            return out.path
+
+        return self._run(api.checkpoint_file(job_id, step), save)
 
     # -- datasets ---------------------------------------------------------------------------------
-    def upload_dataset(self, path: str | Path, name: str | None = None) -> dict[str, Any]:
-        path = Path(path)
-        with path.open("rb") as f:
-            return self._call("POST", "/v1/datasets", files={"file": (path.name, f)}, data={"name": name or path.name})
+    def upload_dataset(
+        self, file: str | Path | BinaryIO, name: str | None = None, progress: Progress | None = None
+    ) -> Json:
+        """Upload a UTF-8 text corpus (a path, or a binary file read from its start);
+        ``progress(done, total)`` is called in bytes as it is sent. Returns the Dataset."""
+        with open_upload(file, progress) as (filename, reader):
+            return self._call(api.upload_dataset(filename, reader, name or filename))
 
-    def get_dataset(self, dataset_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/datasets/{dataset_id}")
+    def list_datasets(self, page_size: int = PAGE_SIZE) -> Iterator[Json]:
+        return self._each(lambda after: api.datasets_page(page_size, after))
+
+    def list_datasets_page(self, limit: int = 20, after: str | None = None) -> Json:
+        return self._call(api.datasets_page(limit, after))
+
+    def get_dataset(self, dataset_id: str) -> Json:
+        return self._call(api.get_dataset(dataset_id))
+
+    # -- health -----------------------------------------------------------------------------------
+    def healthz(self) -> Json:
+        """Liveness: ``{"status": "ok"}``."""
+        return self._call(api.healthz())
+
+    def readyz(self) -> Json:
+        """Readiness: ``{"status": "ok" | "unavailable", "checks": {...}}`` (returned either way)."""
+        return self._call(api.readyz())
 
     # -- plumbing ---------------------------------------------------------------------------------
-    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        response = self._http.request(method, path, **kwargs)
-        if response.is_success:
-            return response.json()
-        self._raise(response)
+    def _call(self, call: Call) -> Any:
+        def read(response: httpx.Response) -> Any:
+            response.read()
+            return call.result(response.json())
 
-    @staticmethod
-    def _raise(response: httpx.Response) -> None:
-        try:
-            error = response.json()["error"]
-        except (ValueError, KeyError, TypeError):
-            error = {"code": "internal", "message": response.text[:500], "param": None}
-        raise ApiError(
-            response.status_code, error.get("code", "internal"), error.get("message", ""), error.get("param")
-        )
+        return self._run(call, read)
+
+    def _run(self, call: Call, consume: Callable[[httpx.Response], Any]) -> Any:
+        """Send ``call`` until it is answered (retrying what its policy allows), then read the
+        answer with ``consume``; a connection lost while reading counts as a failed attempt."""
+        attempts = self._attempts(call)
+        while True:
+            try:
+                with self._http.stream(**call.request()) as response:
+                    if response.is_success or response.status_code in call.answers:
+                        return consume(response)
+                    response.read()
+                    delay = attempts.after_response(response)
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+            self._sleep(delay)
+
+    def _each(self, page: Callable[[str | None], Call]) -> Iterator[Json]:
+        after = None
+        while True:
+            body = self._call(page(after))
+            yield from body["data"]
+            if not body["has_more"]:
+                return
+            after = body["next_after"]
+
+
+class AsyncClient(_ClientBase):
+    """Client's twin on httpx.AsyncClient: the same methods, awaited; ``list_jobs``,
+    ``list_datasets`` and ``events`` are async iterators."""
+
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0, *,
+        retry: Retry = DEFAULT_RETRY, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:  # fmt: skip
+        super().__init__(url, api_key, timeout, retry)
+        self._sleep = sleep
+        self._http = httpx.AsyncClient(**self._http_options)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- jobs -------------------------------------------------------------------------------------
+    async def create_job(self, spec: Json, idempotency_key: str | None = None) -> Json:
+        return await self._call(api.create_job(spec, idempotency_key))
+
+    async def get_job(self, job_id: str) -> Json:
+        return await self._call(api.get_job(job_id))
+
+    def list_jobs(self, status: str | None = None, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.jobs_page(status, page_size, after))
+
+    async def list_jobs_page(self, status: str | None = None, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.jobs_page(status, limit, after))
+
+    async def cancel_job(self, job_id: str) -> Json:
+        return await self._call(api.cancel_job(job_id))
+
+    async def wait(self, job_id: str, poll: float = 1.0, on_update: Callable[[Json], None] | None = None) -> Json:
+        while True:
+            job = await self.get_job(job_id)
+            if on_update:
+                on_update(job)
+            if job["status"] in FINISHED:
+                return job
+            await self._sleep(poll)
+
+    async def events(
+        self, job_id: str, last_event_id: str | None = None, reconnect: bool = True
+    ) -> AsyncIterator[Event]:
+        parser = SseParser(last_event_id)
+        attempts = self._attempts(api.job_events(job_id, last_event_id), reconnect)
+        while True:
+            try:
+                async with self._http.stream(**api.job_events(job_id, parser.last_event_id).request()) as response:
+                    if not response.is_success:
+                        await response.aread()
+                        delay = attempts.after_response(response)
+                    else:
+                        parser.connect()
+                        async for line in response.aiter_lines():
+                            if (event := parser.feed(line)) is not None:
+                                attempts.reset()
+                                yield event
+                                if event.event == "done":
+                                    return
+                        delay = attempts.after_error(httpx.ReadError("the stream ended before its done event"))
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+            await self._sleep(delay)
+
+    async def metrics(
+        self, job_id: str, names: Iterable[str] | None = None, max_points: int = 1000,
+        from_step: int | None = None, to_step: int | None = None,
+    ) -> dict[str, list[list[float]]]:  # fmt: skip
+        return await self._call(api.job_metrics(job_id, names, max_points, from_step, to_step))
+
+    async def checkpoints(self, job_id: str) -> list[Json]:
+        return await self._call(api.checkpoints(job_id))
+
+    async def download_checkpoint(
+        self, job_id: str, step: int, path: str | Path, progress: Progress | None = None
+    ) -> Path:
+        async def save(response: httpx.Response) -> Path:
+            with Download(path, response.headers, progress) as out:
+                async for chunk in response.aiter_bytes():
+                    out.write(chunk)
+            return out.path
+
+        return await self._run(api.checkpoint_file(job_id, step), save)
+
+    # -- datasets ---------------------------------------------------------------------------------
+    async def upload_dataset(
+        self, file: str | Path | BinaryIO, name: str | None = None, progress: Progress | None = None
+    ) -> Json:
+        with open_upload(file, progress) as (filename, reader):
+            return await self._call(api.upload_dataset(filename, reader, name or filename))
+
+    def list_datasets(self, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.datasets_page(page_size, after))
+
+    async def list_datasets_page(self, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.datasets_page(limit, after))
+
+    async def get_dataset(self, dataset_id: str) -> Json:
+        return await self._call(api.get_dataset(dataset_id))
+
+    # -- health -----------------------------------------------------------------------------------
+    async def healthz(self) -> Json:
+        return await self._call(api.healthz())
+
+    async def readyz(self) -> Json:
+        return await self._call(api.readyz())
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    async def _call(self, call: Call) -> Any:
+        async def read(response: httpx.Response) -> Any:
+            await response.aread()
+            return call.result(response.json())
+
+        return await self._run(call, read)
+
+    async def _run(self, call: Call, consume: Callable[[httpx.Response], Awaitable[Any]]) -> Any:
+        attempts = self._attempts(call)
+        while True:
+            try:
+                async with self._http.stream(**call.request()) as response:
+                    if response.is_success or response.status_code in call.answers:
+                        return await consume(response)
+                    await response.aread()
+                    delay = attempts.after_response(response)
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+            await self._sleep(delay)
+
+    async def _each(self, page: Callable[[str | None], Call]) -> AsyncIterator[Json]:
+        after = None
+        while True:
+            body = await self._call(page(after))
+            for item in body["data"]:
+                yield item
+            if not body["has_more"]:
+                return
+            after = body["next_after"]

@@ -136,7 +136,10 @@ def qk_clip(sources: Sequence[QKClipSource], tau: float) -> tuple[Tensor, Tensor
         maxima.append(torch.full((n,), float("-inf")) if s is None else s.detach().float().reshape(n))
     if not maxima:
         return torch.tensor(0), torch.tensor(1.0)
-    device = next((m.device for m in maxima if m.device.type != "cpu"), maxima[0].device)
+    # Sources without a forward give CPU -inf; fall back to the weights' device, since an nccl
+    # all-reduce takes CUDA tensors only.
+    devices = [m.device for m in maxima] + [t.tensor.device for src in sources for t in src.qk_clip_targets()]
+    device = next((d for d in devices if d.type != "cpu"), devices[0])
     s_max = torch.cat([m.to(device) for m in maxima])  # [total heads]
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(s_max, op=dist.ReduceOp.MAX)

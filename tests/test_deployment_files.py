@@ -37,3 +37,10 @@ def test_dockerfile_copies_what_the_commands_need():
     for part in ("optim", "app", "worker", "muonforge", "migrations", "alembic.ini", "pyproject.toml"):
         assert f"COPY {part}" in text, part
     assert 'CMD ["muonforge", "api"' in text
+
+
+def test_dockerfile_installs_the_locked_web_packages():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "COPY app/web/package.json app/web/package-lock.json" in text and "npm ci" in text
+    assert "COPY --from=web /web/node_modules ./app/web/node_modules" in text
+    assert "app/web/node_modules" in (ROOT / ".dockerignore").read_text()  # built in the image, not copied

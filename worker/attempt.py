@@ -12,9 +12,11 @@ import time
 from datetime import timedelta
 
 from app.db.session import transaction
+from app.job_status import JobStatus
+from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
-from app.services.jobs import status_event
+from app.services.job_events import record_status
 from app.settings import Settings
 from worker.engine.run import checkpoint_dir, run_job
 from worker.engine.trainer import TrainingError
@@ -59,8 +61,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         attempt = repo.claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
         if attempt is None:
             return "skipped"  # a redelivery, a finished job, or another worker's live lease
-        job = repo.get(job_id)
-        status_event(repo, job)
+        job = record_status(session, live_bus(settings), job_id)
         spec, dataset_id = job.spec, job.dataset_id
         progress, summary = job.progress_step, dict(job.summary or {})
         corpus = None
@@ -81,23 +82,25 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         except LeaseLost:
             return "lease_lost"
         except TrainingError as exc:
-            return _finish(settings, job_id, attempt, "failed", sink, {"code": "training_error", "message": str(exc)})
+            error = {"code": "training_error", "message": str(exc)}
+            return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
         except Exception as exc:
             log.exception("job %s: attempt %d crashed", job_id, attempt)
             error = {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}
-            return _finish(settings, job_id, attempt, "failed", sink, error)
+            return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
         if lease.lost.is_set():
             return "lease_lost"
-    sink.step = result.steps
-    return _finish(settings, job_id, attempt, result.status, sink, None)
+    return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
 
 
-def _finish(settings: Settings, job_id: str, attempt: int, status: str, sink: JobSink, error: dict | None) -> str:
+def _finish(
+    settings: Settings, job_id: str, attempt: int, status: JobStatus, step: int, summary: dict, error: dict | None
+) -> str:
+    """The attempt's outcome, with the steps completed and the run's summary (fenced)."""
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        if not repo.finish(job_id, attempt, status, error, progress_step=sink.step, summary=dict(sink.summary)):
+        if not JobRepository(session).finish(job_id, attempt, status, error, progress_step=step, summary=summary):
             return "lease_lost"
-        status_event(repo, repo.get(job_id))
+        record_status(session, live_bus(settings), job_id)
     log.info("job %s: attempt %d %s", job_id, attempt, status)
     return status
 

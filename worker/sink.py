@@ -21,12 +21,13 @@ from typing import Any
 from app.db.session import transaction
 from app.live import live_bus
 from app.repositories.jobs import JobRepository
+from app.services.job_events import record_checkpoint, record_log, record_sample
 from app.services.telemetry import store_metrics
 from app.settings import Settings
 from worker.engine.checkpoints import checkpoints_in, load_checkpoint
+from worker.engine.telemetry import Report
 
 log = logging.getLogger("muonforge.worker")
-SUMMARY_KEYS = ("loss", "val_loss", "attn_max_logit", "tokens_per_s", "lr", "grad_norm", "update_rms")
 _FLUSH = object()  # asks the thread to write everything pending now
 MAX_FAILURES = 5  # consecutive failed writes (one per flush interval) before the attempt fails
 
@@ -36,13 +37,15 @@ class LeaseLost(RuntimeError):
 
 
 class JobSink:
-    """Telemetry of one attempt: to the live bus at once, to the database in batches; progress
-    and summary kept current; checkpoints and log lines recorded as job events."""
+    """Telemetry of one attempt: to the live bus at once, to the database in batches; the job's
+    progress and summary kept current (as the trainer reports them); checkpoints, log lines and
+    samples recorded as job events."""
 
     def __init__(self, settings: Settings, job_id: str, attempt: int, step: int, summary: dict[str, float]) -> None:
         self.settings, self.job_id, self.attempt = settings, job_id, attempt
         self.bus = live_bus(settings)
-        self.step, self.summary = step, dict(summary)  # a resumed attempt starts from what is known
+        # The latest progress and summary reported (a resumed attempt starts from what is known).
+        self.step, self.summary = step, dict(summary)
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._buffer: list[tuple[int, dict[str, float]]] = []
         self._mark: str | None = None
@@ -53,21 +56,18 @@ class JobSink:
         self._thread.start()
 
     # -- the engine's TelemetrySink ------------------------------------------------------------
-    def metrics(self, step: int, values: dict[str, float]) -> None:
+    def metrics(self, report: Report) -> None:
         self._raise_if_failed()
-        self.step = step + 1 if "loss" in values else step  # optimizer steps completed
-        self.summary.update({k: v for k, v in values.items() if k in SUMMARY_KEYS})
-        self._pending.put((step, values, dict(self.summary), self.step))
+        self.step, self.summary = report.completed, report.summary
+        self._pending.put(report)
 
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         self.flush()  # the metrics before it are stored first
         relative = str(path.relative_to(self.settings.artifact_dir))
         with transaction(self.settings) as session:
-            repo = JobRepository(session)
-            if not repo.record_progress(self.job_id, self.attempt, self.step, dict(self.summary)):  # fenced
-                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
-            repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes, metrics)
-            repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
+            if not JobRepository(session).record_progress(self.job_id, self.attempt, self.step, self.summary):
+                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")  # fenced
+            record_checkpoint(session, self.bus, self.job_id, self.attempt, step, relative, nbytes, metrics)
 
     def adopt_checkpoints(self, directory: Path) -> None:
         """Record the checkpoint files in ``directory`` that no attempt recorded (an attempt
@@ -80,12 +80,15 @@ class JobSink:
                 if step not in recorded:
                     nbytes, metrics = path.stat().st_size, load_checkpoint(path, mmap=True).get("last_metrics", {})
                     relative = str(path.relative_to(self.settings.artifact_dir))
-                    repo.add_checkpoint(self.job_id, self.attempt, step, relative, nbytes, metrics)
-                    repo.add_event(self.job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
+                    record_checkpoint(session, self.bus, self.job_id, self.attempt, step, relative, nbytes, metrics)
 
     def log(self, level: str, message: str) -> None:
         with transaction(self.settings) as session:
-            JobRepository(session).add_event(self.job_id, "log", {"level": level, "message": message}, step=self.step)
+            record_log(session, self.bus, self.job_id, level, message, step=self.step)
+
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        with transaction(self.settings) as session:
+            record_sample(session, self.bus, self.job_id, step, prompt, text)
 
     # -- control ---------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -124,11 +127,11 @@ class JobSink:
                     items.append(self._pending.get_nowait())
                 except queue.Empty:
                     break
-            steps = [item for item in items if isinstance(item, tuple)]
+            reports = [item for item in items if isinstance(item, Report)]
             flush, stop = _FLUSH in items, None in items
             try:
-                if steps:
-                    self._publish(steps)
+                if reports:
+                    self._publish(reports)
                 if flush or stop or time.monotonic() >= next_store:
                     self._store()
                     next_store = time.monotonic() + flush_every
@@ -145,14 +148,13 @@ class JobSink:
                 self._flushed.set()
         self._flushed.set()
 
-    def _publish(self, steps: list[tuple[int, dict[str, float], dict[str, float], int]]) -> None:
+    def _publish(self, reports: list[Report]) -> None:
         """Into the buffer for the next store, and to the live bus now (if the bus is down, the
         events stream reads the database instead: the mark stays at the last step published)."""
-        self._buffer += [(step, values) for step, values, _, _ in steps]
-        _, _, summary, progress_step = steps[-1]
-        self._progress = (progress_step, summary)
+        self._buffer += [(r.step, r.values) for r in reports]
+        self._progress = (reports[-1].completed, reports[-1].summary)
         try:
-            marks = self.bus.publish_metrics(self.job_id, [(step, json.dumps(values)) for step, values, _, _ in steps])
+            marks = self.bus.publish_metrics(self.job_id, [(r.step, json.dumps(r.values)) for r in reports])
         except Exception as exc:
             log.warning("job %s: live publish failed: %s", self.job_id, exc)
             return

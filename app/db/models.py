@@ -8,11 +8,9 @@ from typing import Any
 from sqlalchemy import BigInteger, Boolean, Double, ForeignKey, Index, Integer, LargeBinary, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .base import Base, IdColumn, JSONDoc, Timestamped, UTCDateTime, new_id
+from app.job_status import JobStatus
 
-JOB_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
-ACTIVE_STATUSES = ("queued", "running", "cancelling")
-FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
+from .base import Base, IdColumn, JSONDoc, Timestamped, UTCDateTime, new_id
 
 
 class Tenant(Timestamped, Base):
@@ -54,7 +52,7 @@ class Job(Timestamped, Base):
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("job"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     name: Mapped[str | None] = mapped_column(String(200))
-    status: Mapped[str] = mapped_column(String(16), default="queued")
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
     spec: Mapped[dict[str, Any]] = mapped_column(JSONDoc)
     queue: Mapped[str] = mapped_column(String(32), default="cpu")
     dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id", ondelete="RESTRICT"))

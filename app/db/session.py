@@ -10,7 +10,6 @@ from functools import lru_cache
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.live import live_bus
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.db")
@@ -46,8 +45,8 @@ def session_factory(url: str) -> sessionmaker[Session]:
 
 
 def open_session(settings: Settings) -> Session:
-    """A session on the settings' database whose job events reach the live bus once committed."""
-    return session_factory(settings.sqlalchemy_url)(info={"live_bus": live_bus(settings)})
+    """A session on the settings' database."""
+    return session_factory(settings.sqlalchemy_url)()
 
 
 @contextmanager

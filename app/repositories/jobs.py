@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from functools import partial
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -14,10 +13,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
-from app.db.models import ACTIVE_STATUSES, Checkpoint, Job, JobEvent
-from app.db.session import on_commit
-
-RUNNING = ("running", "cancelling")
+from app.db.models import Checkpoint, Job, JobEvent
+from app.job_status import ACTIVE, RUNNING, JobStatus
 
 
 class JobRepository:
@@ -30,6 +27,11 @@ class JobRepository:
         if tenant_id is not None:
             query = query.where(Job.tenant_id == tenant_id)
         return self.session.scalars(query).one_or_none()
+
+    def fresh(self, job_id: str) -> Job:
+        """The job's row as committed now, also when the session holds an older copy (a
+        compare-and-set UPDATE bypasses loaded objects)."""
+        return self.session.scalars(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).one()
 
     def page(self, tenant_id: str, limit: int, after: str | None, status: str | None) -> list[Job]:
         """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
@@ -45,11 +47,15 @@ class JobRepository:
         return self.session.scalars(query).one_or_none()
 
     def count_active(self, tenant_id: str) -> int:
-        query = select(func.count()).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE_STATUSES))
+        query = select(func.count()).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
         return self.session.scalar(query) or 0
 
     def count_by_status(self) -> dict[str, int]:
         return dict(self.session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+
+    def steps_completed(self) -> int:
+        """Optimizer steps completed over all jobs."""
+        return int(self.session.scalar(select(func.coalesce(func.sum(Job.progress_step), 0))) or 0)
 
     def cancel_requested(self, job_id: str) -> bool:
         return bool(self.session.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
@@ -69,10 +75,12 @@ class JobRepository:
         return set(self.session.scalars(stmt, rows))
 
     def cancel_queued(self, job_id: str, now: datetime) -> bool:
-        return self._cas(job_id, ("queued",), status="cancelled", cancel_requested=True, finished_at=now)
+        return self._cas(
+            job_id, (JobStatus.QUEUED,), status=JobStatus.CANCELLED, cancel_requested=True, finished_at=now
+        )
 
     def request_cancel(self, job_id: str) -> bool:
-        return self._cas(job_id, ("running",), status="cancelling", cancel_requested=True)
+        return self._cas(job_id, (JobStatus.RUNNING,), status=JobStatus.CANCELLING, cancel_requested=True)
 
     # -- writes by a worker attempt (fenced by the attempt number) --------------------------------
     def claim(self, job_id: str, owner: str, lease: timedelta) -> int | None:
@@ -80,9 +88,9 @@ class JobRepository:
         now = utcnow()
         result = self.session.execute(
             update(Job)
-            .where(Job.id == job_id, Job.status == "queued")
+            .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
             .values(
-                status="running",
+                status=JobStatus.RUNNING,
                 attempt=Job.attempt + 1,
                 lease_owner=owner,
                 lease_expires_at=now + lease,
@@ -115,7 +123,7 @@ class JobRepository:
     def release_expired(self, job: Job, now: datetime, status: str, error: dict | None = None) -> bool:
         """A dead attempt's job: back to queued (to resume), or to its final state."""
         values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None}
-        if status == "queued":
+        if status == JobStatus.QUEUED:
             values["enqueued_at"] = now
         else:
             values.update(finished_at=now, error=error)
@@ -131,7 +139,7 @@ class JobRepository:
         taken): their send time is reset, the caller re-sends."""
         result = self.session.execute(
             update(Job)
-            .where(Job.status == "queued", func.coalesce(Job.enqueued_at, Job.created_at) < before)
+            .where(Job.status == JobStatus.QUEUED, func.coalesce(Job.enqueued_at, Job.created_at) < before)
             .values(enqueued_at=utcnow())
             .returning(Job.id, Job.queue)
         )
@@ -141,24 +149,20 @@ class JobRepository:
         self.session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
     # -- events and checkpoints -------------------------------------------------------------------
-    def add_event(self, job_id: str, kind: str, payload: dict[str, Any], step: int | None = None) -> int:
-        """Append an event to the job's log; returns its seq. The seq comes from the job's row
-        (UPDATE ... RETURNING: the row stays locked until commit, so a job's events commit in seq
-        order and a reader never sees seq n + 1 without n). Once committed, the event is published
-        to the session's live bus."""
+    def add_event(self, job_id: str, kind: str, payload: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+        """Append an event to the job's log; returns it ({job_id, seq, step, kind, payload}). The
+        seq comes from the job's row (UPDATE ... RETURNING: the row stays locked until commit, so a
+        job's events commit in seq order and a reader never sees seq n + 1 without n)."""
         seq = self.session.execute(
             update(Job).where(Job.id == job_id).values(event_seq=Job.event_seq + 1).returning(Job.event_seq)
         ).scalar_one()
         event = {"job_id": job_id, "seq": seq, "step": step, "kind": kind, "payload": payload}
         self.session.execute(insert(JobEvent.__table__), event | {"created_at": utcnow()})
-        bus = self.session.info.get("live_bus")
-        if bus is not None and bus.live:
-            on_commit(self.session, partial(bus.publish_events, [event]))
-        return seq
+        return event
 
     def add_first_events(self, events: list[tuple[str, int, str, dict[str, Any]]]) -> None:
         """The first event (seq 1) of new jobs, (job id, step, kind, payload), in one statement: the
-        jobs were inserted with ``event_seq`` 1. Nobody follows a job before it exists: not published."""
+        jobs were inserted with ``event_seq`` 1."""
         if events:
             now = utcnow()
             rows = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, text, tuple_, update
+from sqlalchemy import bindparam, delete, func, insert, select, text, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -17,19 +17,20 @@ CHUNK_COLUMNS = (
 )  # fmt: skip
 COPY_TYPES = ("text", "text", "int4", "int4", "int4", "bytea", "bytea", "int4", "float8", "int4", "float8", "float8")
 
-# Per bucket of ``width`` steps, the chunks (entirely inside the bucket) holding its smallest value,
-# its largest value and its last point: a window over chunk summaries, never over points.
-BUCKET_EXTREMES = text("""
-SELECT b, rmin, rmax, rlast, min_step, min_value, max_step, max_value, last_step, last_value FROM (
-    SELECT (first_step - :lo) / :width AS b, min_step, min_value, max_step, max_value, last_step, last_value,
-           ROW_NUMBER() OVER (PARTITION BY (first_step - :lo) / :width ORDER BY min_value, min_step) AS rmin,
-           ROW_NUMBER() OVER (PARTITION BY (first_step - :lo) / :width ORDER BY max_value DESC, max_step) AS rmax,
-           ROW_NUMBER() OVER (PARTITION BY (first_step - :lo) / :width ORDER BY last_step DESC) AS rlast
+# Per series and bucket of ``width`` steps (a chunk belongs to the bucket of its first step), the
+# chunks holding the bucket's smallest value, its largest value and its last point: a window over
+# the summaries of the chunks inside [lo, hi], never over points.
+BUCKET_SUMMARIES = text("""
+SELECT name, b, rmin, rmax, rlast, min_step, min_value, max_step, max_value, last_step, last_value FROM (
+    SELECT name, (first_step - :lo) / :width AS b, min_step, min_value, max_step, max_value, last_step, last_value,
+           ROW_NUMBER() OVER (PARTITION BY name, (first_step - :lo) / :width ORDER BY min_value, min_step) AS rmin,
+           ROW_NUMBER() OVER (PARTITION BY name, (first_step - :lo) / :width ORDER BY max_value DESC, max_step)
+               AS rmax,
+           ROW_NUMBER() OVER (PARTITION BY name, (first_step - :lo) / :width ORDER BY last_step DESC) AS rlast
     FROM metric_chunks
-    WHERE job_id = :job_id AND name = :name AND first_step >= :lo AND last_step <= :hi
-      AND (first_step - :lo) / :width = (last_step - :lo) / :width
+    WHERE job_id = :job_id AND name IN :names AND first_step >= :lo AND last_step <= :hi
 ) AS ranked WHERE rmin = 1 OR rmax = 1 OR rlast = 1
-""")
+""").bindparams(bindparam("names", expanding=True))
 
 
 class MetricRepository:
@@ -100,36 +101,31 @@ class MetricRepository:
             query = query.where(MetricSeries.name.in_(names))
         return list(self.session.scalars(query.order_by(MetricSeries.name)))
 
-    def chunks(self, job_id: str, names: Sequence[str] | None, lo: int, hi: int) -> list[Any]:
-        """Chunks (with their points) overlapping steps [lo, hi], by name then step."""
+    def chunks(
+        self, job_id: str, names: Sequence[str] | None, lo: int, hi: int, cut_by_range: bool = False
+    ) -> list[Any]:
+        """Chunks (name, steps, values) overlapping steps [lo, hi], by name then step;
+        ``cut_by_range``: only those that reach past lo or hi."""
         query = select(MetricChunk.name, MetricChunk.steps, MetricChunk.values).where(
             MetricChunk.job_id == job_id, MetricChunk.last_step >= lo, MetricChunk.first_step <= hi
         )
         if names is not None:
             query = query.where(MetricChunk.name.in_(names))
+        if cut_by_range:
+            query = query.where((MetricChunk.first_step < lo) | (MetricChunk.last_step > hi))
         return list(self.session.execute(query.order_by(MetricChunk.name, MetricChunk.first_step)))
 
-    def points_within(self, job_id: str, name: str, lo: int, hi: int) -> int:
-        """Points in the chunks that lie entirely inside [lo, hi]."""
-        query = select(func.coalesce(func.sum(MetricChunk.n), 0)).where(
-            MetricChunk.job_id == job_id, MetricChunk.name == name, MetricChunk.first_step >= lo,
-            MetricChunk.last_step <= hi,
-        )  # fmt: skip
-        return int(self.session.scalar(query))
-
-    def edge_chunks(self, job_id: str, name: str, lo: int, hi: int, width: int) -> list[Any]:
-        """Chunks (with their points) overlapping [lo, hi] that are not inside one bucket of it:
-        they cross lo, hi or a bucket boundary, so their points are bucketed one by one."""
-        offset_first = (MetricChunk.first_step - lo) // width
-        offset_last = (MetricChunk.last_step - lo) // width
-        query = select(MetricChunk.steps, MetricChunk.values).where(
-            MetricChunk.job_id == job_id, MetricChunk.name == name, MetricChunk.last_step >= lo,
-            MetricChunk.first_step <= hi,
-            (MetricChunk.first_step < lo) | (MetricChunk.last_step > hi) | (offset_first != offset_last),
+    def range_stats(self, job_id: str, names: Sequence[str], lo: int, hi: int) -> list[Any]:
+        """Per series, the chunks overlapping [lo, hi] and their points (name, chunks, points)."""
+        query = (
+            select(MetricChunk.name, func.count().label("chunks"), func.sum(MetricChunk.n).label("points"))
+            .where(MetricChunk.job_id == job_id, MetricChunk.name.in_(names), MetricChunk.last_step >= lo,
+                   MetricChunk.first_step <= hi)
+            .group_by(MetricChunk.name)
         )  # fmt: skip
         return list(self.session.execute(query))
 
-    def bucket_extremes(self, job_id: str, name: str, lo: int, hi: int, width: int) -> list[Any]:
-        """BUCKET_EXTREMES: up to three summary rows per bucket (flags rmin, rmax, rlast == 1)."""
-        params = {"job_id": job_id, "name": name, "lo": lo, "hi": hi, "width": width}
-        return list(self.session.execute(BUCKET_EXTREMES, params))
+    def bucket_summaries(self, job_id: str, names: Sequence[str], lo: int, hi: int, width: int) -> list[Any]:
+        """BUCKET_SUMMARIES of the chunks inside [lo, hi]: up to three rows per series and bucket."""
+        params = {"job_id": job_id, "names": list(names), "lo": lo, "hi": hi, "width": width}
+        return list(self.session.execute(BUCKET_SUMMARIES, params))

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.sse import EventSourceResponse
 
-from app.db.models import Job
-from app.deps import Work
+from app.deps import JobIntake, Work
+from app.job_status import JobStatus
 from app.schemas import JobSpec
 from app.schemas import api as schemas
 from app.services import events
@@ -24,22 +24,21 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 async def create_job(
     spec: JobSpec,
     work: Work,
+    intake: JobIntake,
     response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> schemas.Job:
     """Validate a JobSpec, store it and queue it. A replay with the same `Idempotency-Key` and
     body answers 200 with the same job; the same key with another body is 409."""
-    prepared = await work(service.prepare_job, spec, idempotency_key, work.settings, work.admission)
-    job, created = (prepared, False) if isinstance(prepared, Job) else await work.writer.insert(prepared)
-    if not created:
-        response.status_code = 200
+    job, created = await intake.submit_job(work, spec, idempotency_key)
+    response.status_code = 201 if created else 200
     return schemas.Job.of(job)
 
 
 @router.get("", response_model=schemas.JobList, responses=ERRORS)
 async def list_jobs(
     work: Work,
-    status: schemas.JobStatus | None = None,
+    status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_LIMIT)] = 20,
     after: str | None = None,
 ) -> schemas.JobList:
@@ -55,7 +54,7 @@ async def get_job(job_id: str, work: Work) -> schemas.Job:
 @router.post("/{job_id}/cancel", response_model=schemas.Job, responses=ERRORS)
 async def cancel_job(job_id: str, work: Work) -> schemas.Job:
     """Queued: cancelled at once. Running: `cancelling` until the worker stops. Finished: 409."""
-    return schemas.Job.of(await work(service.cancel_job, job_id))
+    return schemas.Job.of(await work(service.cancel_job, job_id, work.bus))
 
 
 @router.get("/{job_id}/metrics", response_model=schemas.MetricHistory, responses=ERRORS)
@@ -79,8 +78,15 @@ async def followed_job(job_id: str, work: Work) -> str:
     return job_id
 
 
-def event_cursor(last_event_id: Annotated[str | None, Header()] = None) -> events.Cursor:
-    return events.Cursor.parse(last_event_id)
+def event_cursor(
+    last_event_id: Annotated[str | None, Header()] = None,
+    from_step: Annotated[
+        int | None, Query(ge=0, description="Telemetry from this step on (job events: all). `Last-Event-ID` wins.")
+    ] = None,
+) -> events.Cursor:
+    if last_event_id or from_step is None:
+        return events.Cursor.parse(last_event_id)
+    return events.Cursor(next_step=from_step)
 
 
 @router.get("/{job_id}/events", response_class=EventSourceResponse, responses=ERRORS)
@@ -90,9 +96,11 @@ async def job_events(
     cursor: Annotated[events.Cursor, Depends(event_cursor)],
 ):
     """Server-Sent Events: `status` (the Job), `metrics` ({step, metrics}, one per telemetry
-    step), `checkpoint` ({step, bytes}), `log` ({level, message}), then `done` once the job has
-    finished. Reconnect with `Last-Event-ID` to resume exactly after the last event received. A
-    finished job's stream replays its history and ends. A `: ping` comment comes every 15 s."""
+    step), `checkpoint` ({step, bytes}), `log` ({level, message}), `sample` ({step, prompt,
+    text}, at evaluations), then `done` once the job has finished. Reconnect with
+    `Last-Event-ID` to resume exactly after the last event received. A finished job's stream
+    replays its history and ends. `from_step` skips the telemetry before it (a page that has
+    drawn the history follows from there). A `: ping` comment comes every 15 s."""
     state = request.app.state
     state.open_streams += 1
     try:

@@ -7,12 +7,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+from app.job_status import JobStatus
 
 
 class ErrorDetail(BaseModel):
     code: Literal[
-        "unauthorized", "not_found", "conflict", "payload_too_large", "validation_error", "rate_limited", "internal"
+        "unauthorized",
+        "not_found",
+        "method_not_allowed",
+        "conflict",
+        "payload_too_large",
+        "validation_error",
+        "rate_limited",
+        "internal",
     ]
     message: str
     param: str | None = Field(None, description="The offending field, dotted (e.g. optimizer.lr), or null.")
@@ -129,3 +136,11 @@ class MetricHistory(BaseModel):
             ]
         }
     )
+
+
+class SignIn(BaseModel):
+    api_key: str = Field(min_length=1, max_length=200, description="An API key from `muonforge keys create`.")
+
+
+class Session(BaseModel):
+    tenant: str = Field(description="The tenant the key belongs to.")

@@ -136,6 +136,12 @@ class TrainSpec(_Strict):
 
 class TelemetrySpec(_Strict):
     every: PositiveInt = Field(1, description="Report telemetry every k steps.")
+    sample_tokens: int = Field(
+        120,
+        ge=0,
+        le=1000,
+        description="Tokens of text the model writes after a fixed prompt at every evaluation (0: none).",
+    )
 
 
 class JobSpec(_Strict):

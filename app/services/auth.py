@@ -88,3 +88,8 @@ def authenticate(session: Session, authorization: str | None, cache: KeyCache | 
     if cache is not None:
         cache.put(digest, tenant)
     return tenant
+
+
+def tenant_name(session: Session, tenant: TenantRef) -> str:
+    """The authenticated tenant's name (the unit of work has checked the key)."""
+    return tenant.name

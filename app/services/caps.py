@@ -7,8 +7,11 @@ from typing import Any
 from app.errors import ValidationFailed
 from app.settings import Settings
 
-MLP_RATIO = 4  # the engine's feed-forward width, d_model x 4
-MLP_CONTEXT = 8  # the mlp baseline's window
+# Facts of the engine's models and data that the API needs before a job runs (the app never
+# imports the worker); tests/test_parity.py pins each to the engine's own value.
+MLP_RATIO = 4  # feed-forward width: d_model x 4
+MLP_CONTEXT = 8  # the mlp baseline's window, in tokens
+SYNTHETIC_VOCAB = 64  # tokens of the builtin synthetic task
 
 
 def parameter_count(model: dict[str, Any], vocab: int) -> int:

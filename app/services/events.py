@@ -1,12 +1,13 @@
 """A job's events stream: history from the database, then the live bus, resumable exactly.
 
-Events: ``status`` (the Job), ``checkpoint`` ({step, bytes}), ``log`` ({level, message}) and
-``metrics`` ({step, metrics}), then a final ``done``. Every event but ``done`` carries an id that
-encodes a cursor: the seq of the last job event delivered and the first telemetry step not yet
-delivered. Job events are numbered 1, 2, ... per job and commit in that order, and a job's
-telemetry steps are delivered in increasing order, each once (a resumed attempt sends steps
-again; they are behind the cursor), so a reconnect with ``Last-Event-ID`` gets exactly what
-follows the cursor, whether it comes from the database or from the bus.
+Events: ``status`` (the Job), ``checkpoint`` ({step, bytes}), ``log`` ({level, message}),
+``sample`` ({step, prompt, text}) and ``metrics`` ({step, metrics}), then a final ``done``.
+Every event but ``done`` carries an id that encodes a cursor: the seq of the last job event
+delivered and the first telemetry step not yet delivered. Job events are numbered 1, 2, ... per
+job and commit in that order, and a job's telemetry steps are delivered in increasing order,
+each once (a resumed attempt sends steps again; they are behind the cursor), so a reconnect
+with ``Last-Event-ID`` gets exactly what follows the cursor, whether it comes from the database
+or from the bus.
 
 The stream reads a page from the database (everything after the cursor, in order: job events
 by seq, placed among the steps where they happened), then, in full mode, reads the job's
@@ -27,9 +28,9 @@ from typing import Any
 from fastapi.sse import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from app.db.models import FINISHED_STATUSES
 from app.db.session import open_session
 from app.errors import ValidationFailed
+from app.job_status import is_finished
 from app.live import LiveReader, Resync
 from app.repositories.jobs import JobRepository
 from app.services.telemetry import steps_from
@@ -111,14 +112,14 @@ def read_page(settings: Settings, job_id: str, cursor: Cursor) -> Page:
         page.events.append(cursor.metrics(step, values))
     if not page.more:
         page.events += [cursor.job_event(*p[:3]) for p in pending[i:]]
-        page.done = status in FINISHED_STATUSES and cursor.seq >= last_seq
+        page.done = is_finished(status) and cursor.seq >= last_seq
     page.events = [e for e in page.events if e is not None]
     return page
 
 
 def step_of(kind: str, payload: dict[str, Any], step: int | None) -> float:
     """Where a job event goes among the telemetry steps: a final status after all of them."""
-    if kind == "status" and payload.get("status") in FINISHED_STATUSES:
+    if kind == "status" and is_finished(payload.get("status")):
         return float("inf")
     return -1 if step is None else step
 

@@ -10,11 +10,13 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
+from app.broker import send_train_tasks
 from app.db.base import utcnow
 from app.db.session import transaction
-from app.queue import enqueue_train
+from app.job_status import JobStatus
+from app.live import live_bus
 from app.repositories.jobs import JobRepository
-from app.services.jobs import status_event
+from app.services.job_events import record_status
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.reaper")
@@ -27,20 +29,20 @@ def reap(session: Session, settings: Settings, now: datetime) -> list[tuple[str,
     for job in repo.expired_leases(now):
         error = None
         if job.cancel_requested:
-            status = "cancelled"
+            status = JobStatus.CANCELLED
         elif job.attempt > job.max_restarts:
-            status = "failed"
+            status = JobStatus.FAILED
             error = {
                 "code": "worker_lost",
                 "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
                 f"max_restarts ({job.max_restarts}) used up",
             }
         else:
-            status = "queued"
+            status = JobStatus.QUEUED
         if repo.release_expired(job, now, status, error):
             log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
-            status_event(repo, job)
-            if status == "queued":
+            record_status(session, live_bus(settings), job.id)
+            if status == JobStatus.QUEUED:
                 resend.append((job.id, job.queue))
     resend += repo.stale_queued(now - timedelta(seconds=settings.requeue_after_seconds))
     return resend
@@ -50,7 +52,7 @@ def reap_once(settings: Settings) -> int:
     with transaction(settings) as session:
         resend = reap(session, settings, utcnow())
     if resend:  # after commit
-        enqueue_train(settings, resend)
+        send_train_tasks(settings, resend)
     return len(resend)
 
 

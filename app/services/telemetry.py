@@ -4,7 +4,7 @@ A job's metrics are stored per series (one metric name) in columnar chunks of up
 CHUNK_POINTS points: packed arrays of steps and values plus the chunk's min, max and last point.
 Counting points, not rows: the telemetry of a step (about 40 values for a 4-layer, 4-head gpt)
 costs no row of its own, and a series of 1,000,000 points (about 2,000 chunks) is downsampled
-from its chunk summaries without reading the points of the chunks that lie within one bucket.
+from its chunk summaries without reading the points of its chunks.
 """
 
 from __future__ import annotations
@@ -103,46 +103,69 @@ def unpack(steps: bytes, values: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- history -----------------------------------------------------------------------------------
+MAX_STEP = 2**31 - 1  # steps are int32
+
+
 def history(
     session: Session, job_id: str, names: Sequence[str] | None, max_points: int, from_step: int | None,
     to_step: int | None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every requested series over [from_step, to_step] as at most ``max_points`` real points:
-    all of them when they fit, else the step axis cut into max_points // 3 buckets, each keeping
-    its min, max and last point (spikes survive)."""
+    all of them when they fit; else the steps are cut into about max_points // 3 buckets, each
+    keeping its min, max and last point (spikes survive).
+
+    Where a series' chunks are no wider than a bucket (a coarse view of a long series), buckets
+    follow chunk boundaries (a chunk belongs to the bucket of its first step), so the buckets
+    come from the chunk summaries alone; only the chunks cut by the range's ends are unpacked.
+    Where chunks are wider (a zoom), the chunks in the range are unpacked and bucketed by step.
+    Whatever the number of series, this is a handful of queries."""
     repo = MetricRepository(session)
-    out = []
-    for series in repo.series(job_id, names):
-        lo = series.first_step if from_step is None else max(from_step, series.first_step)
-        hi = series.last_step if to_step is None else min(to_step, series.last_step)
-        points = downsample(repo, job_id, series.name, lo, hi, max_points) if lo <= hi else []
-        out.append({"name": series.name, "points": points})
-    return out
-
-
-def downsample(repo: MetricRepository, job_id: str, name: str, lo: int, hi: int, max_points: int) -> list[Point]:
-    buckets = max(1, max_points // 3)
-    width = max(1, math.ceil((hi - lo + 1) / buckets))
-    edges = [unpack(s, v) for s, v in repo.edge_chunks(job_id, name, lo, hi, width)]
-    edge_points = sum(int(((s >= lo) & (s <= hi)).sum()) for s, _ in edges)
-    if repo.points_within(job_id, name, lo, hi) + edge_points <= max_points:
-        rows = repo.chunks(job_id, [name], lo, hi)
-        return in_range([unpack(s, v) for _, s, v in rows], lo, hi)
-    best: dict[int, dict[str, Point]] = defaultdict(dict)
-    for row in repo.bucket_extremes(job_id, name, lo, hi, width):  # chunks inside one bucket: their summaries
-        if row.rmin == 1:
-            keep(best[row.b], "min", [row.min_step, row.min_value])
-        if row.rmax == 1:
-            keep(best[row.b], "max", [row.max_step, row.max_value])
-        if row.rlast == 1:
-            keep(best[row.b], "last", [row.last_step, row.last_value])
-    for steps, values in edges:  # chunks across a boundary: their points
-        inside = (steps >= lo) & (steps <= hi)
-        for bucket, extremes in bucket_points(steps[inside], values[inside], lo, width).items():
-            for kind, point in extremes.items():
-                keep(best[bucket], kind, point)
-    points = {tuple(p) for extremes in best.values() for p in extremes.values()}
-    return [list(p) for p in sorted(points)]
+    lo_q, hi_q = from_step or 0, MAX_STEP if to_step is None else to_step
+    series = repo.series(job_id, names)
+    stats = {row.name: row for row in repo.range_stats(job_id, [s.name for s in series], lo_q, hi_q)}
+    points: dict[str, list[Point]] = {}
+    unpacked, summarized = [], defaultdict(list)  # names; (lo, hi, width) -> names
+    for s in series:
+        lo, hi, row = max(lo_q, s.first_step), min(hi_q, s.last_step), stats.get(s.name)
+        if lo > hi or row is None:
+            points[s.name] = []
+            continue
+        width = max(1, math.ceil((hi - lo + 1) / max(1, max_points // 3)))
+        if row.points > max_points and (hi - lo + 1) / row.chunks <= width:
+            summarized[(lo, hi, width)].append(s.name)
+        else:
+            unpacked.append(s.name)
+    # Series whose points fit, and zoomed ones: their points, bucketed when they do not fit.
+    by_name: dict[str, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+    for name, steps, values in repo.chunks(job_id, unpacked, lo_q, hi_q) if unpacked else ():
+        by_name[name].append(unpack(steps, values))
+    for s in series:
+        if s.name in unpacked:
+            lo, hi = max(lo_q, s.first_step), min(hi_q, s.last_step)
+            steps, values = in_range(by_name[s.name], lo, hi)
+            if len(steps) <= max_points:
+                points[s.name] = [[int(a), float(b)] for a, b in zip(steps.tolist(), values.tolist())]
+            else:
+                width = max(1, math.ceil((hi - lo + 1) / max(1, max_points // 3)))
+                points[s.name] = merge_extremes({}, steps, values, lo, width)
+    # Long series seen coarsely: bucket extremes from chunk summaries, plus the cut chunks' points.
+    for (lo, hi, width), group in summarized.items():
+        best: dict[str, dict[int, dict[str, Point]]] = {name: defaultdict(dict) for name in group}
+        for row in repo.bucket_summaries(job_id, group, lo, hi, width):
+            extremes = best[row.name][row.b]
+            if row.rmin == 1:
+                keep(extremes, "min", [row.min_step, row.min_value])
+            if row.rmax == 1:
+                keep(extremes, "max", [row.max_step, row.max_value])
+            if row.rlast == 1:
+                keep(extremes, "last", [row.last_step, row.last_value])
+        cut: dict[str, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+        for name, steps, values in repo.chunks(job_id, group, lo, hi, cut_by_range=True):
+            cut[name].append(unpack(steps, values))
+        for name in group:
+            steps, values = in_range(cut[name], lo, hi)
+            points[name] = merge_extremes(best[name], steps, values, lo, width)
+    return [{"name": s.name, "points": points[s.name]} for s in series]
 
 
 def keep(extremes: dict[str, Point], kind: str, point: Point) -> None:
@@ -157,28 +180,42 @@ def keep(extremes: dict[str, Point], kind: str, point: Point) -> None:
         extremes[kind] = point
 
 
-def bucket_points(steps: np.ndarray, values: np.ndarray, lo: int, width: int) -> dict[int, dict[str, Point]]:
-    """min, max and last point of every bucket of ``width`` steps from ``lo`` (steps ascending)."""
-    out: dict[int, dict[str, Point]] = {}
+def bucket_extremes(steps: np.ndarray, values: np.ndarray, lo: int, width: int) -> dict[int, dict[str, Point]]:
+    """min, max and last point of every bucket of ``width`` steps from ``lo`` (steps ascending);
+    a tie goes to the earliest step."""
     if len(steps) == 0:
-        return out
+        return {}
     buckets = (steps.astype(np.int64) - lo) // width
     starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
-    for start, stop in zip(starts, np.r_[starts[1:], len(steps)]):
-        s, v = steps[start:stop], values[start:stop]
-        i, j = int(v.argmin()), int(v.argmax())
-        out[int(buckets[start])] = {
-            "min": [int(s[i]), float(v[i])], "max": [int(s[j]), float(v[j])], "last": [int(s[-1]), float(v[-1])]
-        }  # fmt: skip
+    ends = np.r_[starts[1:], len(steps)] - 1
+    by_min = np.lexsort((steps, values, buckets))  # within a bucket: smallest value, then earliest step
+    by_max = np.lexsort((steps, -values, buckets))
+    pick = lambda order: order[starts]  # noqa: E731  (buckets sort alike in both orders)
+    out = {}
+    for b, i, j, k in zip(buckets[starts].tolist(), pick(by_min).tolist(), pick(by_max).tolist(), ends.tolist()):
+        out[b] = {"min": [int(steps[i]), float(values[i])], "max": [int(steps[j]), float(values[j])],
+                  "last": [int(steps[k]), float(values[k])]}  # fmt: skip
     return out
 
 
-def in_range(chunks: Iterable[tuple[np.ndarray, np.ndarray]], lo: int, hi: int) -> list[Point]:
-    points = []
-    for steps, values in chunks:
-        inside = (steps >= lo) & (steps <= hi)
-        points += [[int(s), float(v)] for s, v in zip(steps[inside], values[inside])]
-    return points
+def merge_extremes(
+    best: dict[int, dict[str, Point]], steps: np.ndarray, values: np.ndarray, lo: int, width: int
+) -> list[Point]:
+    """The buckets' extremes so far with those of these points, as sorted, distinct points."""
+    for bucket, extremes in bucket_extremes(steps, values, lo, width).items():
+        for kind, point in extremes.items():
+            keep(best.setdefault(bucket, {}), kind, point)
+    return [list(p) for p in sorted({tuple(p) for extremes in best.values() for p in extremes.values()})]
+
+
+def in_range(chunks: Iterable[tuple[np.ndarray, np.ndarray]], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """The points of ``chunks`` (in step order) with lo <= step <= hi, as two arrays."""
+    chunks = list(chunks)
+    if not chunks:
+        return np.empty(0, STEP_DTYPE), np.empty(0, VALUE_DTYPE)
+    steps, values = np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks])
+    inside = (steps >= lo) & (steps <= hi)
+    return steps[inside], values[inside]
 
 
 # -- replay ------------------------------------------------------------------------------------

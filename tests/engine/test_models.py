@@ -29,6 +29,18 @@ def test_forward_backward_shapes(arch):
     assert (aux is not None) == (arch == "moe")
 
 
+@pytest.mark.parametrize("arch", ["gpt", "moe"])
+def test_forward_backward_under_bf16_autocast(arch):
+    # bf16 autocast is the default on CUDA: matmul outputs are bf16, norm outputs stay fp32.
+    torch.manual_seed(0)
+    model = build_model(config(arch)).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(torch.randint(0, 50, (3, 16)))
+    assert logits.shape == (3, 16, 50) and torch.isfinite(logits).all()
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_models_are_causal():
     torch.manual_seed(0)
     for arch in ("gpt", "moe", "mlp"):
@@ -136,6 +148,22 @@ def test_blockwise_max_logits_equal_full():
     s = (q @ k.mT) / math.sqrt(8)
     s = s.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), -math.inf)
     assert torch.allclose(full, s.amax(dim=(0, 2, 3)))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("autocast", [False, True])
+def test_max_logits_of_bf16_q_and_k_are_exact(autocast):
+    # Under bf16 autocast (the CUDA default) q and k are bf16; a bf16 product would round the
+    # logits near 100 by up to 0.25, and QK-Clip would leave heads above tau.
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 40, 16) * 6.0).bfloat16(), (torch.randn(2, 3, 40, 16) * 6.0).bfloat16()
+    s = (q.double() @ k.double().mT) / 4.0
+    exact = s.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), -math.inf).amax(dim=(0, 2, 3))
+    assert exact.min() > 50
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = causal_max_logits(q, k, block=16)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), exact, rtol=1e-6, atol=0)
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +11,10 @@ import torch
 
 from app.schemas import JobSpec
 from worker.engine.config import DataConfig, TrainConfig, job_config_from_dict
-from worker.engine.data import Tokenizer, load_corpus, synthetic_task
+from worker.engine.data import SYNTHETIC_ALPHABET, Tokenizer, load_corpus, synthetic_task
 from worker.engine.run import run_job
-from worker.engine.telemetry import JsonlSink
+from worker.engine.sample import PROMPT_TOKENS
+from worker.engine.telemetry import SUMMARY_KEYS, JsonlSink, Report
 from worker.engine.trainer import Trainer, TrainingError, lr_factor
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
@@ -28,16 +30,20 @@ def spec(arch="gpt", optimizer="muon", **train) -> dict:
 
 class ListSink:
     def __init__(self):
-        self.records, self.checkpoints, self.logs = [], [], []
+        self.reports, self.records, self.checkpoints, self.logs, self.samples = [], [], [], [], []
 
-    def metrics(self, step, values):
-        self.records.append((step, values))
+    def metrics(self, report):
+        self.reports.append(report)
+        self.records.append((report.step, report.values))
 
     def checkpoint(self, step, path, nbytes, metrics):
         self.checkpoints.append((step, path.name, nbytes))
 
     def log(self, level, message):
         self.logs.append((level, message))
+
+    def sample(self, step, prompt, text):
+        self.samples.append((step, prompt, text))
 
 
 def trainer(s: dict, tmp_path: Path, sink=None, cancel=None) -> Trainer:
@@ -51,7 +57,8 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, arch, optimizer):
     full_sink = ListSink()
     full = trainer(s, tmp_path / "a", full_sink)
     full.run()
-    cut = trainer(s, tmp_path / "b", cancel=lambda: cut.step == 7)  # stops before step 7
+    cut_sink = ListSink()
+    cut = trainer(s, tmp_path / "b", cut_sink, cancel=lambda: cut.step == 7)  # stops before step 7
     assert cut.run().status == "cancelled"
     resumed_sink = ListSink()
     resumed = trainer(s, tmp_path / "b", resumed_sink)
@@ -63,6 +70,7 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, arch, optimizer):
     assert [r[0] for r in resumed_sink.records] == [r[0] for r in tail]
     for (_, a), (_, b) in zip(tail, resumed_sink.records):
         assert a.get("loss") == b.get("loss") and a.get("val_loss") == b.get("val_loss")
+    assert resumed_sink.records[0][1]["elapsed_s"] > cut_sink.records[-1][1]["elapsed_s"]  # the clock goes on
 
 
 def test_cancel_stops_at_the_next_step_and_checkpoints(tmp_path):
@@ -89,6 +97,13 @@ def test_nonfinite_loss_stops_with_the_step(tmp_path):
         t.run()
 
 
+@pytest.mark.parametrize("arch", ["gpt", "moe"])
+def test_bf16_autocast_run(tmp_path, arch):
+    # precision "auto" is bf16 autocast on CUDA; "bf16" runs the same autocast on the CPU.
+    result = trainer(spec(arch, "muonclip", steps=4, precision="bf16"), tmp_path).run()
+    assert result.status == "succeeded" and math.isfinite(result.loss) and math.isfinite(result.attn_max_logit)
+
+
 def test_telemetry_names_and_steps(tmp_path):
     sink = ListSink()
     s = spec("moe", "muonclip", steps=8, eval_every=4)
@@ -100,10 +115,44 @@ def test_telemetry_names_and_steps(tmp_path):
     for name in [
         "loss", "lr", "grad_norm", "update_rms", "tokens_per_s", "step_time_ms", "attn_max_logit",
         "attn_max_logit/l0", "attn_max_logit/l1h1", "qk_clip/heads_clipped", "qk_clip/min_gamma",
-        "logits/max_abs", "logits/std", "router/aux_loss", "router/load/l1e3",
+        "logits/max_abs", "logits/std", "router/aux_loss", "router/load/l1e3", "elapsed_s",
     ]:  # fmt: skip
         assert name in first, name
     assert first["attn_max_logit"] == max(first["attn_max_logit/l0"], first["attn_max_logit/l1"])
+    elapsed = [v["elapsed_s"] for _, v in sink.records]
+    assert all(v["elapsed_s"] >= 0 for _, v in sink.records) and elapsed == sorted(elapsed)
+
+
+def test_reports_carry_the_steps_completed_and_the_run_summary(tmp_path):
+    sink = ListSink()
+    result = trainer(spec(steps=6, eval_every=3), tmp_path, sink).run()
+    assert [(r.step, r.completed) for r in sink.reports] == [(s, s + 1) for s in range(6)] + [(6, 6)]
+    for report in sink.reports:
+        assert set(report.summary) <= set(SUMMARY_KEYS)
+        assert all(report.summary[k] == v for k, v in report.values.items() if k in SUMMARY_KEYS)
+    last = sink.reports[-1]
+    assert last.summary == result.summary and last.summary["val_loss"] == last.values["val_loss"]
+    assert last.summary["loss"] == sink.reports[-2].values["loss"]  # the last training step's
+
+
+def test_samples_at_every_evaluation_are_text_and_reproducible(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        sink = ListSink()
+        trainer(spec(steps=8, eval_every=4), tmp_path / name, sink).run()
+        runs.append(sink.samples)
+    assert [step for step, _, _ in runs[0]] == [0, 4, 8]
+    assert runs[0] == runs[1]
+    for _, prompt, text in runs[0]:
+        assert len(prompt) == PROMPT_TOKENS and len(text) == 120
+        assert set(prompt + text) <= set(SYNTHETIC_ALPHABET)
+    assert runs[0][0][2] != runs[0][-1][2]  # the model changed in between
+
+
+def test_no_samples_when_sample_tokens_is_zero(tmp_path):
+    sink = ListSink()
+    trainer(spec(steps=4) | {"telemetry": {"sample_tokens": 0}}, tmp_path, sink).run()
+    assert sink.samples == []
 
 
 def test_telemetry_every_k_steps(tmp_path):
@@ -176,13 +225,18 @@ def test_run_job_writes_metrics_checkpoints_and_summary(tmp_path):
 
 
 def test_jsonl_sink_appends_on_resume(tmp_path):
-    sink = JsonlSink(tmp_path / "m.jsonl")
-    sink.metrics(0, {"loss": 1.0})
+    sink = JsonlSink(tmp_path)
+    sink.metrics(Report(0, {"loss": 1.0}, completed=1, summary={"loss": 1.0}))
+    sink.sample(0, "ab", "cd")
     sink.close()
-    sink = JsonlSink(tmp_path / "m.jsonl", append=True)
-    sink.metrics(1, {"loss": 0.5})
+    sink = JsonlSink(tmp_path, append=True)
+    sink.metrics(Report(1, {"loss": 0.5}, completed=2, summary={"loss": 0.5}))
     sink.close()
-    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 0, "metrics": {"loss": 1.0}},
+        {"step": 1, "metrics": {"loss": 0.5}},
+    ]
+    assert json.loads((tmp_path / "samples.jsonl").read_text()) == {"step": 0, "prompt": "ab", "text": "cd"}
 
 
 @pytest.mark.slow

@@ -288,6 +288,18 @@ def _dist_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def test_all_reduced_maxima_live_on_the_weights_device(monkeypatch):
+    # nccl all-reduces CUDA tensors only: with no recorded forward (every maximum a CPU -inf),
+    # S_max must still be placed where the weights are. "meta" stands in for CUDA here.
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: seen.append(t.device))
+    with torch.device("meta"):
+        mod = make_attention("fused", seed=0)
+    optim.qk_clip([mod], DIST_TAU)
+    assert seen == [torch.device("meta")]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -17,12 +17,10 @@ from app.db.base import utcnow
 from app.db.models import ApiKey
 from app.db.session import transaction
 from app.errors import Conflict, Unauthorized
-from app.queue import TaskPublisher
 from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import KeyCache, authenticate, hash_key
-from app.services.job_writer import JobWriter
-from app.services.jobs import insert_jobs, prepare_job
+from app.services.intake import JobWriter, TaskPublisher, insert_submissions, prepare_submission
 from tests.service.conftest import new_key, tiny_spec
 
 QUEUE = "intake-test"  # no worker listens here
@@ -44,7 +42,7 @@ def prepared(settings, key: str, idempotency_key: str | None = None, **train):
     """A prepared job (row not inserted) of the tenant of ``key``, on the test queue."""
     with transaction(settings) as session:
         tenant = authenticate(session, f"Bearer {key}")
-        new = prepare_job(session, tenant, JobSpec.model_validate(tiny_spec(**train)), idempotency_key, settings)
+        new = prepare_submission(session, tenant, JobSpec.model_validate(tiny_spec(**train)), idempotency_key, settings)
     new.row["queue"] = QUEUE
     return new
 
@@ -65,7 +63,7 @@ def test_one_batch_with_a_repeated_key_inserts_once_and_answers_the_rest(setting
     first, replay, other_body = (prepared(settings, key, "k", steps=s) for s in (20, 20, 21))
     plain = prepared(settings, key)
     with transaction(settings) as session:
-        results = insert_jobs(session, [first, replay, other_body, plain])
+        results = insert_submissions(session, [first, replay, other_body, plain])
     (job, created), (same, replayed), conflict, (plain_job, plain_created) = results
     assert created and not replayed and same.id == job.id == first.row["id"]
     assert isinstance(conflict, Conflict) and conflict.param == "Idempotency-Key"

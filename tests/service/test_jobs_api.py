@@ -23,6 +23,14 @@ def test_auth_is_required(client):
         assert r.json() == {"error": {"code": "unauthorized", "message": r.json()["error"]["message"], "param": None}}
 
 
+def test_unknown_paths_and_methods_answer_in_the_error_shape(client, auth):
+    missing = client.get("/v1/nothing-here", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong = client.delete("/v1/jobs", headers=auth)
+    assert wrong.status_code == 405
+    assert wrong.json() == {"error": {"code": "method_not_allowed", "message": "Method Not Allowed", "param": None}}
+
+
 def test_create_and_get_a_job(client, auth):
     r = client.post("/v1/jobs", json=tiny_spec(), headers=auth)
     assert r.status_code == 201, r.text
@@ -221,21 +229,3 @@ def test_health_readiness_metrics_and_openapi(client, auth):
     assert {"JobSpec", "Job", "JobList", "ErrorBody", "Dataset"} <= set(schema["components"]["schemas"])
     assert schema["components"]["schemas"]["JobSpec"]["examples"]
     assert client.get("/docs").status_code == 200
-
-
-def test_python_client(client, auth):
-    from muonforge import ApiError, Client
-
-    py = Client(url="http://testserver", api_key=auth["Authorization"].split()[1])
-    py._http = client  # the in-process app behind the same httpx interface
-    py._http.headers.update(auth)
-    ids = [py.create_job(tiny_spec())["id"] for _ in range(3)]
-    again = py.create_job(tiny_spec(), idempotency_key="k1")
-    assert py.create_job(tiny_spec(), idempotency_key="k1")["id"] == again["id"]
-    assert [j["id"] for j in py.list_jobs(limit=2)] == [again["id"], *ids[::-1]]
-    with pytest.raises(ApiError) as err:
-        py.create_job(tiny_spec() | {"optimizer": {"lr": -1}})
-    assert err.value.status == 422 and err.value.param == "optimizer.lr"
-    assert py.cancel_job(ids[0])["status"] == "cancelled"
-    assert py.wait(ids[0], poll=0.01)["status"] == "cancelled"
-    cancel_all(client, auth)

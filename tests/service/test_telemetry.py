@@ -16,14 +16,16 @@ from sqlalchemy import select
 
 from app.db.models import Job, MetricChunk, MetricSeries
 from app.db.session import transaction
-from app.live import stream_key
+from app.live import live_bus, stream_key
 from app.repositories.jobs import JobRepository
 from app.schemas import JobSpec
 from app.services.auth import authenticate
-from app.services.jobs import insert_jobs, prepare_job, status_event
+from app.services.intake import insert_submissions, prepare_submission
+from app.services.job_events import record_status
 from app.services.telemetry import history, store_metrics, unpack
 from muonforge.client import ApiError, Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
+from worker.engine.telemetry import SUMMARY_KEYS, Report
 from worker.sink import JobSink
 
 
@@ -31,9 +33,14 @@ def new_job(settings) -> str:
     """A stored job (no task sent) to ingest telemetry into."""
     with transaction(settings) as session:
         tenant = authenticate(session, f"Bearer {new_key(settings)}")
-        new = prepare_job(session, tenant, JobSpec.model_validate(tiny_spec()), None, settings)
-        ((job, _),) = insert_jobs(session, [new])
+        new = prepare_submission(session, tenant, JobSpec.model_validate(tiny_spec()), None, settings)
+        ((job, _),) = insert_submissions(session, [new])
     return job.id
+
+
+def report(step: int, values: dict[str, float]) -> Report:
+    """The trainer's report of a training step's values."""
+    return Report(step, values, completed=step + 1, summary={k: v for k, v in values.items() if k in SUMMARY_KEYS})
 
 
 def stored(settings, job_id: str) -> dict[str, dict[int, float]]:
@@ -175,6 +182,9 @@ def test_checkpoints_carry_their_metrics_and_history_matches_the_stream(api_url,
     for c in checkpoints:  # the val_loss of its own step, the loss of the step before
         assert c["metrics"]["val_loss"] == streamed[c["step"]]["val_loss"]
         assert c["metrics"]["loss"] == streamed[c["step"] - 1]["loss"]
+    samples = [e.data for e in events if e.event == "sample"]  # what the model wrote at each evaluation
+    assert [s["step"] for s in samples] == [0, 10, 20, 30, 40]
+    assert all(len(s["prompt"]) == 32 and len(s["text"]) == 120 for s in samples)
 
 
 def test_another_tenant_cannot_stream_read_history_or_download(api_url, settings, auth, start_worker):
@@ -243,7 +253,7 @@ def test_the_sink_stores_everything_when_the_live_bus_is_down(settings):
         attempt = JobRepository(session).claim(job_id, "test", timedelta(minutes=1))
     sink = JobSink(down, job_id, attempt, 0, {})
     for step in range(30):
-        sink.metrics(step, {"loss": 3.0 - step / 10})
+        sink.metrics(report(step, {"loss": 3.0 - step / 10}))
     sink.close()
     assert stored(settings, job_id) == {"loss": {s: 3.0 - s / 10 for s in range(30)}}
     with transaction(settings) as session:
@@ -259,15 +269,14 @@ def test_a_stream_trimmed_past_the_stored_mark_falls_back_to_the_database(api_ur
     with Client(api_url, key) as client:
         job = client.create_job(tiny_spec(steps=100))
         with transaction(settings) as session:
-            repo = JobRepository(session)
-            attempt = repo.claim(job["id"], "test", timedelta(minutes=5))
-            status_event(repo, repo.get(job["id"]))
+            attempt = JobRepository(session).claim(job["id"], "test", timedelta(minutes=5))
+            record_status(session, live_bus(settings), job["id"])
         sink = JobSink(slow, job["id"], attempt, 0, {})
         for step in range(50):
-            sink.metrics(step, {"loss": float(step)})
+            sink.metrics(report(step, {"loss": float(step)}))
         sink.flush()  # stored, mark at step 49
         for step in range(50, 80):
-            sink.metrics(step, {"loss": float(step)})  # published, not stored
+            sink.metrics(report(step, {"loss": float(step)}))  # published, not stored
         wait_for(
             lambda: redis.Redis.from_url(settings.redis_url).xlen(stream_key(job["id"])) == 81
         )  # running + 80 steps
@@ -277,12 +286,11 @@ def test_a_stream_trimmed_past_the_stored_mark_falls_back_to_the_database(api_ur
             time.sleep(2.0)  # the client reads steps 0-49 and waits on the database
             sink.flush()  # 50-79 stored; the stream holds the new mark again
             for step in range(80, 100):
-                sink.metrics(step, {"loss": float(step)})
+                sink.metrics(report(step, {"loss": float(step)}))
             sink.close()
             with transaction(settings) as session:
-                repo = JobRepository(session)
-                repo.finish(job["id"], attempt, "succeeded", None, progress_step=100, summary={})
-                status_event(repo, repo.get(job["id"]))
+                JobRepository(session).finish(job["id"], attempt, "succeeded", None, progress_step=100, summary={})
+                record_status(session, live_bus(settings), job["id"])
             events = received.result(timeout=60)
     assert [e.data["step"] for e in events if e.event == "metrics"] == list(range(100))
     assert events[-1].event == "done"

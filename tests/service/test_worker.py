@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+from app.broker import send_train_tasks
 from app.db.session import transaction
-from app.queue import enqueue_train
 from app.repositories.jobs import JobRepository
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
@@ -64,8 +64,8 @@ def test_cancel_while_running(client, settings, auth, start_worker):
 
 def test_a_second_delivery_does_not_run_the_job_twice(client, settings, auth, start_worker):
     created = client.post("/v1/jobs", json=tiny_spec(steps=40), headers=auth).json()
-    enqueue_train(settings, [(created["id"], "default")])  # the same task delivered again
-    enqueue_train(settings, [(created["id"], "default")])
+    send_train_tasks(settings, [(created["id"], "default")])  # the same task delivered again
+    send_train_tasks(settings, [(created["id"], "default")])
     start_worker()
     done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=120)
     assert done["attempt"] == 1

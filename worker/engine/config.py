@@ -70,6 +70,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class TelemetryConfig:
     every: int = 1
+    sample_tokens: int = 120
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ from torch import Tensor
 from .config import DataConfig
 
 SYNTHETIC_VOCAB = 64
+SYNTHETIC_ALPHABET = (
+    "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz+/"  # a token's character in samples
+)
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
 
@@ -68,6 +71,12 @@ class TokenData:
     tokenizer: Tokenizer | None
     vocab_size: int
     entropy_floor: float | None = None  # nats/token a perfect model reaches (synthetic task)
+
+    def decode(self, ids) -> str:
+        """Token ids as text (the synthetic task's tokens as characters of SYNTHETIC_ALPHABET)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids)
+        return "".join(SYNTHETIC_ALPHABET[i] for i in ids)
 
     def batch(self, split: str, index: int, batch_size: int, seq_len: int, seed: int) -> tuple[Tensor, Tensor]:
         """(x, y) int64 [batch_size, seq_len], y = x shifted by one; a function of its arguments only."""

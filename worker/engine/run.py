@@ -27,12 +27,13 @@ def run_job(
     resume: bool = True,
 ) -> RunResult:
     """Train ``spec`` (a JobSpec's ``model_dump()``) with artifacts under ``out_dir``:
-    ``metrics.jsonl``, ``checkpoints/``, ``summary.json`` and the tokenized corpus cache."""
+    ``metrics.jsonl``, ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and the tokenized
+    corpus cache."""
     job = job_config_from_dict(spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = load_data(job.data, job.train.seed, out_dir / "data", corpus)
     checkpoints = checkpoint_dir(out_dir)
-    jsonl = JsonlSink(out_dir / "metrics.jsonl", append=resume and checkpoints.exists())
+    jsonl = JsonlSink(out_dir, append=resume and checkpoints.exists())
     try:
         trainer = Trainer(job, data, checkpoints, FanOut(jsonl, sink), should_cancel)
         result = trainer.run(resume=resume)

@@ -4,19 +4,33 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+# The run's summary: the latest value of each of these (summary.json, and a service job's summary).
+SUMMARY_KEYS = ("loss", "val_loss", "attn_max_logit", "tokens_per_s", "lr", "grad_norm", "update_rms")
+
+
+@dataclass(frozen=True)
+class Report:
+    """One telemetry step, as the trainer hands it to every sink."""
+
+    step: int  # optimizer steps completed before this forward pass: the step the values belong to
+    values: dict[str, float]
+    completed: int  # optimizer steps completed once this report is made: the run's progress
+    summary: dict[str, float]  # the run's summary so far (SUMMARY_KEYS)
+
 
 class TelemetrySink(Protocol):
     """Receives the trainer's reports. The service plugs in one that writes Postgres and the
-    live bus; ``muonforge train`` uses :class:`JsonlSink`."""
+    live bus; ``muonforge train`` uses :class:`JsonlSink` and a progress bar."""
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        """One telemetry step: ``{name: value}`` measured at ``step`` (optimizer steps completed)."""
+    def metrics(self, report: Report) -> None:
+        """One telemetry step."""
 
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         """A checkpoint was written after ``step`` steps; ``metrics``: every metric's latest value."""
@@ -24,17 +38,24 @@ class TelemetrySink(Protocol):
     def log(self, level: str, message: str) -> None:
         """A human-readable line."""
 
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        """What the model wrote after ``prompt`` at the evaluation after ``step`` steps."""
+
 
 class JsonlSink:
-    """Writes ``metrics.jsonl``: one ``{"step": n, "metrics": {...}}`` object per telemetry step."""
+    """Writes ``metrics.jsonl`` (one ``{"step": n, "metrics": {...}}`` object per telemetry step)
+    and ``samples.jsonl`` (one ``{"step", "prompt", "text"}`` object per evaluation) in a run's
+    directory."""
 
-    def __init__(self, path: Path, append: bool = False) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a" if append else "w", encoding="utf-8")
+    def __init__(self, directory: Path, append: bool = False) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        mode = "a" if append else "w"
+        self._metrics = (directory / "metrics.jsonl").open(mode, encoding="utf-8")
+        self._samples = (directory / "samples.jsonl").open(mode, encoding="utf-8")
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self._file.write(json.dumps({"step": step, "metrics": values}) + "\n")
-        self._file.flush()
+    def metrics(self, report: Report) -> None:
+        self._metrics.write(json.dumps({"step": report.step, "metrics": report.values}) + "\n")
+        self._metrics.flush()
 
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         pass
@@ -42,8 +63,13 @@ class JsonlSink:
     def log(self, level: str, message: str) -> None:
         pass
 
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        self._samples.write(json.dumps({"step": step, "prompt": prompt, "text": text}) + "\n")
+        self._samples.flush()
+
     def close(self) -> None:
-        self._file.close()
+        self._metrics.close()
+        self._samples.close()
 
 
 class FanOut:
@@ -52,9 +78,9 @@ class FanOut:
     def __init__(self, *sinks: Any) -> None:
         self.sinks = [s for s in sinks if s is not None]
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
+    def metrics(self, report: Report) -> None:
         for s in self.sinks:
-            s.metrics(step, values)
+            s.metrics(report)
 
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         for s in self.sinks:
@@ -63,6 +89,10 @@ class FanOut:
     def log(self, level: str, message: str) -> None:
         for s in self.sinks:
             s.log(level, message)
+
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        for s in self.sinks:
+            s.sample(step, prompt, text)
 
 
 @torch.no_grad()

@@ -20,7 +20,8 @@ from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_c
 from .config import JobConfig, OptimizerConfig, TrainConfig
 from .data import TokenData
 from .models import build_model
-from .telemetry import TelemetrySink, model_metrics, to_floats
+from .sample import PROMPT_TOKENS, generate
+from .telemetry import SUMMARY_KEYS, Report, TelemetrySink, model_metrics, to_floats
 
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
 
@@ -33,14 +34,28 @@ class TrainingError(RuntimeError):
 class RunResult:
     status: str  # "succeeded" | "cancelled"
     steps: int  # optimizer steps completed
-    loss: float | None
-    val_loss: float | None
-    attn_max_logit: float | None
-    tokens_per_s: float | None
+    summary: dict[str, float]  # the latest value of each SUMMARY_KEYS metric
+    tokens_per_s: float | None  # over the run's training steps (the summary's is the last step's)
     wall_s: float
 
+    @property
+    def loss(self) -> float | None:
+        return self.summary.get("loss")
+
+    @property
+    def val_loss(self) -> float | None:
+        return self.summary.get("val_loss")
+
+    @property
+    def attn_max_logit(self) -> float | None:
+        return self.summary.get("attn_max_logit")
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """What ``summary.json`` holds."""
+        return {
+            "status": self.status, "steps": self.steps, "loss": self.loss, "val_loss": self.val_loss,
+            "attn_max_logit": self.attn_max_logit, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
+        }  # fmt: skip
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -72,7 +87,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     )  # fmt: skip
     groups = optim.split_params(model)
     if cfg.name == "muonclip":
-        return optim.MuonClip(groups, model, qk_clip_tau=cfg.qk_clip_tau or 100.0, **kwargs)
+        tau = {} if cfg.qk_clip_tau is None else {"qk_clip_tau": cfg.qk_clip_tau}  # else MuonClip's default
+        return optim.MuonClip(groups, model, **tau, **kwargs)
     if cfg.name == "muon":
         return optim.Muon(groups, **kwargs)
     raise ValueError(f"unknown optimizer {cfg.name!r}")
@@ -111,31 +127,39 @@ class Trainer:
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.step = 0
         self.last: dict[str, float] = {}  # latest value of every metric (kept in checkpoints)
+        self._clock = (time.perf_counter(), 0.0)  # (when this attempt's run started, elapsed_s before it)
+
+    @property
+    def summary(self) -> dict[str, float]:
+        """The run's summary so far: the latest value of each SUMMARY_KEYS metric."""
+        return {k: self.last[k] for k in SUMMARY_KEYS if k in self.last}
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, resume: bool = True) -> RunResult:
         cfg, start_wall = self.job.train, time.perf_counter()
         if resume:
             self._resume()
-        first, last = self.step, self.last
+        first = self.step
+        # elapsed_s continues from the checkpoint: the run's wall time, attempts end to end.
+        self._clock = (start_wall, self.last.get("elapsed_s", 0.0))
         tokens = step_seconds = 0.0
         while True:
             step = self.step
             values: dict[str, Any] = {}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 values["val_loss"] = self.evaluate()
-                last["val_loss"] = float(values["val_loss"])  # in the checkpoint written next
+                self.last["val_loss"] = float(values["val_loss"])  # in the checkpoint written next
+                self.write_sample()
             if step > first and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                 self.save_checkpoint()
             if step == cfg.steps:
-                last.update(to_floats(values))
-                self.sink.metrics(step, to_floats(values))
+                self._report(step, values)
                 break
             if self.should_cancel():
                 if step > first and step % cfg.checkpoint_every:
                     self.save_checkpoint()
                 self.sink.log("info", f"cancelled before step {step}")
-                return self._result("cancelled", last, tokens, step_seconds, start_wall)
+                return self._result("cancelled", tokens, step_seconds, start_wall)
             report = step % self.job.telemetry.every == 0
             t0 = time.perf_counter()
             values.update(self.train_step(report))
@@ -145,10 +169,15 @@ class Trainer:
             if report or "val_loss" in values:
                 if report:
                     values.update(step_time_ms=dt * 1e3, tokens_per_s=n_tokens / dt)
-                floats = to_floats(values)
-                last.update(floats)
-                self.sink.metrics(step, floats)
-        return self._result("succeeded", last, tokens, step_seconds, start_wall)
+                self._report(step, values)
+        return self._result("succeeded", tokens, step_seconds, start_wall)
+
+    def _report(self, step: int, values: dict[str, Any]) -> None:
+        """Hand the values measured at ``step`` to the sink, with the steps completed by now."""
+        started, before = self._clock
+        floats = to_floats(values) | {"elapsed_s": before + time.perf_counter() - started}
+        self.last.update(floats)
+        self.sink.metrics(Report(step, floats, completed=self.step, summary=self.summary))
 
     def train_step(self, report: bool) -> dict[str, Tensor | float]:
         """One optimizer step on batch ``self.step``; returns telemetry values if ``report``."""
@@ -197,6 +226,19 @@ class Trainer:
         self.model.train()
         return torch.stack(losses).mean()
 
+    def write_sample(self) -> None:
+        """Hand the sink what the model writes after the fixed prompt now (telemetry.sample_tokens)."""
+        n_tokens = self.job.telemetry.sample_tokens
+        prompt = torch.from_numpy(self.data.val[:PROMPT_TOKENS].astype("int64"))
+        if n_tokens == 0 or len(prompt) == 0:
+            return
+        self.model.eval()
+        with self._autocast():
+            ids = generate(self.model, prompt, n_tokens, self.job.model.seq_len,
+                           torch.Generator().manual_seed(self.job.train.seed))  # fmt: skip
+        self.model.train()
+        self.sink.sample(self.step, self.data.decode(prompt.tolist()), self.data.decode(ids.tolist()))
+
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         if self.checkpoint_dir is None:
@@ -235,13 +277,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _result(self, status: str, last: dict[str, float], tokens: float, seconds: float, start: float) -> RunResult:
+    def _result(self, status: str, tokens: float, seconds: float, start: float) -> RunResult:
         return RunResult(
             status=status,
             steps=self.step,
-            loss=last.get("loss"),
-            val_loss=last.get("val_loss"),
-            attn_max_logit=last.get("attn_max_logit"),
+            summary=self.summary,
             tokens_per_s=tokens / seconds if seconds else None,
             wall_s=time.perf_counter() - start,
         )

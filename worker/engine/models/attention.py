@@ -12,8 +12,8 @@ from optim import QKClipTarget, fused_qkv_targets
 
 # On CUDA the output comes from fused attention (no [T, T] matrix is kept); the exact maxima are
 # then recomputed under no_grad, one block of query rows at a time: one extra Q K^T product
-# per layer (attention's forward is two such products, Q K^T and P V) and at most
-# B * H * MAX_LOGIT_BLOCK * T extra floats of memory.
+# per layer (attention's forward is two such products, Q K^T and P V), taken in fp32, and at
+# most B * H * MAX_LOGIT_BLOCK * T extra floats of memory (plus fp32 copies of bf16 q and k).
 MAX_LOGIT_BLOCK = 256
 
 
@@ -73,10 +73,14 @@ def causal_max_logits(q: Tensor, k: Tensor, block: int = MAX_LOGIT_BLOCK) -> Ten
     """Per-head max of q.k / sqrt(d) over batch and causal pairs, in query blocks. q, k: [B, H, T, D] -> [H]."""
     T, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
     best = torch.full((q.shape[1],), float("-inf"), device=q.device)
-    for start in range(0, T, block):
-        stop = min(start + block, T)
-        s = (q[:, :, start:stop] @ k[:, :, :stop].transpose(-2, -1)).float() * scale  # [B, H, b, stop]
-        rows = torch.arange(start, stop, device=q.device).view(-1, 1)
-        s = s.masked_fill(torch.arange(stop, device=q.device).view(1, -1) > rows, float("-inf"))
-        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+    # A bf16 product rounds each logit to 8 bits (up to 0.25 off at 100), so S_max would miss tau:
+    # the product runs in fp32, outside autocast, on bf16 q and k as the fused kernel sees them.
+    q, k = q.float(), k.float()
+    with torch.autocast(q.device.type, enabled=False):
+        for start in range(0, T, block):
+            stop = min(start + block, T)
+            s = (q[:, :, start:stop] @ k[:, :, :stop].transpose(-2, -1)) * scale  # [B, H, b, stop]
+            rows = torch.arange(start, stop, device=q.device).view(-1, 1)
+            s = s.masked_fill(torch.arange(stop, device=q.device).view(1, -1) > rows, float("-inf"))
+            best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best

@@ -64,5 +64,6 @@ class MoEFeedForward(nn.Module):
                 continue
             h = F.gelu(tokens[token_idx] @ self.w_in[e].T)  # [n_e, hidden]
             y = h @ self.w_out[e].T  # [n_e, C]
-            out.index_add_(0, token_idx, y * weights[token_idx, slot].unsqueeze(-1).to(y.dtype))
+            # Under autocast y is bf16 while out follows the (fp32) norm output: index_add_ needs one dtype.
+            out.index_add_(0, token_idx, (y * weights[token_idx, slot].unsqueeze(-1)).to(out.dtype))
         return out.view(B, T, C)

@@ -1,0 +1,282 @@
+"""Job intake: ``Intake.submit_job`` takes a JobSpec to a stored, queued job whose task is on its way.
+
+Three stages, each built so that the common case costs no database round trip of its own
+(docs/service.md, "Job intake"):
+
+1. prepare (``prepare_submission``, in the request's unit of work): replay a known
+   Idempotency-Key, look up the dataset, check the resource caps and the tenant's job cap, and
+   build the job's row;
+2. insert (the JobWriter thread, group commit): every job prepared while the previous
+   transaction ran goes into one multi-row INSERT per table and one commit;
+3. send (the TaskPublisher thread): the tasks of committed jobs go out in batches, through one
+   producer and one Redis pipeline.
+
+A request waits for its job's commit (stage 2), not for the send: a task lost there is sent
+again by the reaper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from sqlalchemy.orm import Session
+
+from app.broker import send_train_tasks
+from app.db.base import new_id, utcnow
+from app.db.models import Job
+from app.db.session import transaction
+from app.errors import Conflict, RateLimited, ValidationFailed
+from app.job_status import JobStatus
+from app.repositories.jobs import JobRepository
+from app.repositories.tenants import DatasetRepository
+from app.schemas import JobSpec
+from app.services.admission import Admission
+from app.services.auth import TenantRef
+from app.services.caps import SYNTHETIC_VOCAB, check_caps
+from app.services.job_events import record_first_statuses
+from app.settings import Settings
+
+log = logging.getLogger("muonforge.api")
+T = TypeVar("T")
+WRITER_BATCH, WRITER_LINGER = 256, 0.01  # jobs per transaction; at most this latency buys batches of rate x linger
+SENDER_BATCH, SENDER_LINGER = 500, 0.05  # tasks per pipeline; a task waits at most this long for others
+
+
+# -- stage 1: prepare ----------------------------------------------------------------------------
+@dataclass
+class Submission:
+    """A validated submission: the job it replays (a known Idempotency-Key with the same body),
+    or the new job's row."""
+
+    digest: str  # request_hash of the validated spec
+    row: dict[str, Any] | None = None
+    existing: Job | None = None
+
+
+def request_hash(spec: dict[str, Any]) -> str:
+    """Of the validated spec, defaults filled in: bodies that mean the same job hash the same."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def queue_for(spec: JobSpec) -> str:
+    """Workers listen on their device class ("cpu", "cuda") and on "default" (device: auto)."""
+    return "default" if spec.train.device == "auto" else spec.train.device
+
+
+def prepare_submission(
+    session: Session,
+    tenant: TenantRef,
+    spec: JobSpec,
+    idempotency_key: str | None,
+    settings: Settings,
+    admission: Admission | None = None,
+) -> Submission:
+    """Everything a submission needs before its insert: the replay of a known Idempotency-Key,
+    the dataset, the resource caps and the tenant's job cap. ``admission`` (the API process's)
+    spares most submissions an exact count."""
+    repo = JobRepository(session)
+    dumped = spec.model_dump(mode="json")
+    digest = request_hash(dumped)
+    if idempotency_key:
+        existing = repo.by_idempotency_key(tenant.id, idempotency_key)
+        if existing is not None:
+            return Submission(digest, existing=replay(existing, digest))
+    check_caps(dumped, vocabulary(session, tenant, spec), settings)
+    cap = tenant.job_cap or settings.tenant_job_cap
+    count_active = partial(repo.count_active, tenant.id)
+    if not (admission.admit(tenant.id, cap, count_active) if admission else count_active() < cap):
+        raise RateLimited(f"this tenant already has {cap} queued or running jobs (the cap)", retry_after=30)
+    now = utcnow()
+    row = dict(
+        id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=JobStatus.QUEUED, spec=dumped,
+        queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
+        request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
+        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1,
+    )  # fmt: skip
+    return Submission(digest, row=row)
+
+
+def replay(existing: Job, digest: str) -> Job:
+    """The job a repeated Idempotency-Key answers with, if the body is the same."""
+    if existing.request_hash != digest:
+        raise Conflict("this Idempotency-Key was used with a different request body", param="Idempotency-Key")
+    return existing
+
+
+def vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
+    """The vocabulary size the engine will use for the spec's data (for the parameter cap)."""
+    if spec.data.path is not None:
+        raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
+    if spec.data.builtin == "synthetic":
+        return SYNTHETIC_VOCAB
+    dataset = DatasetRepository(session).get(spec.data.dataset_id, tenant.id)
+    if dataset is None:
+        raise ValidationFailed(f"no dataset {spec.data.dataset_id!r} for this tenant", param="data.dataset_id")
+    return 256 if spec.data.tokenizer == "byte" else dataset.char_vocab
+
+
+# -- stage 2: insert -----------------------------------------------------------------------------
+def insert_submissions(session: Session, submissions: list[Submission]) -> list[tuple[Job, bool] | Exception]:
+    """Insert new jobs and their first status events, in one statement per table. A job whose
+    Idempotency-Key another request inserted first is that request's replay (or a 409).
+    Returns, per submission, (job, created) or the error it answers with."""
+    repo = JobRepository(session)
+    inserted = repo.insert_new([s.row for s in submissions])
+    results: list[tuple[Job, bool] | Exception] = []
+    for sub in submissions:
+        if sub.row["id"] in inserted:
+            results.append((Job(**sub.row), True))
+            continue
+        key = sub.row["idempotency_key"]
+        existing = repo.by_idempotency_key(sub.row["tenant_id"], key) if key else None
+        if existing is None:  # only a concurrent insert with the same key skips a row
+            results.append(RuntimeError(f"job {sub.row['id']} was not inserted"))
+            continue
+        try:
+            results.append((replay(existing, sub.digest), False))
+        except Conflict as exc:
+            results.append(exc)
+    record_first_statuses(session, [r[0] for r in results if isinstance(r, tuple) and r[1]])
+    return results
+
+
+def batches(pending: queue.SimpleQueue[T | None], linger: float, size: int) -> Iterator[list[T]]:
+    """Batches of what ``pending`` holds: wait for an item, ``linger`` seconds more so that a
+    burst shares the batch, then take up to ``size`` items. Ends after the None sentinel (the
+    items before it are yielded first)."""
+    while True:
+        batch: list[T] = []
+        item = pending.get()
+        time.sleep(linger)
+        while item is not None:
+            batch.append(item)
+            if len(batch) >= size or pending.empty():
+                break
+            item = pending.get()
+        if batch:
+            yield batch
+        if item is None:
+            return
+
+
+class JobWriter:
+    """Inserts submissions from one thread, in batches (group commit): one multi-row INSERT per
+    table and one commit for every job submitted while the previous transaction ran, where a job
+    per transaction would cost each submission its own round trips and its own fsync. A batch
+    that fails is retried one job at a time, so one bad job fails alone."""
+
+    def __init__(self, settings: Settings, publisher: TaskPublisher) -> None:
+        self.settings, self.publisher = settings, publisher
+        self._pending: queue.SimpleQueue[tuple[Submission, Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="job-writer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Write what is pending, then stop."""
+        self._pending.put(None)
+        self._thread.join(timeout)
+
+    def submit(self, submission: Submission) -> Future[tuple[Job, bool]]:
+        """Queue a new job for the next batch; the future gives (job, created) or the job's error."""
+        future: Future[tuple[Job, bool]] = Future()
+        self._pending.put((submission, future))
+        return future
+
+    def _run(self) -> None:
+        for batch in batches(self._pending, WRITER_LINGER, WRITER_BATCH):
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[Submission, Future]]) -> None:
+        try:
+            with transaction(self.settings) as session:
+                results = insert_submissions(session, [submission for submission, _ in batch])
+        except Exception as exc:
+            if len(batch) > 1:
+                log.warning("a batch of %d new jobs failed (%s); writing them one by one", len(batch), exc)
+                for item in batch:
+                    self._write([item])
+            else:
+                batch[0][1].set_exception(exc)
+            return
+        created = [r[0] for r in results if isinstance(r, tuple) and r[1]]
+        self.publisher.submit((job.id, job.queue) for job in created)  # committed: send their tasks
+        for (_, future), result in zip(batch, results):
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+# -- stage 3: send -------------------------------------------------------------------------------
+class TaskPublisher:
+    """Sends the train tasks of committed jobs from one thread, in batches of whatever has
+    accumulated. A batch that cannot be sent is left to the reaper (the jobs are stored as queued)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._pending: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="task-publisher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, jobs: Iterable[tuple[str, str]]) -> None:
+        """Queue the tasks of committed jobs, (job id, queue), for sending."""
+        for job in jobs:
+            self._pending.put(job)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Send what is pending, then stop."""
+        self._pending.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        for batch in batches(self._pending, SENDER_LINGER, SENDER_BATCH):
+            try:
+                send_train_tasks(self.settings, batch)
+            except Exception:
+                log.exception("could not send %d task(s); the reaper will send them again", len(batch))
+
+
+# -- the whole path ------------------------------------------------------------------------------
+RunInUnitOfWork = Callable[..., Awaitable[Any]]  # app.deps.UnitOfWork: runs fn(session, tenant, *args)
+
+
+class Intake:
+    """An API process's job intake: its admission estimate, JobWriter and TaskPublisher."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.admission = Admission()
+        self.publisher = TaskPublisher(settings)
+        self.writer = JobWriter(settings, self.publisher)
+
+    def start(self) -> None:
+        self.publisher.start()
+        self.writer.start()
+
+    def stop(self) -> None:
+        """Write what is pending, then send its tasks."""
+        self.writer.stop()
+        self.publisher.stop()
+
+    async def submit_job(self, work: RunInUnitOfWork, spec: JobSpec, idempotency_key: str | None) -> tuple[Job, bool]:
+        """The job of a submission, stored and committed, and whether it was created (False: a
+        replay of its Idempotency-Key)."""
+        submission = await work(prepare_submission, spec, idempotency_key, self.settings, self.admission)
+        if submission.existing is not None:
+            return submission.existing, False
+        return await asyncio.wrap_future(self.writer.submit(submission))

@@ -1,0 +1,67 @@
+"""Job events: status changes, checkpoints, log lines and text samples, each recorded in the
+transaction of the change it reports and published to the live bus once that transaction has
+committed (not at all on rollback).
+
+Every writer of a job event goes through here: the API (cancel), the job intake (a new job's
+first status), a worker attempt (claim, finish), its telemetry sink (checkpoints, logs,
+samples) and the reaper. The event's seq comes from the job's row (locked until commit), so a
+job's events commit in seq order; the events stream (app.services.events) replays them from the
+database and tails them from the bus.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app.db.models import Job
+from app.db.session import on_commit
+from app.live import LiveBus
+from app.repositories.jobs import JobRepository
+from app.schemas import api as schemas
+
+
+def record_status(session: Session, bus: LiveBus, job_id: str) -> Job:
+    """Record the job's current state as a ``status`` event (the Job as the API shows it); returns
+    the job. The row is read again first: a compare-and-set UPDATE bypasses loaded objects."""
+    job = JobRepository(session).fresh(job_id)
+    _record(session, bus, job_id, "status", status_payload(job), step=job.progress_step)
+    return job
+
+
+def record_checkpoint(
+    session: Session, bus: LiveBus, job_id: str, attempt: int, step: int, path: str, nbytes: int,
+    metrics: dict[str, float],
+) -> None:  # fmt: skip
+    """Record a checkpoint file (``path`` relative to the artifact dir) written after ``step``
+    steps, with every metric's latest value, and its ``checkpoint`` event."""
+    JobRepository(session).add_checkpoint(job_id, attempt, step, path, nbytes, metrics)
+    _record(session, bus, job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
+
+
+def record_log(session: Session, bus: LiveBus, job_id: str, level: str, message: str, step: int | None) -> None:
+    """A human-readable line (``log`` event)."""
+    _record(session, bus, job_id, "log", {"level": level, "message": message}, step=step)
+
+
+def record_sample(session: Session, bus: LiveBus, job_id: str, step: int, prompt: str, text: str) -> None:
+    """What the model wrote from the fixed prompt at an evaluation after ``step`` steps (``sample`` event)."""
+    _record(session, bus, job_id, "sample", {"step": step, "prompt": prompt, "text": text}, step=step)
+
+
+def record_first_statuses(session: Session, jobs: list[Job]) -> None:
+    """The first event (seq 1) of jobs just inserted with ``event_seq`` 1, in one statement. Not
+    published: nobody can follow a job before its insert has committed."""
+    JobRepository(session).add_first_events([(job.id, 0, "status", status_payload(job)) for job in jobs])
+
+
+def status_payload(job: Job) -> dict[str, Any]:
+    return schemas.Job.of(job).model_dump(mode="json")
+
+
+def _record(session: Session, bus: LiveBus, job_id: str, kind: str, payload: dict[str, Any], step: int | None) -> None:
+    event = JobRepository(session).add_event(job_id, kind, payload, step)
+    if bus.live:
+        on_commit(session, partial(bus.publish_events, [event]))

@@ -1,0 +1,103 @@
+"""The web app's pages and files. A page is a shell: its script fetches what it shows from the
+/v1 API with the session cookie. Without a valid key in that cookie, every page is the sign-in
+form. Third-party front-end code comes from app/web/node_modules, installed by ``npm ci`` from
+the locked app/web/package-lock.json (``make web``), and is never committed."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from functools import cache, lru_cache
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from app.deps import Work
+from app.errors import Unauthorized
+from app.services.auth import tenant_name
+
+log = logging.getLogger("muonforge.web")
+WEB = Path(__file__).parent
+STATIC, NODE_MODULES = WEB / "static", WEB / "node_modules"
+EXAMPLES = WEB.parents[1] / "examples"  # the repository's example specs: the /new page's presets
+VENDOR = {  # URL prefix -> the files of an npm package that the pages load
+    "/vendor/uplot": NODE_MODULES / "uplot" / "dist",
+    "/vendor/js-yaml": NODE_MODULES / "js-yaml" / "dist" / "browser",
+}
+MAX_COMPARE = 20  # jobs on one compare page
+
+router = APIRouter(include_in_schema=False)
+templates = Jinja2Templates(directory=WEB / "templates")  # autoescaped: user text is never markup
+templates.env.policies["json.dumps_kwargs"] = {"sort_keys": False}  # |tojson keeps a spec's own order
+
+
+@cache
+def asset(path: str) -> str:
+    """``path`` (under /static or /vendor) with its content's hash as a version, so a browser may
+    cache it for good and still gets a changed file at once."""
+    prefix, _, rest = path.lstrip("/").partition("/")
+    base = STATIC if prefix == "static" else VENDOR.get(f"/vendor/{rest.split('/')[0]}")
+    name = rest if prefix == "static" else rest.partition("/")[2]
+    file = base / name if base else None
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:12] if file and file.is_file() else "missing"
+    return f"{path}?v={digest}"
+
+
+templates.env.globals["asset"] = asset
+
+
+@lru_cache(maxsize=1)
+def presets() -> list[dict]:
+    """The example specs, {name, spec}, for the new-job form."""
+    out = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        try:
+            out.append({"name": path.stem, "spec": yaml.safe_load(path.read_text(encoding="utf-8"))})
+        except (OSError, yaml.YAMLError) as exc:
+            log.warning("preset %s skipped: %s", path, exc)
+    return out
+
+
+async def page(request: Request, work: Work, template: str, **context) -> HTMLResponse:
+    """The page for a signed-in browser; the sign-in form otherwise."""
+    try:
+        tenant = await work(tenant_name)
+    except Unauthorized:
+        return templates.TemplateResponse(request, "signin.html", {"page": "signin"})
+    return templates.TemplateResponse(request, template, {"tenant": tenant, **context})
+
+
+@router.get("/", response_class=HTMLResponse)
+async def jobs_page(request: Request, work: Work) -> HTMLResponse:
+    return await page(request, work, "jobs.html", page="jobs")
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+async def job_page(request: Request, work: Work, job_id: str) -> HTMLResponse:
+    return await page(request, work, "job.html", page="job", job_id=job_id)
+
+
+@router.get("/compare", response_class=HTMLResponse)
+async def compare_page(request: Request, work: Work, jobs: Annotated[str, Query(max_length=2000)] = "") -> HTMLResponse:
+    ids = [j for j in (part.strip() for part in jobs.split(",")) if j][:MAX_COMPARE]
+    return await page(request, work, "compare.html", page="compare", job_ids=ids, max_jobs=MAX_COMPARE)
+
+
+@router.get("/new", response_class=HTMLResponse)
+async def new_job_page(request: Request, work: Work) -> HTMLResponse:
+    return await page(request, work, "new.html", page="new", presets=presets())
+
+
+def install_web(app: FastAPI) -> None:
+    """The pages, our static files, and the vendored packages' files."""
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    for prefix, directory in VENDOR.items():
+        if not directory.is_dir():
+            log.error("%s is missing: the web app's charts need `make web` (npm ci in app/web)", directory)
+        app.mount(prefix, StaticFiles(directory=directory, check_dir=False), name=prefix)

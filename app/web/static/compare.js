@@ -1,0 +1,146 @@
+// Compare: the chosen jobs' curves of one metric overlaid, each downsampled by the API to the
+// chart's pixel width; the legend names each job, its optimizer and lr. Same smoothing, log and
+// x-axis controls as the job page. The x axis is per job (a job's tokens per step and wall
+// clock are its own), so points are placed on it here and a zoom maps back to each job's steps.
+"use strict";
+
+(function () {
+  const { api, el, fmt, statusBadge } = MF;
+  const root = document.getElementById("compare");
+  const ids = root.dataset.jobIds ? root.dataset.jobIds.split(",") : [];
+  const $ = (id) => document.getElementById(id);
+  const METRICS = ["loss", "val_loss", "attn_max_logit", "qk_clip/heads_clipped", "qk_clip/min_gamma", "lr",
+    "grad_norm", "update_rms", "tokens_per_s", "logits/max_abs", "logits/std", "step_time_ms", "elapsed_s"];
+
+  let jobs = []; // found jobs, in the order asked
+  let chart = null;
+  let overview = {}; // job id -> [[step, value], ...] of the metric
+  let elapsed = {}; // job id -> [[step, elapsed_s], ...] (for the wall-time axis)
+
+  function label(job) {
+    const o = job.spec.optimizer;
+    return `${job.name || job.id} · ${o.name} lr ${o.lr}`;
+  }
+
+  function axisOf(job) {
+    const tokensPerStep = job.spec.train.batch_size * job.spec.model.seq_len;
+    return MF.xAxis($("x-axis").value, tokensPerStep, elapsed[job.id] || []);
+  }
+
+  // Points of each job on the shared x axis.
+  function placed(history) {
+    const out = {};
+    for (const job of jobs) {
+      const axis = axisOf(job);
+      out[job.id] = (history[job.id] || []).map(([s, v]) => [axis.x(s), v]);
+    }
+    return out;
+  }
+
+  function view() {
+    const axis = MF.xAxis($("x-axis").value, 1, []);
+    const xLabel = $("x-axis").value === "time" ? "wall time (s)" : axis.xLabel;
+    return { smoothing: Number($("smoothing").value), logY: $("log-y").checked, xLabel, x: (v) => v, step: (v) => v };
+  }
+
+  async function series(job, name, range) {
+    const width = chart ? chart.width : $("chart").clientWidth;
+    const params = new URLSearchParams({ names: name, max_points: String(Math.max(3, width)) });
+    if (range) params.set("from_step", range[0]), params.set("to_step", range[1]);
+    const data = await api(`/v1/jobs/${job.id}/metrics?${params}`);
+    return data.series.length ? data.series[0].points : [];
+  }
+
+  async function fetchAll(name, ranges) {
+    const lists = await Promise.all(jobs.map((j) => series(j, name, ranges ? ranges[j.id] : null)));
+    return Object.fromEntries(jobs.map((j, i) => [j.id, lists[i]]));
+  }
+
+  async function load() {
+    const metric = $("metric").value.trim() || "loss";
+    $("chart-title").textContent = metric;
+    const needTime = $("x-axis").value === "time" && jobs.some((j) => !elapsed[j.id]);
+    const [points, times] = await Promise.all([fetchAll(metric), needTime ? fetchAll("elapsed_s") : null]);
+    if (times) Object.assign(elapsed, times);
+    overview = points;
+    const spec = { title: metric, series: jobs.map((j) => ({ name: j.id, label: label(j) })), height: 420 };
+    if (!chart) chart = new MF.Chart($("chart"), spec, view(), zoom);
+    MF.shown = { charts: [chart] }; // what the page draws, for tests and the console
+    chart.spec = spec;
+    chart.view = view();
+    chart.zoomed = null;
+    $("reset-zoom").hidden = true;
+    chart.setHistory(placed(overview));
+    MF.markDrawn("mf:compare-drawn");
+  }
+
+  // A zoom on the shared x axis: each job's steps in that range, at full resolution.
+  async function zoom(lo, hi) {
+    if (lo === null) {
+      $("reset-zoom").hidden = true;
+      return chart.resetZoom();
+    }
+    const ranges = {};
+    for (const job of jobs) {
+      const axis = axisOf(job);
+      ranges[job.id] = [Math.max(0, Math.floor(axis.step(lo))), Math.ceil(axis.step(hi))];
+    }
+    const points = await fetchAll($("metric").value.trim() || "loss", ranges);
+    $("reset-zoom").hidden = false;
+    chart.showZoom(placed(points), lo, hi);
+  }
+
+  function renderTable() {
+    document.querySelector("#jobs tbody").replaceChildren(
+      ...jobs.map((job, i) => {
+        const s = job.summary || {};
+        const o = job.spec.optimizer;
+        const m = job.spec.model;
+        return el(
+          "tr",
+          {},
+          el("td", {}, el("span", { class: "swatch", style: `background:${MF.chartColor(i)}` })),
+          el("td", { class: "name" }, el("a", { href: `/jobs/${job.id}` }, job.name || "(unnamed)")),
+          el("td", { class: "id" }, job.id),
+          el("td", {}, statusBadge(job.status)),
+          el("td", {}, o.name),
+          el("td", { class: "num" }, String(o.lr)),
+          el("td", {}, `${m.arch} ${m.n_layer}×${m.d_model}`),
+          el("td", { class: "num" }, `${fmt.int(job.progress.step)} / ${fmt.int(job.progress.total_steps)}`),
+          el("td", { class: "num" }, fmt.num(s.loss)),
+          el("td", { class: "num" }, fmt.num(s.val_loss)),
+          el("td", { class: "num" }, fmt.num(s.attn_max_logit)),
+          el("td", { class: "num" }, fmt.int(s.tokens_per_s))
+        );
+      })
+    );
+  }
+
+  async function main() {
+    if (!ids.length) {
+      $("no-jobs").hidden = false;
+      return;
+    }
+    const found = await Promise.all(ids.map((id) => api(`/v1/jobs/${encodeURIComponent(id)}`).catch((e) => e)));
+    jobs = found.filter((j) => !(j instanceof Error));
+    const missing = ids.filter((_, i) => found[i] instanceof Error);
+    if (missing.length) MF.banner(`Not found: ${missing.join(", ")}`);
+    if (!jobs.length) return;
+    $("content").hidden = false;
+    $("metric-names").replaceChildren(...METRICS.map((m) => el("option", { value: m })));
+    $("smoothing-value").textContent = Number($("smoothing").value).toFixed(2);
+    renderTable();
+    await load();
+  }
+
+  $("metric").addEventListener("change", () => load().catch(MF.showError));
+  $("x-axis").addEventListener("change", () => load().catch(MF.showError));
+  for (const id of ["smoothing", "log-y"])
+    $(id).addEventListener("input", () => {
+      $("smoothing-value").textContent = Number($("smoothing").value).toFixed(2);
+      chart && chart.setView(view());
+    });
+  $("reset-zoom").addEventListener("click", () => zoom(null, null));
+
+  main().catch(MF.showError);
+})();

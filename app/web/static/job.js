@@ -1,0 +1,321 @@
+// One job: status, progress and ETA, spec, error, cancel; curves from the downsampled history
+// (max_points = the chart's pixel width) then live points from the events stream (resumed by the
+// browser with Last-Event-ID after a dropped connection; polling when the stream cannot be
+// opened); zoom re-fetches the range at full resolution; a layer x head heatmap of the max
+// attention logits; samples, log lines and checkpoints.
+"use strict";
+
+(function () {
+  const { api, el, fmt, statusBadge, progressBar, jobDuration, FINISHED, ApiError } = MF;
+  const root = document.getElementById("job");
+  const jobId = root.dataset.jobId;
+  const $ = (id) => document.getElementById(id);
+  const POLL_MS = 2000;
+  const MAX_HEATMAP_ROWS = 512; // layers x heads drawn as rows
+
+  let job = null;
+  let charts = [];
+  let heatmap = null;
+  let zoom = null; // [lo, hi] steps while zoomed
+  let lastStep = -1; // the newest telemetry step drawn
+  const latest = {}; // the newest value of every metric seen
+  const elapsed = []; // [[step, elapsed_s], ...]: the wall-time axis
+  let stream = null;
+
+  // -- head, facts, spec ----------------------------------------------------------------------
+  function fact(label, value) {
+    return el("div", { class: "fact" }, el("div", { class: "k" }, label), el("div", { class: "v" }, value));
+  }
+
+  function eta() {
+    const done = job.progress.step;
+    const total = job.progress.total_steps;
+    if (FINISHED.has(job.status) || done >= total) return null;
+    const seconds = latest.elapsed_s ?? (job.summary || {}).elapsed_s;
+    return seconds && done > 0 ? (seconds / done) * (total - done) : null;
+  }
+
+  function renderHead() {
+    const spec = job.spec;
+    const s = { ...(job.summary || {}), ...latest };
+    document.title = `${job.name || job.id} · muonforge`;
+    $("job-name").textContent = job.name || "(unnamed)";
+    $("job-status").replaceChildren(statusBadge(job.status));
+    $("job-id").textContent = job.id;
+    const opt = spec.optimizer;
+    const model = spec.model;
+    $("facts").replaceChildren(
+      fact("progress", progressBar(job)),
+      fact("ETA", eta() === null ? "–" : fmt.duration(eta())),
+      fact("attempt", String(job.attempt)),
+      fact("loss", fmt.num(s.loss)),
+      fact("val_loss", fmt.num(s.val_loss)),
+      fact("max attention logit", fmt.num(s.attn_max_logit)),
+      fact("tokens/s", fmt.int(s.tokens_per_s)),
+      fact("optimizer", `${opt.name}, lr ${opt.lr}${opt.qk_clip_tau ? `, tau ${opt.qk_clip_tau}` : ""}`),
+      fact("model", `${model.arch} ${model.n_layer}×${model.d_model}, ${model.n_head} heads, seq ${model.seq_len}`),
+      fact("created", fmt.time(job.created_at)),
+      fact("started", fmt.time(job.started_at)),
+      fact("duration", fmt.duration(jobDuration(job)))
+    );
+    $("cancel").hidden = FINISHED.has(job.status) || job.status === "cancelling";
+    $("compare-link").href = `/compare?jobs=${job.id}`;
+    const error = $("job-error");
+    error.hidden = !job.error;
+    if (job.error) error.textContent = `${job.error.code}: ${job.error.message}`;
+  }
+
+  let headPending = null;
+  function renderHeadSoon() {
+    if (!headPending) headPending = setTimeout(() => ((headPending = null), renderHead()), 1000);
+  }
+
+  // The JobSpec's sections in the order people write them (a stored spec's keys come back sorted);
+  // within a section, its name first, then alphabetical.
+  const SECTIONS = ["name", "model", "data", "optimizer", "train", "telemetry", "resources", "init_from"];
+  function specOrder(a, b) {
+    const rank = (k) => (SECTIONS.includes(k) ? SECTIONS.indexOf(k) : SECTIONS.length);
+    return rank(a) - rank(b) || (a < b ? -1 : a > b ? 1 : 0);
+  }
+
+  // -- charts ---------------------------------------------------------------------------------
+  function chartSpecs(spec) {
+    const attention = spec.model.arch !== "mlp";
+    const opt = spec.optimizer;
+    const clip = opt.name === "muonclip";
+    return [
+      { title: "Loss", series: [{ name: "loss" }, { name: "val_loss" }] },
+      attention && {
+        title: "Max attention logit",
+        series: [{ name: "attn_max_logit", label: "max logit" }],
+        refLine: clip ? { value: opt.qk_clip_tau, label: `tau ${opt.qk_clip_tau}` } : null,
+      },
+      clip && {
+        title: "QK-Clip",
+        series: [
+          { name: "qk_clip/heads_clipped", label: "heads clipped" },
+          { name: "qk_clip/min_gamma", label: "min gamma", scale: "y2" },
+        ],
+      },
+      { title: "Learning rate", series: [{ name: "lr" }] },
+      { title: "Gradient norm (before clipping)", series: [{ name: "grad_norm", label: "grad norm" }] },
+      opt.name !== "adamw" && { title: "Muon update RMS", series: [{ name: "update_rms", label: "update rms" }] },
+      { title: "Tokens/s", series: [{ name: "tokens_per_s", label: "tokens/s" }] },
+    ].filter(Boolean);
+  }
+
+  function view() {
+    const tokensPerStep = job.spec.train.batch_size * job.spec.model.seq_len;
+    return {
+      smoothing: Number($("smoothing").value),
+      logY: $("log-y").checked,
+      ...MF.xAxis($("x-axis").value, tokensPerStep, elapsed),
+    };
+  }
+
+  function buildCharts() {
+    const box = $("charts");
+    charts = chartSpecs(job.spec).map((spec) => {
+      const body = el("div", { class: "chart" });
+      box.append(el("section", { class: "card chart-card", dataset: { chart: spec.title } }, el("h2", {}, spec.title), body));
+      return new MF.Chart(body, spec, view(), zoomTo);
+    });
+    const { arch, n_layer: layers, n_head: heads } = job.spec.model;
+    if (arch !== "mlp" && layers * heads <= MAX_HEATMAP_ROWS) {
+      $("heatmap-card").hidden = false;
+      const tau = job.spec.optimizer.qk_clip_tau;
+      heatmap = new MF.Heatmap($("heatmap"), { layers, heads, totalSteps: job.progress.total_steps, reference: tau || null });
+      heatmap.onScale = (top) => ($("heatmap-ref").textContent = `${fmt.num(top)}${tau && top >= tau ? " (tau)" : ""}`);
+      $("heatmap-over").hidden = !tau;
+    }
+  }
+
+  async function history(names, maxPoints, range) {
+    const params = new URLSearchParams({ names: names.join(","), max_points: String(Math.max(3, maxPoints)) });
+    if (range) params.set("from_step", range[0]), params.set("to_step", range[1]);
+    const data = await api(`/v1/jobs/${jobId}/metrics?${params}`);
+    return Object.fromEntries(data.series.map((s) => [s.name, s.points]));
+  }
+
+  function noteHistory(series) {
+    for (const [name, points] of Object.entries(series)) {
+      if (points.length) {
+        lastStep = Math.max(lastStep, points[points.length - 1][0]);
+        latest[name] = latest[name] ?? points[points.length - 1][1];
+      }
+    }
+  }
+
+  async function loadHistory() {
+    const width = Math.max(...charts.map((c) => c.width));
+    // The first chart first: its curves are drawn while the others load.
+    const first = await history([...charts[0].names, "elapsed_s"], width);
+    elapsed.push(...(first.elapsed_s || []));
+    noteHistory(first);
+    charts[0].setView(view());
+    charts[0].setHistory(first);
+    MF.markDrawn("mf:first-curves");
+    const rest = charts.slice(1).flatMap((c) => c.names);
+    const [others, heads] = await Promise.all([
+      rest.length ? history(rest, width) : {},
+      heatmap ? history(heatmap.names(), heatmap.columns) : null,
+    ]);
+    noteHistory(others);
+    for (const chart of charts.slice(1)) {
+      chart.setView(view());
+      chart.setHistory(others);
+    }
+    if (heads) heatmap.setHistory(heads);
+    MF.markDrawn("mf:all-curves");
+  }
+
+  async function zoomTo(lo, hi) {
+    if (lo === null) {
+      zoom = null;
+      $("reset-zoom").hidden = true;
+      charts.forEach((c) => c.resetZoom());
+      return;
+    }
+    zoom = [lo, hi];
+    $("reset-zoom").hidden = false;
+    const width = Math.max(...charts.map((c) => c.width));
+    performance.mark("mf:zoom-asked");
+    const points = await history(charts.flatMap((c) => c.names), width, zoom);
+    charts.forEach((c) => c.showZoom(points, lo, hi));
+    MF.markDrawn("mf:zoom-drawn");
+  }
+
+  function onMetrics(step, values) {
+    if (step <= lastStep) return; // drawn already (the history and the stream overlap)
+    lastStep = Math.max(lastStep, step);
+    Object.assign(latest, values);
+    if (values.elapsed_s !== undefined) elapsed.push([step, values.elapsed_s]);
+    charts.forEach((c) => c.append(step, values));
+    if (heatmap) heatmap.append(step, values);
+    job.progress.step = Math.max(job.progress.step, step);
+    renderHeadSoon();
+  }
+
+  // -- events ---------------------------------------------------------------------------------
+  function onStatus(next) {
+    job = next;
+    renderHead();
+  }
+
+  function addLog(data) {
+    const box = $("log");
+    if (box.querySelector("p.muted")) box.replaceChildren();
+    box.append(el("div", { class: `level-${data.level}` }, `${data.level}: ${data.message}`));
+    box.scrollTop = box.scrollHeight;
+  }
+
+  function addSample(data) {
+    const box = $("samples");
+    if (box.querySelector("p.muted")) box.replaceChildren();
+    box.prepend(
+      el(
+        "div",
+        { class: "sample" },
+        el("div", { class: "muted" }, `step ${fmt.int(data.step)}`),
+        el("div", { class: "text" }, el("span", { class: "prompt" }, data.prompt), data.text)
+      )
+    );
+  }
+
+  let checkpointsPending = null;
+  function refreshCheckpointsSoon() {
+    if (!checkpointsPending)
+      checkpointsPending = setTimeout(() => ((checkpointsPending = null), loadCheckpoints().catch(MF.showError)), 500);
+  }
+
+  async function loadCheckpoints() {
+    const list = (await api(`/v1/jobs/${jobId}/checkpoints`)).data;
+    $("no-checkpoints").hidden = list.length > 0;
+    document.querySelector("#checkpoints tbody").replaceChildren(
+      ...list.map((c) =>
+        el(
+          "tr",
+          {},
+          el("td", { class: "num" }, fmt.int(c.step)),
+          el("td", { class: "num" }, fmt.bytes(c.bytes)),
+          el("td", { class: "num" }, fmt.num(c.metrics.loss)),
+          el("td", { class: "num" }, fmt.num(c.metrics.val_loss)),
+          el("td", { class: "num" }, fmt.num(c.metrics.attn_max_logit)),
+          el("td", {}, fmt.time(c.created_at)),
+          el("td", {}, el("a", { href: `/v1/jobs/${jobId}/checkpoints/${c.step}`, download: "" }, "download"))
+        )
+      )
+    );
+  }
+
+  // The events stream from the first step not drawn yet: every job event (status, checkpoint,
+  // log, sample), then live metrics; the browser reconnects by itself with Last-Event-ID.
+  function openStream() {
+    stream = new EventSource(`/v1/jobs/${jobId}/events?from_step=${lastStep + 1}`);
+    const on = (type, fn) => stream.addEventListener(type, (e) => fn(JSON.parse(e.data)));
+    on("metrics", (d) => onMetrics(d.step, d.metrics));
+    on("status", onStatus);
+    on("log", addLog);
+    on("sample", addSample);
+    on("checkpoint", refreshCheckpointsSoon);
+    stream.addEventListener("done", () => stream.close());
+    stream.addEventListener("error", () => {
+      if (stream.readyState === EventSource.CLOSED) pollInstead(); // refused, not just dropped
+    });
+  }
+
+  // The fallback when the stream cannot be opened: the job and new metrics every POLL_MS.
+  function pollInstead() {
+    const names = [...new Set(charts.flatMap((c) => c.names).concat(heatmap ? heatmap.names() : [], ["elapsed_s"]))];
+    MF.poll(async () => {
+      onStatus(await api(`/v1/jobs/${jobId}`));
+      const params = new URLSearchParams({ names: names.join(","), max_points: "100000", from_step: lastStep + 1 });
+      const data = await api(`/v1/jobs/${jobId}/metrics?${params}`);
+      const byStep = new Map();
+      for (const s of data.series) for (const [step, v] of s.points) (byStep.get(step) || byStep.set(step, {}).get(step))[s.name] = v;
+      [...byStep.keys()].sort((a, b) => a - b).forEach((step) => onMetrics(step, byStep.get(step)));
+    }, { visible: POLL_MS, hidden: POLL_MS * 5 });
+  }
+
+  // -- controls -------------------------------------------------------------------------------
+  function applyView() {
+    $("smoothing-value").textContent = Number($("smoothing").value).toFixed(2);
+    const v = view();
+    charts.forEach((c) => c.setView(v));
+  }
+
+  for (const id of ["smoothing", "log-y", "x-axis"]) $(id).addEventListener("input", applyView);
+  $("reset-zoom").addEventListener("click", () => zoomTo(null, null));
+  $("cancel").addEventListener("click", async () => {
+    if (!confirm(`Cancel job ${job.name || job.id}? It stops at its next step.`)) return;
+    try {
+      onStatus(await api(`/v1/jobs/${jobId}/cancel`, { method: "POST" }));
+    } catch (e) {
+      MF.showError(e);
+    }
+  });
+
+  async function main() {
+    try {
+      job = await api(`/v1/jobs/${jobId}`);
+    } catch (e) {
+      if (e instanceof ApiError && e.status === 404) {
+        $("missing-id").textContent = jobId;
+        $("not-found").hidden = false;
+        return;
+      }
+      throw e;
+    }
+    $("content").hidden = false;
+    renderHead();
+    $("spec").textContent = jsyaml.dump(job.spec, { sortKeys: specOrder, lineWidth: 100 });
+    $("smoothing-value").textContent = Number($("smoothing").value).toFixed(2);
+    buildCharts();
+    MF.shown = { charts, heatmap }; // what the page draws, for tests and the console
+    await loadHistory();
+    openStream();
+    await loadCheckpoints();
+  }
+
+  main().catch(MF.showError);
+})();

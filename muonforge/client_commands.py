@@ -1,0 +1,235 @@
+"""The client commands of ``muonforge``: each makes a few Client calls and prints. They import
+neither app, worker nor torch, so they start fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from muonforge.client import FINISHED, PAGE_SIZE, STATUSES, Client, Event, Retry
+from muonforge.output import (
+    console,
+    datasets_table,
+    event_line,
+    job_details,
+    jobs_table,
+    metric_rows,
+    metrics_csv,
+    metrics_table,
+)
+from muonforge.progress import follow, transfer_bar
+from muonforge.specs import InputError, read_spec, with_source
+
+# Someone is waiting at the terminal: give up after two quick retries, and report a long
+# Retry-After (the job cap) rather than sit through it.
+CLI_RETRY = Retry(max_retries=2, max_wait=10.0)
+
+
+def connect(args: argparse.Namespace) -> Client:
+    return Client(args.url, args.api_key, retry=CLI_RETRY)
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def outcome(job: dict[str, Any]) -> int:
+    """The exit status of a command that waited for the job to end."""
+    return 0 if job["status"] == "succeeded" else 1
+
+
+def detached(job_id: str) -> int:
+    print(f"\ndetached; {job_id} goes on. Re-attach: muonforge logs {job_id} --follow", file=sys.stderr)
+    return 130
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    raw = read_spec(args.spec)
+    with connect(args) as client:
+        if args.data is not None:
+            raw = with_source(raw, dataset_id=upload(client, args.data, None)["id"])
+        job = client.create_job(raw)
+        print(job["id"], flush=True)
+        if not args.follow:
+            return 0
+        try:
+            job = follow(client, job)
+        except KeyboardInterrupt:
+            return detached(job["id"])
+    print(json.dumps({k: job[k] for k in ("id", "status", "progress", "summary", "error")}))
+    return outcome(job)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        jobs = list(islice(client.list_jobs(args.status, page_size=min(args.limit, PAGE_SIZE)), args.limit))
+    if args.json:
+        print_json(jobs)
+    elif jobs:
+        console().print(jobs_table(jobs))
+    else:
+        print("no jobs", file=sys.stderr)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        job = client.get_job(args.job_id)
+    if args.json:
+        print_json(job)
+    else:
+        console().print(job_details(job))
+    return 0
+
+
+def caught_up(job: dict[str, Any], event: Event) -> bool:
+    """Whether the events stream has reached where ``job`` (read just before it opened) was: its
+    latest step, or, before its first step, its status. A finished job's stream ends by itself."""
+    step = job["progress"]["step"]
+    if job["status"] in FINISHED:
+        return False
+    if step == 0:
+        return event.event == "status" and event.data["status"] == job["status"]
+    return event.event == "metrics" and event.data["step"] >= step - job["spec"]["telemetry"]["every"]
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        now = latest = client.get_job(args.job_id)
+        try:
+            for event in client.events(now["id"]):
+                if (line := event_line(event.event, event.data)) is not None:
+                    print(line, flush=True)
+                latest = event.data if event.event == "status" else latest
+                if not args.follow and caught_up(now, event):
+                    break
+        except KeyboardInterrupt:
+            if args.follow:
+                return detached(now["id"])
+            raise
+    return outcome(latest) if args.follow else 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        job = client.cancel_job(args.job_id)
+    print(f"{job['id']}: {job['status']}")
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    names = list(dict.fromkeys(n for arg in args.name or ["loss"] for n in arg.split(",") if n))
+    with connect(args) as client:
+        series = client.metrics(args.job_id, names, max_points=args.max_points)
+    for name in names:
+        if name not in series:
+            print(f"note: {args.job_id} has no points of {name!r}", file=sys.stderr)
+    rows = metric_rows(series, names)
+    if args.csv:
+        metrics_csv(rows, names, sys.stdout)
+    else:
+        console().print(metrics_table(rows, names))
+    return 0
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        step = args.step
+        if step is None:
+            checkpoints = client.checkpoints(args.job_id)
+            if not checkpoints:
+                raise InputError(f"{args.job_id} has no checkpoint yet")
+            step = checkpoints[0]["step"]  # newest first
+        name = f"{args.job_id}-step{step:08d}.pt"  # the server's file name
+        out = args.out / name if args.out and args.out.is_dir() else args.out or Path(name)
+        with transfer_bar(f"step {step}") as progress:
+            path = client.download_checkpoint(args.job_id, step, out, progress)
+    print(path)
+    return 0
+
+
+def upload(client: Client, path: Path, name: str | None) -> dict[str, Any]:
+    with transfer_bar(path.name) as progress:
+        dataset = client.upload_dataset(path, name, progress)
+    print(f"uploaded {path} as {dataset['id']} ({dataset['bytes']:,} bytes)", file=sys.stderr)
+    return dataset
+
+
+def cmd_datasets_upload(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        print(upload(client, args.file, args.name)["id"])
+    return 0
+
+
+def cmd_datasets_list(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        datasets = list(islice(client.list_datasets(page_size=min(args.limit, PAGE_SIZE)), args.limit))
+    if args.json:
+        print_json(datasets)
+    elif datasets:
+        console().print(datasets_table(datasets))
+    else:
+        print("no datasets", file=sys.stderr)
+    return 0
+
+
+def add_client_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """The client commands, each taking the ``common`` options (--url, --api-key, --debug)."""
+
+    def command(parsers: argparse._SubParsersAction, name: str, func, help: str) -> argparse.ArgumentParser:
+        parser = parsers.add_parser(name, parents=[common], help=help, description=help)
+        parser.set_defaults(func=func)
+        return parser
+
+    submit = command(sub, "submit", cmd_submit, "submit a job spec; prints the job's id")
+    submit.add_argument("spec", type=Path, help="job spec, YAML or JSON")
+    submit.add_argument("--data", type=Path, help="upload this corpus and train on it")
+    submit.add_argument("--follow", action="store_true", help="show progress until the job finishes")
+
+    jobs = command(sub, "jobs", cmd_jobs, "list jobs, newest first")
+    jobs.add_argument("--status", choices=STATUSES)
+    jobs.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
+    jobs.add_argument("--json", action="store_true", help="the Job objects as JSON")
+
+    show = command(sub, "show", cmd_show, "one job: status, progress, spec, latest metrics")
+    show.add_argument("job_id")
+    show.add_argument("--json", action="store_true", help="the Job object as JSON")
+
+    logs = command(sub, "logs", cmd_logs, "a job's status changes, log lines and checkpoints so far")
+    logs.add_argument("job_id")
+    logs.add_argument("--follow", action="store_true", help="keep streaming until the job finishes")
+
+    cancel = command(sub, "cancel", cmd_cancel, "cancel a job (a running one stops at its next step)")
+    cancel.add_argument("job_id")
+
+    metrics = command(sub, "metrics", cmd_metrics, "a job's metric history, one column per name")
+    metrics.add_argument("job_id")
+    metrics.add_argument("--name", action="append", help="metric name, repeatable or comma-separated (default loss)")
+    metrics.add_argument("--csv", action="store_true", help="CSV: step,<name>,... (empty where a series has no point)")
+    metrics.add_argument("--max-points", type=int, default=1000, help="points per series, downsampled by the server")
+
+    download = command(sub, "download", cmd_download, "download a checkpoint")
+    download.add_argument("job_id")
+    download.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    download.add_argument("--out", type=Path, help="file or directory (default: ./<job>-step<N>.pt)")
+
+    datasets = sub.add_parser("datasets", help="upload and list corpora").add_subparsers(
+        dest="datasets_command", required=True
+    )
+    upload_ = command(datasets, "upload", cmd_datasets_upload, "upload a UTF-8 text corpus; prints its id")
+    upload_.add_argument("file", type=Path)
+    upload_.add_argument("--name", help="default: the file's name")
+    listing = command(datasets, "list", cmd_datasets_list, "list uploaded corpora, newest first")
+    listing.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
+    listing.add_argument("--json", action="store_true", help="the Dataset objects as JSON")

@@ -1,0 +1,123 @@
+"""What the client commands print: tables of jobs, datasets and metrics, one job's details, the
+lines of ``muonforge logs``, and metrics as CSV."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+STATUS_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow"}
+
+
+def console() -> Console:
+    """stdout; piped, wide enough that no table is cut or wrapped."""
+    return Console() if sys.stdout.isatty() else Console(width=10_000)
+
+
+def age(timestamp: str | None, now: datetime | None = None) -> str:
+    """How long ago an ISO 8601 time was: 42s, 5m, 3h, 2d."""
+    if not timestamp:
+        return "-"
+    then = datetime.fromisoformat(timestamp)
+    then = then if then.tzinfo else then.replace(tzinfo=UTC)  # the embedded database keeps UTC without a zone
+    seconds = ((now or datetime.now(UTC)) - then).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+def number(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "-"
+
+
+def status(job: dict[str, Any], detail: str = "") -> Text:
+    # Text, never markup: names and messages come from users and may hold brackets.
+    return Text(job["status"], style=STATUS_STYLE.get(job["status"], "")) + detail
+
+
+def jobs_table(jobs: list[dict[str, Any]]) -> Table:
+    table = Table("id", "name", "status", "step", "loss", "val_loss", "age", box=None, header_style="bold")
+    for job in jobs:
+        progress, summary = job["progress"], job["summary"]
+        table.add_row(
+            Text(job["id"]), Text(job["name"] or "-"), status(job), f"{progress['step']}/{progress['total_steps']}",
+            number(summary.get("loss")), number(summary.get("val_loss")), age(job["created_at"]),
+        )  # fmt: skip
+    return table
+
+
+def job_details(job: dict[str, Any]) -> Table:
+    spec = job["spec"]
+    rows = [
+        ("id", job["id"]),
+        ("name", job["name"] or "-"),
+        ("status", status(job, f": {job['error']['code']}: {job['error']['message']}" if job["error"] else "")),
+        ("progress", f"{job['progress']['step']}/{job['progress']['total_steps']} steps, attempt {job['attempt']}"),
+        ("created", f"{job['created_at']} ({age(job['created_at'])} ago)"),
+        ("started", job["started_at"] or "-"),
+        ("finished", job["finished_at"] or "-"),
+        *((part, settings(spec[part])) for part in ("model", "data", "optimizer", "train") if part in spec),
+        *((name, f"{value:.6g}" if isinstance(value, float) else str(value)) for name, value in job["summary"].items()),
+    ]
+    table = Table.grid(padding=(0, 2))
+    for name, value in rows:
+        table.add_row(Text(name, style="bold"), value if isinstance(value, Text) else Text(value))
+    return table
+
+
+def settings(part: dict[str, Any]) -> str:
+    """A spec section on one line, unset fields left out: ``arch=gpt n_layer=2 ...``."""
+    return " ".join(f"{k}={v}" for k, v in part.items() if v is not None)
+
+
+def datasets_table(datasets: list[dict[str, Any]]) -> Table:
+    table = Table("id", "name", "bytes", "sha256", "age", box=None, header_style="bold")
+    for d in datasets:
+        table.add_row(Text(d["id"]), Text(d["name"]), f"{d['bytes']:,}", d["sha256"][:12], age(d["created_at"]))
+    return table
+
+
+def metric_rows(series: dict[str, list[list[float]]], names: list[str]) -> list[list[Any]]:
+    """One row per step that any series has: ``[step, value of names[0] or None, ...]``. The
+    server downsamples each series on its own, so a step may have one series and not another."""
+    by_name = {name: {int(step): value for step, value in series.get(name, [])} for name in names}
+    steps = sorted({step for points in by_name.values() for step in points})
+    return [[step, *(by_name[name].get(step) for name in names)] for step in steps]
+
+
+def metrics_csv(rows: list[list[Any]], names: list[str], out: TextIO) -> None:
+    """``step,<name>,...``; values as Python writes floats (they read back exactly), empty where
+    a series has no point at that step."""
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["step", *names])
+    writer.writerows([[step, *("" if v is None else repr(v) for v in values)] for step, *values in rows])
+
+
+def metrics_table(rows: list[list[Any]], names: list[str]) -> Table:
+    table = Table("step", *map(escape, names), box=None, header_style="bold")
+    for step, *values in rows:
+        table.add_row(str(step), *("" if v is None else f"{v:.6g}" for v in values))
+    return table
+
+
+def event_line(kind: str, data: dict[str, Any]) -> str | None:
+    """A status, log, checkpoint or sample event as a line of ``muonforge logs``; None for the others."""
+    if kind == "status":
+        error = data.get("error")
+        detail = f": {error['code']}: {error['message']}" if error else f" (attempt {data['attempt']})"
+        return f"status      {data['status']}{detail}"
+    if kind == "log":
+        return f"{data['level']:<11} {data['message']}"
+    if kind == "checkpoint":
+        return f"checkpoint  step {data['step']} ({data['bytes'] / 2**20:.2f} MiB)"
+    if kind == "sample":
+        return f"sample      step {data['step']}: {data['text'][:100]!r}"
+    return None

@@ -1,0 +1,52 @@
+"""Job specs as the commands read them (YAML or JSON files), and the error for input a command
+cannot use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class InputError(ValueError):
+    """Input a command cannot use (exit status 2); the message is for people."""
+
+
+class SpecError(InputError):
+    """A job spec that cannot be read or does not validate."""
+
+
+def read_spec(path: Path) -> dict[str, Any]:
+    """A YAML or JSON job spec as a dict (not yet validated)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path} is not valid YAML or JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path} must hold a mapping (a JobSpec), not {type(raw).__name__}")
+    return raw
+
+
+def with_source(raw: dict[str, Any], **source: str) -> dict[str, Any]:
+    """The spec with its data source replaced (``path=`` or ``dataset_id=``)."""
+    data = {k: v for k, v in (raw.get("data") or {}).items() if k not in ("dataset_id", "builtin", "path")}
+    return {**raw, "data": {**data, **source}}
+
+
+def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
+    """Read a job spec, apply ``--data``, validate it with JobSpec; return its dict."""
+    import pydantic
+
+    from app.schemas import JobSpec
+
+    raw = read_spec(path)
+    if data is not None:
+        raw = with_source(raw, path=str(data))
+    try:
+        return JobSpec.model_validate(raw).model_dump()
+    except pydantic.ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in exc.errors()]
+        raise SpecError(f"{path} is not a valid job spec:\n" + "\n".join(lines)) from None

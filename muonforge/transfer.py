@@ -1,0 +1,90 @@
+"""Files going up (dataset uploads) and down (checkpoint downloads), with progress reports
+``progress(done_bytes, total_bytes_or_None)``; shared by Client and AsyncClient."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+Progress = Callable[[int, "int | None"], None]
+
+
+class ProgressReader:
+    """A binary file that reports the bytes read so far. httpx reads it in chunks and seeks it
+    to the start before each send, so a retried upload counts from 0 again."""
+
+    def __init__(self, file: BinaryIO, progress: Progress | None) -> None:
+        self._file, self._progress = file, progress
+        self.done = 0
+        self.total = self._size() if self.seekable() else None
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self._file.read(size)
+        self.done += len(chunk)
+        if self._progress and chunk:
+            self._progress(self.done, self.total)
+        return chunk
+
+    def seekable(self) -> bool:
+        return bool(getattr(self._file, "seekable", lambda: False)())
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if not self.seekable():
+            raise io.UnsupportedOperation("the upload cannot be read again")
+        self.done = self._file.seek(offset, whence)
+        return self.done
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def _size(self) -> int:
+        position = self._file.tell()
+        size = self._file.seek(0, os.SEEK_END)
+        self._file.seek(position)
+        return size
+
+
+@contextmanager
+def open_upload(file: str | os.PathLike | BinaryIO, progress: Progress | None) -> Iterator[tuple[str, ProgressReader]]:
+    """The file name and a counting reader of ``file``: a path (opened here) or a binary file."""
+    if isinstance(file, (str, os.PathLike)):
+        path = Path(file)
+        with path.open("rb") as f:
+            yield path.name, ProgressReader(f, progress)
+    else:
+        yield Path(str(getattr(file, "name", "dataset.txt"))).name, ProgressReader(file, progress)
+
+
+class Download:
+    """A file written as it arrives, through ``<path>.part``: ``path`` appears only complete, and
+    a retried download starts the part file again."""
+
+    def __init__(self, path: str | os.PathLike, headers: Mapping[str, str], progress: Progress | None) -> None:
+        self.path = Path(path)
+        self._part = self.path.with_name(self.path.name + ".part")
+        length = headers.get("content-length")
+        self.total = int(length) if length and length.isdigit() else None
+        self.done, self._progress = 0, progress
+
+    def __enter__(self) -> Download:
+        self._out = self._part.open("wb")
+        if self._progress:
+            self._progress(0, self.total)
+        return self
+
+    def write(self, chunk: bytes) -> None:
+        self._out.write(chunk)
+        self.done += len(chunk)
+        if self._progress:
+            self._progress(self.done, self.total)
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self._out.close()
+        if exc_type is None:
+            self._part.replace(self.path)
+        else:
+            self._part.unlink(missing_ok=True)

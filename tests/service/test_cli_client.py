@@ -1,0 +1,292 @@
+"""The client commands as real processes (``python -m muonforge.cli``) against a real API process
+and a real worker: output, files and exit statuses, errors included."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import pty
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from muonforge import Client
+from tests.service.conftest import ROOT, Worker, new_key, tiny_spec, wait_for
+from tests.service.test_client import stored_checkpoint
+
+
+def muonforge(*args, url: str, key: str | None, cwd=ROOT) -> subprocess.CompletedProcess:
+    """``muonforge ARGS`` with MUONFORGE_API_URL and MUONFORGE_API_KEY set (unset: key None)."""
+    env = client_env(url, key)
+    return subprocess.run(command(*args), env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def command(*args) -> list[str]:
+    return [sys.executable, "-m", "muonforge.cli", *map(str, args)]
+
+
+def client_env(url: str, key: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
+    return env | {"MUONFORGE_API_URL": url} | ({"MUONFORGE_API_KEY": key} if key else {})
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stderr.strip()
+
+
+@pytest.fixture(scope="module")
+def tenant(settings, api_url, tmp_path_factory):
+    """A tenant's key, with a real worker running for this module's tests."""
+    worker = Worker(settings, tmp_path_factory.mktemp("worker") / "worker.log")
+    yield new_key(settings)
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def finished(tenant, api_url, tmp_path_factory) -> dict:
+    """A job submitted with ``muonforge submit --follow`` and finished: the final Job."""
+    spec = tmp_path_factory.mktemp("spec") / "tiny.yaml"
+    spec.write_text(json.dumps(tiny_spec(steps=20)))
+    result = muonforge("submit", spec, "--follow", url=api_url, key=tenant)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["id"] == lines[0] and summary["status"] == "succeeded"
+    assert summary["progress"] == {"step": 20, "total_steps": 20}
+    with Client(api_url, tenant) as client:
+        return client.get_job(lines[0])
+
+
+def test_jobs_lists_a_table_and_json(finished, tenant, api_url):
+    table = muonforge("jobs", url=api_url, key=tenant)
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.splitlines()[:2]
+    assert header.split() == ["id", "name", "status", "step", "loss", "val_loss", "age"]
+    assert row.split()[:4] == [finished["id"], "tiny", "succeeded", "20/20"]
+    assert row.split()[4] == f"{finished['summary']['loss']:.4f}"
+    listed = json.loads(muonforge("jobs", "--json", "--limit", "1", url=api_url, key=tenant).stdout)
+    assert listed == [finished]
+    assert json.loads(muonforge("jobs", "--status", "queued", "--json", url=api_url, key=tenant).stdout) == []
+
+
+def test_show_details_and_json(finished, tenant, api_url):
+    shown = muonforge("show", finished["id"], url=api_url, key=tenant)
+    assert shown.returncode == 0, shown.stderr
+    fields = {k: v.strip() for k, v in (line.split(None, 1) for line in shown.stdout.splitlines())}
+    assert fields["status"] == "succeeded" and fields["progress"] == "20/20 steps, attempt 1"
+    assert set(fields["model"].split()) == {"arch=gpt", "n_layer=1", "n_head=2", "d_model=16", "seq_len=16"}
+    assert json.loads(muonforge("show", finished["id"], "--json", url=api_url, key=tenant).stdout) == finished
+
+
+def test_logs_of_a_finished_job(finished, tenant, api_url):
+    expected = [
+        "status      queued (attempt 0)", "status      running (attempt 1)", "sample      step 0: ",
+        "sample      step 10: ", "checkpoint  step 10", "sample      step 20: ", "checkpoint  step 20",
+        "status      succeeded (attempt 1)",
+    ]  # fmt: skip
+    for follow in ([], ["--follow"]):
+        logs = muonforge("logs", finished["id"], *follow, url=api_url, key=tenant)
+        assert logs.returncode == 0, logs.stderr
+        lines = logs.stdout.splitlines()
+        assert len(lines) == len(expected) and all(line.startswith(e) for line, e in zip(lines, expected)), lines
+
+
+def test_metrics_as_csv_read_back_and_as_a_table(finished, tenant, api_url):
+    args = ("metrics", finished["id"], "--name", "loss", "--name", "val_loss", "--csv")
+    result = muonforge(*args, url=api_url, key=tenant)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    with Client(api_url, tenant) as client:
+        history = client.metrics(finished["id"], names=["loss", "val_loss"])
+    assert [[int(r["step"]), float(r["loss"])] for r in rows if r["loss"]] == history["loss"]
+    assert [[int(r["step"]), float(r["val_loss"])] for r in rows if r["val_loss"]] == history["val_loss"]
+    assert [int(r["step"]) for r in rows] == list(range(21))
+
+    table = muonforge("metrics", finished["id"], "--name", "loss,nope", "--max-points", "6", url=api_url, key=tenant)
+    assert table.returncode == 0 and table.stderr == f"note: {finished['id']} has no points of 'nope'\n"
+    header, *lines = table.stdout.splitlines()
+    assert header.split() == ["step", "loss", "nope"] and 0 < len(lines) <= 6
+
+
+def test_download_writes_the_servers_checkpoint(finished, tenant, api_url, settings, tmp_path):
+    job_id = finished["id"]
+    explicit = muonforge("download", job_id, "--step", "10", "--out", tmp_path / "ten.pt", url=api_url, key=tenant)
+    assert explicit.returncode == 0, explicit.stderr
+    assert explicit.stdout.strip() == str(tmp_path / "ten.pt")
+    assert (tmp_path / "ten.pt").read_bytes() == stored_checkpoint(settings, job_id, 10)
+    latest = muonforge("download", job_id, url=api_url, key=tenant, cwd=tmp_path)
+    assert latest.returncode == 0, latest.stderr
+    assert (tmp_path / f"{job_id}-step00000020.pt").read_bytes() == stored_checkpoint(settings, job_id, 20)
+    missing = muonforge("download", job_id, "--step", "15", "--out", tmp_path, url=api_url, key=tenant)
+    assert missing.returncode == 2
+    assert one_error_line(missing) == f"error: job {job_id} has no checkpoint at step 15 (404 not_found)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ten.pt", f"{job_id}-step00000020.pt"])
+
+
+def test_datasets_upload_and_list(settings, api_url, tmp_path):
+    key = new_key(settings)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be " * 500)
+    uploaded = muonforge("datasets", "upload", corpus, "--name", "hamlet", url=api_url, key=key)
+    assert uploaded.returncode == 0, uploaded.stderr
+    dataset_id = uploaded.stdout.strip()
+    assert f"uploaded {corpus} as {dataset_id} ({corpus.stat().st_size:,} bytes)" in uploaded.stderr
+    header, row = muonforge("datasets", "list", url=api_url, key=key).stdout.splitlines()
+    assert header.split() == ["id", "name", "bytes", "sha256", "age"]
+    assert row.split()[:3] == [dataset_id, "hamlet", f"{corpus.stat().st_size:,}"]
+    listed = json.loads(muonforge("datasets", "list", "--json", url=api_url, key=key).stdout)
+    assert [(d["id"], d["name"]) for d in listed] == [(dataset_id, "hamlet")]
+
+    (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    invalid = muonforge("datasets", "upload", tmp_path / "latin1.txt", url=api_url, key=key)
+    assert invalid.returncode == 2
+    assert one_error_line(invalid) == "error: file: the file is not UTF-8 text (byte 3) (422 validation_error)"
+    absent = muonforge("datasets", "upload", tmp_path / "absent.txt", url=api_url, key=key)
+    assert absent.returncode == 2
+    assert one_error_line(absent) == f"error: {tmp_path / 'absent.txt'}: No such file or directory"
+
+
+def test_cancel_and_cancelling_a_finished_job(tenant, api_url, tmp_path):
+    spec = tmp_path / "long.yaml"
+    spec.write_text(json.dumps(tiny_spec(steps=100_000, checkpoint_every=100_000)))
+    job_id = muonforge("submit", spec, url=api_url, key=tenant).stdout.strip()
+    cancelled = muonforge("cancel", job_id, url=api_url, key=tenant)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() in (f"{job_id}: cancelled", f"{job_id}: cancelling")
+    with Client(api_url, tenant) as client:
+        wait_for(lambda: client.get_job(job_id)["status"] == "cancelled", timeout=60)
+    again = muonforge("cancel", job_id, url=api_url, key=tenant)
+    assert again.returncode == 2
+    assert one_error_line(again) == f"error: job {job_id} has already finished (cancelled) (409 conflict)"
+
+
+def test_ctrl_c_detaches_from_a_followed_job_which_goes_on(tenant, api_url, tmp_path):
+    spec = tmp_path / "long.yaml"
+    spec.write_text(json.dumps(tiny_spec(steps=100_000, checkpoint_every=100_000)))
+    env = client_env(api_url, tenant)
+    pipes = {"env": env, "cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    submit = subprocess.Popen(command("submit", spec, "--follow"), **pipes)
+    job_id = submit.stdout.readline().strip()
+    with Client(api_url, tenant) as client:
+        try:
+            wait_for(lambda: client.get_job(job_id)["progress"]["step"] > 0, timeout=60)
+            submit.send_signal(signal.SIGINT)
+            assert submit.wait(timeout=30) == 130
+            assert f"Re-attach: muonforge logs {job_id} --follow" in submit.stderr.read()
+
+            logs = subprocess.Popen(command("logs", job_id, "--follow"), **pipes)
+            assert logs.stdout.readline().startswith("status      queued")
+            logs.send_signal(signal.SIGINT)
+            assert logs.wait(timeout=30) == 130
+            assert f"Re-attach: muonforge logs {job_id} --follow" in logs.stderr.read()
+            assert client.get_job(job_id)["status"] == "running"
+
+            so_far = muonforge("logs", job_id, url=api_url, key=tenant)  # ends once it has caught up
+            assert so_far.returncode == 0, so_far.stderr
+            lines = so_far.stdout.splitlines()
+            assert lines[:2] == ["status      queued (attempt 0)", "status      running (attempt 1)"]
+            assert all(line.startswith("sample      step ") for line in lines[2:])  # at evaluations, so far
+        finally:
+            client.cancel_job(job_id)
+            wait_for(lambda: client.get_job(job_id)["status"] == "cancelled", timeout=60)
+    follow = muonforge("logs", job_id, "--follow", url=api_url, key=tenant)
+    assert follow.returncode == 1, "a followed job that ends cancelled exits 1"
+    assert follow.stdout.splitlines()[-1].startswith("status      cancelled")
+
+
+def test_a_transfer_draws_a_progress_bar_on_a_terminal(settings, api_url, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("x" * 100_000)
+    terminal, stderr = pty.openpty()
+    upload = subprocess.Popen(
+        command("datasets", "upload", corpus), env=client_env(api_url, new_key(settings)), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=stderr,
+    )  # fmt: skip
+    os.close(stderr)
+    drawn = b""
+    while chunk := read_terminal(terminal):
+        drawn += chunk
+    assert upload.wait(timeout=60) == 0
+    assert b"corpus.txt" in drawn and b"100.0/100.0 kB" in drawn, drawn
+
+
+def read_terminal(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the other end closed
+        return b""
+
+
+# -- errors ---------------------------------------------------------------------------------------
+def test_an_unreachable_server_exits_3_with_one_line_naming_it():
+    url = closed_port_url()
+    result = muonforge("jobs", url=url, key="mf_any")
+    assert result.returncode == 3
+    assert one_error_line(result) == (
+        f"error: cannot reach the server at {url}: connection refused; start one with 'muonforge up', or point"
+        " MUONFORGE_API_URL (or --url) at it"
+    )
+    debug = muonforge("--debug", "show", "job_x", url=url, key="mf_any")
+    assert debug.returncode == 3 and "Traceback" in debug.stderr and "retry 2" in debug.stderr
+
+
+def test_a_missing_or_rejected_key_exits_3(api_url):
+    missing = muonforge("jobs", url=api_url, key=None)
+    assert missing.returncode == 3
+    assert one_error_line(missing) == "error: no API key: set MUONFORGE_API_KEY or pass --api-key"
+    rejected = muonforge("jobs", url=api_url, key="mf_wrong")
+    assert rejected.returncode == 3
+    assert one_error_line(rejected) == (
+        "error: the server refused the API key: unknown or revoked API key; check MUONFORGE_API_KEY or --api-key"
+    )
+
+
+def test_options_before_or_after_the_command_override_the_environment(settings, api_url):
+    key = new_key(settings)
+    for args in (["--url", api_url, "--api-key", key, "jobs"], ["jobs", "--url", api_url, "--api-key", key]):
+        result = muonforge(*args, url=closed_port_url(), key="mf_wrong")
+        assert result.returncode == 0 and result.stderr == "no jobs\n", result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["show", "job_nope"], ["logs", "job_nope"], ["cancel", "job_nope"], ["metrics", "job_nope"],
+     ["download", "job_nope", "--step", "1"]],
+)  # fmt: skip
+def test_an_unknown_job_exits_2(settings, api_url, args):
+    result = muonforge(*args, url=api_url, key=new_key(settings))
+    assert result.returncode == 2
+    assert one_error_line(result) == "error: no job 'job_nope' (404 not_found)"
+
+
+def test_an_invalid_spec_exits_2_naming_the_field(settings, api_url, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(json.dumps(tiny_spec() | {"optimizer": {"lr": -1}}))
+    result = muonforge("submit", spec, url=api_url, key=new_key(settings))
+    assert result.returncode == 2
+    assert one_error_line(result) == "error: optimizer.lr: Input should be greater than 0 (422 validation_error)"
+
+
+def test_client_commands_import_neither_app_worker_nor_torch():
+    probe = (
+        "import sys\n"
+        "from muonforge.cli import main\n"
+        f"main(['--url', {closed_port_url()!r}, '--api-key', 'mf_any', 'jobs'])\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'app', 'worker', 'torch', 'optim'}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+    assert "cannot reach the server" in result.stderr

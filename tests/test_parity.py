@@ -1,0 +1,96 @@
+"""The app never imports the worker, so facts and defaults it shares with the engine and the
+optimizer are written twice; these tests tie every copy to the original."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+
+import pytest
+import torch
+
+import optim
+from app.job_status import FINISHED, JobStatus
+from app.schemas import JobSpec
+from app.schemas.api import Job
+from app.services import caps
+from muonforge import client
+from worker.engine import data as engine_data
+from worker.engine.config import ModelConfig, OptimizerConfig, TelemetryConfig, TrainConfig, job_config_from_dict
+from worker.engine.models import build_model
+from worker.engine.models import gpt as engine_gpt
+
+SHAPES = {  # (n_layer, n_head, d_model, seq_len), a grid that crosses every term of the count
+    "gpt": list(itertools.product((1, 3), (1, 4), (8, 48), (2, 9, 64))),
+    "moe": list(itertools.product((1, 2), (2,), (8, 32), (16,))),
+    "mlp": list(itertools.product((1, 3), (1,), (8, 40), (2, 8, 30))),
+}
+VOCABS = (64, 256, 97)
+
+
+def engine_parameter_count(model: dict, vocab: int) -> int:
+    cfg = dataclasses.replace(job_config_from_dict({"model": model, "data": {"builtin": "synthetic"}}).model,
+                              vocab_size=vocab)  # fmt: skip
+    return sum(p.numel() for p in build_model(cfg).parameters())  # a tied head is one parameter
+
+
+@pytest.mark.parametrize("arch", ["gpt", "moe", "mlp"])
+def test_parameter_count_of_the_caps_is_the_engines(arch):
+    torch.manual_seed(0)
+    for (n_layer, n_head, d_model, seq_len), vocab in itertools.product(SHAPES[arch], VOCABS):
+        model = {"arch": arch, "n_layer": n_layer, "n_head": n_head, "d_model": d_model, "seq_len": seq_len}
+        if arch == "moe":
+            model |= {"n_experts": 3, "top_k": 2}
+        dumped = JobSpec.model_validate({"model": model, "data": {"builtin": "synthetic"}}).model_dump()["model"]
+        assert caps.parameter_count(dumped, vocab) == engine_parameter_count(dumped, vocab), (model, vocab)
+
+
+def test_engine_facts_copied_into_the_app():
+    assert caps.SYNTHETIC_VOCAB == engine_data.SYNTHETIC_VOCAB == engine_data.synthetic_task(0).vocab_size
+    assert caps.MLP_CONTEXT == engine_gpt.MLP_CONTEXT
+    assert caps.MLP_RATIO == ModelConfig(arch="gpt").mlp_ratio
+
+
+def spec_defaults(section: str) -> dict:
+    """A minimal spec's section, every default filled in by validation."""
+    return JobSpec.model_validate({"model": {"arch": "gpt"}, "data": {"builtin": "synthetic"}}).model_dump()[section]
+
+
+@pytest.mark.parametrize(
+    ("section", "config", "filled_by_the_spec"),
+    [
+        # The engine trusts a validated spec: n_experts / top_k are set for moe only, by the spec.
+        ("model", ModelConfig, {"arch", "n_experts", "top_k"}),
+        ("train", TrainConfig, set()),
+        ("telemetry", TelemetryConfig, set()),
+        # lr: the spec's default depends on the optimizer (below); qk_clip_tau: muonclip only.
+        ("optimizer", OptimizerConfig, {"qk_clip_tau"}),
+    ],
+)
+def test_job_spec_defaults_are_the_engines(section, config, filled_by_the_spec):
+    spec = spec_defaults(section)
+    engine = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+    for name, value in spec.items():
+        if name not in filled_by_the_spec:
+            assert engine[name] == value, f"{section}.{name}"
+
+
+def test_job_spec_optimizer_defaults_are_optims():
+    muon = {k: p.default for k, p in inspect.signature(optim.Muon).parameters.items() if k != "params"}
+    spec = spec_defaults("optimizer")
+    for name, default in muon.items():
+        assert spec[name] == default, name
+    adamw = JobSpec.model_validate(
+        {"model": {"arch": "gpt"}, "data": {"builtin": "synthetic"}, "optimizer": {"name": "adamw"}}
+    ).model_dump()["optimizer"]
+    assert adamw["lr"] == spec["adamw_lr"]  # the AdamW baseline at the lr of Muon's AdamW part
+    clip = JobSpec.model_validate(
+        {"model": {"arch": "gpt"}, "data": {"builtin": "synthetic"}, "optimizer": {"name": "muonclip"}}
+    ).model_dump()["optimizer"]
+    assert clip["qk_clip_tau"] == inspect.signature(optim.MuonClip).parameters["qk_clip_tau"].default
+
+
+def test_the_clients_statuses_are_the_services():
+    assert set(client.FINISHED) == {s.value for s in FINISHED}
+    assert Job.model_json_schema()["$defs"]["JobStatus"]["enum"] == [s.value for s in JobStatus]
