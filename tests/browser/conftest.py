@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.web.pages import NODE_MODULES
-from tests.service.conftest import ROOT, Worker, api_url, database_url, new_key, redis_url, settings  # noqa: F401
+from tests.service.conftest import ROOT, Worker, api_url, database_url, new_key, redis_url, settings, unavailable  # noqa: F401 (fixtures)
 
 CHROMIUM = os.environ.get("MUONFORGE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("MUONFORGE_TEST_ARTIFACTS", ROOT / "tests" / "browser" / "artifacts"))
@@ -42,9 +42,7 @@ def chromium():
     thread until it stops, so it must stop before tests that run their own (asyncio.run)."""
     reason = missing()
     if reason:
-        if os.environ.get("MUONFORGE_TEST_REQUIRE_SERVICES") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        unavailable(reason)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
