@@ -182,17 +182,26 @@ def keep(extremes: dict[str, Point], kind: str, point: Point) -> None:
 
 def bucket_extremes(steps: np.ndarray, values: np.ndarray, lo: int, width: int) -> dict[int, dict[str, Point]]:
     """min, max and last point of every bucket of ``width`` steps from ``lo`` (steps ascending);
-    a tie goes to the earliest step."""
+    a tie goes to the earliest step, NaN loses to any number. Linear: one reduction per kind."""
     if len(steps) == 0:
         return {}
     buckets = (steps.astype(np.int64) - lo) // width
     starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
     ends = np.r_[starts[1:], len(steps)] - 1
-    by_min = np.lexsort((steps, values, buckets))  # within a bucket: smallest value, then earliest step
-    by_max = np.lexsort((steps, -values, buckets))
-    pick = lambda order: order[starts]  # noqa: E731  (buckets sort alike in both orders)
+    owner = np.repeat(np.arange(len(starts)), ends - starts + 1)  # each point's bucket, 0..len(starts)-1
+
+    def first_equal(target: np.ndarray) -> np.ndarray:
+        """Per bucket, the first point whose value is the bucket's target (its start if none: all NaN)."""
+        hits = np.flatnonzero(values == target[owner])
+        first = starts.copy()
+        leads = np.r_[True, owner[hits][1:] != owner[hits][:-1]] if len(hits) else np.empty(0, bool)
+        first[owner[hits][leads]] = hits[leads]
+        return first
+
+    with np.errstate(invalid="ignore"):
+        mins, maxs = first_equal(np.fmin.reduceat(values, starts)), first_equal(np.fmax.reduceat(values, starts))
     out = {}
-    for b, i, j, k in zip(buckets[starts].tolist(), pick(by_min).tolist(), pick(by_max).tolist(), ends.tolist()):
+    for b, i, j, k in zip(buckets[starts].tolist(), mins.tolist(), maxs.tolist(), ends.tolist()):
         out[b] = {"min": [int(steps[i]), float(values[i])], "max": [int(steps[j]), float(values[j])],
                   "last": [int(steps[k]), float(values[k])]}  # fmt: skip
     return out

@@ -43,24 +43,27 @@
     return { smoothing: Number($("smoothing").value), logY: $("log-y").checked, xLabel, x: (v) => v, step: (v) => v };
   }
 
-  async function series(job, name, range) {
-    const width = chart ? chart.width : $("chart").clientWidth;
+  async function series(id, name, range) {
+    const width = chart ? chart.width : $("chart").clientWidth || root.clientWidth; // hidden until loaded
     const params = new URLSearchParams({ names: name, max_points: String(Math.max(3, width)) });
     if (range) params.set("from_step", range[0]), params.set("to_step", range[1]);
-    const data = await api(`/v1/jobs/${job.id}/metrics?${params}`);
+    const data = await api(`/v1/jobs/${encodeURIComponent(id)}/metrics?${params}`);
     return data.series.length ? data.series[0].points : [];
   }
 
-  async function fetchAll(name, ranges) {
-    const lists = await Promise.all(jobs.map((j) => series(j, name, ranges ? ranges[j.id] : null)));
-    return Object.fromEntries(jobs.map((j, i) => [j.id, lists[i]]));
+  async function fetchAll(name, ranges, list = jobs.map((j) => j.id)) {
+    const lists = await Promise.all(list.map((id) => series(id, name, ranges ? ranges[id] : null)));
+    return Object.fromEntries(list.map((id, i) => [id, lists[i]]));
   }
 
-  async function load() {
-    const metric = $("metric").value.trim() || "loss";
+  const metricName = () => $("metric").value.trim() || "loss";
+
+  // ``prefetched``: the metric's points, asked for together with the jobs themselves.
+  async function load(prefetched) {
+    const metric = metricName();
     $("chart-title").textContent = metric;
     const needTime = $("x-axis").value === "time" && jobs.some((j) => !elapsed[j.id]);
-    const [points, times] = await Promise.all([fetchAll(metric), needTime ? fetchAll("elapsed_s") : null]);
+    const [points, times] = await Promise.all([prefetched || fetchAll(metric), needTime ? fetchAll("elapsed_s") : null]);
     if (times) Object.assign(elapsed, times);
     overview = points;
     const spec = { title: metric, series: jobs.map((j) => ({ name: j.id, label: label(j) })), height: 420 };
@@ -85,7 +88,7 @@
       const axis = axisOf(job);
       ranges[job.id] = [Math.max(0, Math.floor(axis.step(lo))), Math.ceil(axis.step(hi))];
     }
-    const points = await fetchAll($("metric").value.trim() || "loss", ranges);
+    const points = await fetchAll(metricName(), ranges);
     $("reset-zoom").hidden = false;
     chart.showZoom(placed(points), lo, hi);
   }
@@ -121,6 +124,7 @@
       $("no-jobs").hidden = false;
       return;
     }
+    const early = fetchAll(metricName(), null, ids).catch(() => null); // in parallel with the jobs' own requests
     const found = await Promise.all(ids.map((id) => api(`/v1/jobs/${encodeURIComponent(id)}`).catch((e) => e)));
     jobs = found.filter((j) => !(j instanceof Error));
     const missing = ids.filter((_, i) => found[i] instanceof Error);
@@ -130,7 +134,7 @@
     $("metric-names").replaceChildren(...METRICS.map((m) => el("option", { value: m })));
     $("smoothing-value").textContent = Number($("smoothing").value).toFixed(2);
     renderTable();
-    await load();
+    await load(await early);
   }
 
   $("metric").addEventListener("change", () => load().catch(MF.showError));
