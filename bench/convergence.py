@@ -1,5 +1,5 @@
-"""Convergence on tinyshakespeare (char level): Muon against tuned AdamW, and MuonClip's QK-Clip
-holding attention logits that plain Muon lets grow.
+"""Convergence on the builtin pysource text (char level; any corpus with --data FILE): Muon
+against tuned AdamW, and MuonClip's QK-Clip holding attention logits that plain Muon lets grow.
 
 Part 1 (convergence): a 2-layer GPT (d_model 128, 4 heads, seq_len 64, batch 32) trained with
 AdamW at lr 1e-3, 3e-3 and 1e-2, Muon (Keller coefficients), Muon with Polar Express
@@ -45,7 +45,7 @@ from worker.engine.telemetry import Report
 from worker.engine.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+DATA: dict[str, Any] = {"builtin": "pysource", "tokenizer": "char"}  # --data FILE: {"path": FILE, ...}
 IMG_DIR = REPO / "docs" / "img"
 
 # -- part 1: convergence -------------------------------------------------------------------------
@@ -145,11 +145,11 @@ class RunRecord:
 
 
 def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: int) -> dict[str, Any]:
-    """A validated JobSpec dict: char-level tinyshakespeare, CPU, telemetry every step, no checkpoints."""
+    """A validated JobSpec dict: char-level DATA, CPU, telemetry every step, no checkpoints."""
     return JobSpec.model_validate({
         "name": f"bench-convergence-{optimizer['name']}",
         "model": model,
-        "data": {"path": str(CORPUS), "tokenizer": "char"},
+        "data": DATA,
         "optimizer": optimizer,
         "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": eval_every,
                   "checkpoint_every": steps + 1, "seed": seed, "device": "cpu"},
@@ -364,7 +364,7 @@ def plot_convergence(runs: dict[str, list[RunRecord]], analysis: dict[str, Any],
     title = f"{len(analysis['seeds'])} seeds (mean); muon steps ratio " + (
         f"{mean_ratio:.2f}" if mean_ratio is not None else "n/a (not reached)"
     )
-    ax.set(xlabel="step", ylabel="validation loss (nats/char)", title=f"tinyshakespeare char GPT: {title}")
+    ax.set(xlabel="step", ylabel="validation loss (nats/char)", title=f"char GPT: {title}")
     lo = min(min(v for _, v in mean_curve(recs)) for recs in runs.values())
     ax.set_ylim(lo - 0.05, min(3.2, max(v for recs in runs.values() for _, v in mean_curve(recs))))
     ax.grid(alpha=0.3)
@@ -513,6 +513,7 @@ def main() -> None:
     parser.add_argument("--img-dir", type=Path, default=None, help="where the PNGs go (default docs/img; "
                         "a --quick run writes none unless given)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    parser.add_argument("--data", metavar="FILE", type=Path, help="a UTF-8 corpus instead of the builtin pysource text")
     parser.add_argument("--json", metavar="PATH", help="also write every figure and curve as JSON to PATH")
     parser.add_argument("--replot", metavar="PATH", type=Path, help="only redraw the plots from a --json output")
     args = parser.parse_args()
@@ -521,6 +522,8 @@ def main() -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.data:
+        DATA.update(path=str(args.data.resolve()), builtin=None)
     if args.quick:
         args.steps = args.logit_steps = QUICK["steps"]
         args.eval_every, args.eval_batches = QUICK["eval_every"], QUICK["eval_batches"]
@@ -535,11 +538,11 @@ def main() -> None:
 
 def run(args: argparse.Namespace, img_dir: Path | None, cache: Path) -> dict[str, Any]:
     """Both parts as chosen by ``args``; prints the tables, writes the plots, returns every figure."""
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; corpus {CORPUS.name}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; data {DATA}")
     out: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     out["settings"]["threads"] = torch.get_num_threads()
     start = time.perf_counter()
-    data = load_data(job_config_from_dict(make_spec(MODEL, {"name": "adamw"}, 1, 0, 1)).data, 0, cache, CORPUS)
+    data = load_data(job_config_from_dict(make_spec(MODEL, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
     print(f"vocab {data.vocab_size}, train {len(data.train):,} chars, val {len(data.val):,} chars")
 
     if args.part in ("all", "convergence"):

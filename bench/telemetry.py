@@ -297,7 +297,7 @@ def service_cpu() -> float:
 
 def overhead_part(rounds: int, steps: int) -> dict[str, Any]:
     import torch
-    from train_overhead import CORPUS, make_spec
+    from train_overhead import make_spec
 
     from worker.engine.config import job_config_from_dict
     from worker.engine.data import load_data
@@ -305,7 +305,7 @@ def overhead_part(rounds: int, steps: int) -> dict[str, Any]:
     with Stack("telemetry_overhead", REDIS, SETTINGS) as stack, tempfile.TemporaryDirectory() as tmp:
         settings = settings_of(stack)
         recorder = ServiceRecorder(settings, stack.api_key("bench"))
-        data = load_data(job_config_from_dict(make_spec("muon", 1, 1)).data, 0, Path(tmp), CORPUS)
+        data = load_data(job_config_from_dict(make_spec("muon", 1, 1)).data, 0, Path(tmp))
         runs = measure("muon", rounds, steps, data, recorder, accounted_cpu=service_cpu)
     out = summarize(runs)
     out["threads"] = torch.get_num_threads()

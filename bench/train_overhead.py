@@ -1,7 +1,7 @@
 """Telemetry overhead of the training engine: tokens/s with telemetry every step against
 telemetry effectively off, in one process, interleaved rounds.
 
-The model is the convergence benchmark's GPT (char-level tinyshakespeare, 2 layers, d_model
+The model is the convergence benchmark's GPT (char-level builtin pysource text, 2 layers, d_model
 128, 4 heads, seq_len 64, batch 32), trained by the engine's Trainer with Muon and the local
 JSONL sink writing to a temporary file. "on" is ``telemetry.every = 1``; "off" is
 ``telemetry.every = steps + 1``, so only step 0 reports (the step-0 report and the two
@@ -41,7 +41,7 @@ from worker.engine.data import TokenData, load_data
 from worker.engine.telemetry import JsonlSink
 from worker.engine.trainer import Trainer
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+DATA: dict[str, Any] = {"builtin": "pysource", "tokenizer": "char"}  # --data FILE: {"path": FILE, ...}
 MODEL = {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 64}  # as in bench/convergence.py
 BATCH_SIZE = 32
 ROUNDS, STEPS, WARMUP_STEPS = 5, 100, 10
@@ -58,7 +58,7 @@ def make_spec(optimizer: str, steps: int, every: int) -> dict[str, Any]:
     return JobSpec.model_validate({
         "name": f"bench-train-overhead-{optimizer}",
         "model": MODEL,
-        "data": {"path": str(CORPUS), "tokenizer": "char"},
+        "data": DATA,
         "optimizer": {"name": optimizer},
         "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": steps + 1,
                   "checkpoint_every": steps + 1, "seed": 0, "device": "cpu"},
@@ -226,12 +226,15 @@ def main() -> None:
     parser.add_argument("--max-retries", type=int, default=MAX_RETRIES,
                         help=f"repeats of a round disturbed by other processes (default {MAX_RETRIES})")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 rounds x 20 steps: a smoke run")
+    parser.add_argument("--data", metavar="FILE", type=Path, help="a UTF-8 corpus instead of the builtin pysource text")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.rounds, args.steps = 2, 20
+    if args.data:
+        DATA.update(path=str(args.data.resolve()), builtin=None)
 
     load_before = wait_quiet(args.wait_quiet) if args.wait_quiet else os.getloadavg()[0]
     if load_before >= QUIET_LOAD:
@@ -241,7 +244,7 @@ def main() -> None:
           f"batch {BATCH_SIZE}")  # fmt: skip
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        data = load_data(job_config_from_dict(make_spec(args.optimizer, 1, 1)).data, 0, Path(tmp), CORPUS)
+        data = load_data(job_config_from_dict(make_spec(args.optimizer, 1, 1)).data, 0, Path(tmp))
         runs = measure(args.optimizer, args.rounds, args.steps, data, JsonlRecorder(Path(tmp)),
                        args.max_retries)  # fmt: skip
     loads = (load_before, os.getloadavg()[0])

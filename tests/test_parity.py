@@ -52,6 +52,14 @@ def test_engine_facts_copied_into_the_app():
     assert caps.MLP_RATIO == ModelConfig(arch="gpt").mlp_ratio
 
 
+def test_the_apps_pysource_vocabulary_bounds_the_engines(tmp_path):
+    """The parameter cap counts the char vocabulary of the builtin text at its bound (ASCII)."""
+    for tokenizer in ("byte", "char"):
+        cfg = job_config_from_dict({"model": {"arch": "gpt"}, "data": {"builtin": "pysource", "tokenizer": tokenizer}})
+        vocab = engine_data.load_data(cfg.data, 0, tmp_path).vocab_size
+        assert vocab == 256 if tokenizer == "byte" else 90 <= vocab <= caps.PYSOURCE_CHAR_VOCAB
+
+
 def spec_defaults(section: str) -> dict:
     """A minimal spec's section, every default filled in by validation."""
     return JobSpec.model_validate({"model": {"arch": "gpt"}, "data": {"builtin": "synthetic"}}).model_dump()[section]

@@ -57,7 +57,11 @@ class DataSpec(_Strict):
     """Exactly one source: an uploaded dataset, a builtin task, or (local runs only) a file path."""
 
     dataset_id: str | None = Field(None, min_length=1, max_length=64, description="An uploaded dataset's id.")
-    builtin: Literal["synthetic"] | None = Field(None, description="A generated task with learnable structure.")
+    builtin: Literal["synthetic", "pysource"] | None = Field(
+        None,
+        description="synthetic: a generated Markov chain with a known loss floor (its own 64 tokens); "
+        "pysource: the worker's Python standard library sources, 4 MiB of real text (docs/engine.md).",
+    )
     path: str | None = Field(None, min_length=1, description="A UTF-8 text file (`muonforge train` only).")
     tokenizer: Literal["byte", "char"] = Field("byte", description="byte: vocab 256; char: the corpus's characters.")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of the corpus held out for validation.")
@@ -159,7 +163,7 @@ class JobSpec(_Strict):
         json_schema_extra={
             "examples": [
                 {
-                    "name": "shakespeare-muonclip",
+                    "name": "muonclip-my-corpus",
                     "model": {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 128},
                     "data": {"dataset_id": "ds_01J9Z3", "tokenizer": "byte"},
                     "optimizer": {"name": "muonclip", "lr": 0.02, "qk_clip_tau": 100.0},

@@ -43,7 +43,7 @@ from app.repositories.tenants import DatasetRepository
 from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import TenantRef
-from app.services.caps import SYNTHETIC_VOCAB, check_caps
+from app.services.caps import PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB, check_caps
 from app.services.job_events import record_first_statuses
 from app.settings import Settings
 
@@ -115,11 +115,15 @@ def replay(existing: Job, digest: str) -> Job:
 
 
 def vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
-    """The vocabulary size the engine will use for the spec's data (for the parameter cap)."""
+    """The vocabulary size the engine will use for the spec's data (for the parameter cap); for
+    the builtin pysource text with the char tokenizer, its upper bound (the text depends on the
+    worker's Python)."""
     if spec.data.path is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
     if spec.data.builtin == "synthetic":
         return SYNTHETIC_VOCAB
+    if spec.data.builtin == "pysource":
+        return 256 if spec.data.tokenizer == "byte" else PYSOURCE_CHAR_VOCAB
     dataset = DatasetRepository(session).get(spec.data.dataset_id, tenant.id)
     if dataset is None:
         raise ValidationFailed(f"no dataset {spec.data.dataset_id!r} for this tenant", param="data.dataset_id")

@@ -22,7 +22,7 @@ def muonforge(*args: str) -> subprocess.CompletedProcess:
 def test_every_example_validates(example, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world\n" * 100)
-    spec = load_spec(example, corpus if "shakespeare" in example.stem or "moe" in example.stem else None)
+    spec = load_spec(example, corpus if example.stem == "pysource-adamw" else None)
     assert spec["model"]["arch"] in ("gpt", "moe", "mlp")
 
 
@@ -44,7 +44,7 @@ def test_train_runs_a_spec_and_writes_its_outputs(tmp_path):
 def test_data_flag_names_the_corpus(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    spec = yaml.safe_load((ROOT / "examples" / "shakespeare-adamw.yaml").read_text())
+    spec = yaml.safe_load((ROOT / "examples" / "pysource-adamw.yaml").read_text())
     spec["model"].update(d_model=16, n_head=2, seq_len=16)
     spec["train"].update(steps=3, batch_size=4, eval_every=3, checkpoint_every=3)
     path = tmp_path / "spec.yaml"
@@ -75,9 +75,12 @@ def test_bad_spec_exits_2_naming_the_field(tmp_path, spec, needle):
 def test_missing_spec_file_and_missing_corpus(tmp_path):
     with pytest.raises(SpecError, match="cannot read"):
         load_spec(tmp_path / "nope.yaml")
-    proc = muonforge("train", str(ROOT / "examples" / "shakespeare-muon.yaml"), "--out", str(tmp_path / "o"))
+    spec = yaml.safe_load((ROOT / "examples" / "pysource-muon.yaml").read_text())
+    del spec["data"]["builtin"]
+    (tmp_path / "no-data.yaml").write_text(yaml.safe_dump(spec))
+    proc = muonforge("train", str(tmp_path / "no-data.yaml"), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "dataset_id, builtin, path" in proc.stderr
     proc = muonforge(
-        "train", str(ROOT / "examples" / "shakespeare-muon.yaml"), "--out", str(tmp_path / "o"), "--data", "/no/such"
+        "train", str(ROOT / "examples" / "pysource-muon.yaml"), "--out", str(tmp_path / "o"), "--data", "/no/such"
     )
     assert proc.returncode == 1 and "does not exist" in proc.stderr

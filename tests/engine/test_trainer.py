@@ -17,8 +17,6 @@ from worker.engine.sample import PROMPT_TOKENS
 from worker.engine.telemetry import SUMMARY_KEYS, JsonlSink, Report
 from worker.engine.trainer import Trainer, TrainingError, lr_factor
 
-CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-
 
 def spec(arch="gpt", optimizer="muon", **train) -> dict:
     train = {"steps": 12, "batch_size": 4, "eval_every": 4, "checkpoint_every": 5, **train}
@@ -240,19 +238,18 @@ def test_jsonl_sink_appends_on_resume(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not CORPUS.exists(), reason="needs ../shared/data/tinyshakespeare.txt")
-def test_real_run_on_tinyshakespeare_reaches_val_loss_below_2_3(tmp_path):
+def test_real_run_on_the_builtin_text_learns_it(tmp_path):
     s = JobSpec.model_validate(
         {
             "model": {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
-            "data": {"path": str(CORPUS), "tokenizer": "byte"},
+            "data": {"builtin": "pysource", "tokenizer": "byte"},
             "optimizer": {"name": "muon"},
             "train": {"steps": 300, "batch_size": 32, "eval_every": 100, "checkpoint_every": 300, "seed": 0},
             "telemetry": {"every": 10},
         }
     ).model_dump()
     result = run_job(s, tmp_path)
-    print(f"tinyshakespeare byte-level gpt, Muon, 300 steps: val_loss {result.val_loss:.3f}")
+    print(f"pysource byte-level gpt, Muon, 300 steps: val_loss {result.val_loss:.3f}")
     assert result.status == "succeeded" and result.val_loss < 2.3
 
 

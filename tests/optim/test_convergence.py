@@ -1,9 +1,10 @@
-"""Convergence: Muon beats AdamW at an equal step count on a byte-level tiny GPT (tinyshakespeare).
+"""Convergence: Muon beats AdamW at an equal step count on a byte-level tiny GPT (the builtin
+pysource text).
 
 Same seed, same initial weights, same training batches, same validation batches for every run.
 AdamW gets a sweep of three learning rates; Muon one setting (lr 0.02, the reference default;
-adamw_lr 1e-2 for its embeddings/norms, picked from a single 2x2 sweep of lr {0.02, 0.05} x
-adamw_lr {3e-3, 1e-2}, all four of which beat the best AdamW). Run with ``pytest -s`` to see the numbers.
+adamw_lr 1e-2 for its embeddings and norms). On Python 3.11.7's text: Muon 2.153, AdamW 2.416 /
+2.397 / 2.790 at lr 1e-3 / 3e-3 / 1e-2. Run with ``pytest -s`` to see the numbers.
 """
 
 from __future__ import annotations

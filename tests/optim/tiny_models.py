@@ -1,4 +1,4 @@
-"""Test-support models for the optimizer core: attention in every QK-Clip layout, a tiny GPT, char data.
+"""Test-support models for the optimizer core: attention in every QK-Clip layout, a tiny GPT, byte data.
 
 Attention is written out explicitly (no fused SDPA) so that every forward records the exact
 per-head signed max of q.k * softmax_scale over the batch and the causal (i, j) pairs: the
@@ -8,16 +8,15 @@ S_max of QK-Clip. The modules implement :class:`optim.QKClipSource`.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import optim
+from worker.engine.data import pysource
 
 LAYOUTS = ("separate", "fused", "gqa", "mla")
-DATA_PATH = Path(__file__).resolve().parents[3] / "shared/data/tinyshakespeare.txt"
 
 
 def rope(x: Tensor, base: float = 10000.0) -> Tensor:
@@ -208,12 +207,12 @@ class TinyGPT(nn.Module):
 
 
 class CharData:
-    """Byte-level tinyshakespeare (vocab 256): 90/10 train/val split, seeded random batches."""
+    """The builtin pysource text as bytes (vocab 256): 90/10 train/val split, seeded random batches."""
 
     vocab = 256
 
-    def __init__(self, seq_len: int, path: Path = DATA_PATH) -> None:
-        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+    def __init__(self, seq_len: int) -> None:
+        data = torch.frombuffer(bytearray(pysource()), dtype=torch.uint8).long()
         n_train = int(0.9 * len(data))
         self.splits = {"train": data[:n_train], "val": data[n_train:]}
         self.seq_len = seq_len

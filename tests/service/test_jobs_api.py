@@ -178,9 +178,7 @@ def test_non_json_body(client, auth):
 
 def test_dataset_upload_list_get_and_use(client, settings, auth):
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50
-    r = client.post(
-        "/v1/datasets", files={"file": ("shakespeare.txt", text.encode())}, data={"name": "bard"}, headers=auth
-    )
+    r = client.post("/v1/datasets", files={"file": ("corpus.txt", text.encode())}, data={"name": "bard"}, headers=auth)
     assert r.status_code == 201, r.text
     ds = r.json()
     assert ds["name"] == "bard" and ds["bytes"] == len(text.encode())

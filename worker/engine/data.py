@@ -1,4 +1,5 @@
-"""Corpora as memory-mapped token arrays, deterministic batches, and the builtin synthetic task.
+"""Corpora as memory-mapped token arrays, deterministic batches, and the builtin tasks: a
+synthetic Markov chain and ``pysource``, real text that needs no download.
 
 A batch is a pure function of (seed, split, index): resuming at step s needs no saved reader
 state, and the evaluation batches are the same at every evaluation.
@@ -6,8 +7,10 @@ state, and the evaluation batches are the same at every evaluation.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,10 @@ SYNTHETIC_ALPHABET = (
 )
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
+PYSOURCE_BYTES = 4 << 20  # the builtin pysource corpus: the first 4 MiB
+# Directories left out: installed packages (not the stdlib), tests (fixtures, deliberately broken
+# files) and the codecs' generated character tables.
+PYSOURCE_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings"})
 
 
 class Tokenizer:
@@ -94,9 +101,14 @@ def load_corpus(cfg: DataConfig, corpus: Path, cache_dir: Path) -> TokenData:
     """Tokenize a UTF-8 text file once into ``cache_dir`` and memory-map the result."""
     raw = Path(corpus).read_bytes()
     try:
-        text = raw.decode("utf-8")
+        raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{corpus} is not UTF-8 text: {exc}") from None
+    return load_text(cfg, raw, cache_dir)
+
+
+def load_text(cfg: DataConfig, raw: bytes, cache_dir: Path) -> TokenData:
+    """UTF-8 text tokenized once into ``cache_dir`` (named by its sha256) and memory-mapped."""
     digest = hashlib.sha256(raw).hexdigest()[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
     stem = cache_dir / f"{digest}-{cfg.tokenizer}"
@@ -105,6 +117,7 @@ def load_corpus(cfg: DataConfig, corpus: Path, cache_dir: Path) -> TokenData:
         meta = json.loads(meta_path.read_text())
         tokenizer = Tokenizer(meta["kind"], meta["chars"])
     else:
+        text = raw.decode("utf-8")
         tokenizer = Tokenizer.fit(cfg.tokenizer, text)
         ids = tokenizer.encode(text)
         tmp = bin_path.with_suffix(".tmp")
@@ -115,6 +128,31 @@ def load_corpus(cfg: DataConfig, corpus: Path, cache_dir: Path) -> TokenData:
     tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
     split = int(len(tokens) * (1.0 - cfg.val_fraction))
     return TokenData(tokens[:split], tokens[split:], tokenizer, tokenizer.vocab_size)
+
+
+@functools.cache
+def pysource(max_bytes: int = PYSOURCE_BYTES) -> bytes:
+    """The builtin ``pysource`` corpus: the running interpreter's own standard library sources.
+    Every ``.py`` file under ``sysconfig``'s stdlib directory outside PYSOURCE_SKIP that is ASCII
+    text, in sorted relative-path order (POSIX spelling), each ending in a newline, concatenated and
+    cut at ``max_bytes``. Nothing is downloaded or copied into the repository; the text (and its
+    sha256) depends on the Python version (docs/engine.md gives it for the one CI uses)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for rel in sorted((p.relative_to(root) for p in root.rglob("*.py")), key=Path.as_posix):
+        data = b"" if PYSOURCE_SKIP & set(rel.parts) else (root / rel).read_bytes()
+        if not data or not data.isascii():
+            continue
+        parts.append(data if data.endswith(b"\n") else data + b"\n")
+        size += len(parts[-1])
+        if size >= max_bytes:
+            break
+    if size < max_bytes:
+        raise ValueError(
+            f"the builtin pysource corpus needs {max_bytes:,} bytes of the standard library's .py sources; "
+            f"{root} holds {size:,} (an interpreter installed without its sources?)"
+        )
+    return b"".join(parts)[:max_bytes]
 
 
 def synthetic_task(seed: int, val_fraction: float = 0.1, tokens: int = SYNTHETIC_TOKENS) -> TokenData:
@@ -139,6 +177,8 @@ def load_data(cfg: DataConfig, seed: int, cache_dir: Path, corpus: Path | None =
     """The job's data: the builtin task, or a corpus file (``corpus`` overrides ``cfg.path``)."""
     if cfg.builtin == "synthetic":
         return synthetic_task(seed, cfg.val_fraction)
+    if cfg.builtin == "pysource":
+        return load_text(cfg, pysource(), cache_dir)
     if cfg.builtin is not None:
         raise ValueError(f"unknown builtin task {cfg.builtin!r}")
     path = corpus or (Path(cfg.path) if cfg.path else None)
