@@ -294,7 +294,7 @@ def _nesterov_input(entries: list[_Entry], beta: float, nesterov: bool) -> Tenso
 
 def _apply_updates(entries: list[_Entry], O: Tensor, lr: float, weight_decay: float, stats: StepStats) -> None:
     """W <- W (1 - lr wd) - lr scale O per parameter, skipping any whose update is not finite."""
-    sq = torch.linalg.vector_norm(O, dim=(1, 2), dtype=torch.float32).square()  # [B]: finite iff the matrix is
+    sq = torch.linalg.vector_norm(O, dim=(1, 2), dtype=torch.promote_types(O.dtype, torch.float32)).square()
     finite = sq.isfinite().tolist()  # one host sync per bucket
     weights = []  # per matrix: (lr * scale)^2 where applied, else 0 (for update_rms)
     for e in entries:

@@ -81,6 +81,21 @@ def test_t9_fp32_path_within_1e4_of_float64_reference(nesterov, ns_method):
         assert (ours - theirs).norm() / theirs.norm() < 1e-4
 
 
+def test_float64_parameters_step_like_float32_ones():
+    """A float64 model (a reference run, a test) is stepped, not refused; it agrees with fp32."""
+    ps32 = params_with_grads(GPT_SHAPES)
+    ps64 = [torch.nn.Parameter(p.detach().double().clone()) for p in ps32]
+    for p32, p64 in zip(ps32, ps64):
+        p64.grad = p32.grad.double()
+    start = [p.detach().clone() for p in ps64]
+    Muon(ps32, lr=0.02).step()
+    Muon(ps64, lr=0.02).step()
+    for p32, p64, s0 in zip(ps32, ps64, start):
+        assert p64.dtype == torch.float64
+        d64, d32 = p64.detach() - s0, p32.detach().double() - s0
+        assert (d64 - d32).norm() / d64.norm() < 1e-4
+
+
 def test_t9_parity_with_torch_optim_muon():
     ps = params_with_grads(GPT_SHAPES)
     theirs = clone_params(ps)
