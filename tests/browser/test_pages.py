@@ -107,6 +107,10 @@ def test_zoom_refetches_the_range_at_full_resolution(browser, api_url, key, work
     xs = page.evaluate("MF.shown.charts[0].plot.data[0]")
     assert xs[1] - xs[0] > 0 and max(xs) <= 1200 * 8 * 32  # tokens = step x batch x seq_len
     screenshot(page, "job-zoom-controls")
+    # Smoothing is debiased and weighted by distance: a point 100 steps after the last (an eval)
+    # is as good as unsmoothed, while neighbours average.
+    dense, sparse = page.evaluate("[MF.ema([1, 2], 0.5, [0, 1], 1), MF.ema([1, 3], 0.5, [0, 100], 1)]")
+    assert dense == pytest.approx([1.0, 5 / 3]) and sparse[0] == 1.0 and sparse[1] == pytest.approx(3.0, abs=1e-12)
 
 
 def test_cancel_from_the_page(browser, api_url, key, worker):

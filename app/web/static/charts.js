@@ -23,22 +23,36 @@
     return `rgba(${n >> 16}, ${(n >> 8) & 255}, ${n & 255}, ${alpha})`;
   }
 
-  // Debiased exponential moving average (as TensorBoard's smoothing): weight in [0, 1).
-  function ema(values, weight) {
+  // Debiased exponential moving average (TensorBoard's smoothing), weighted by x distance: a point
+  // ``gap`` x units after the previous one keeps weight ** (gap / unit) of the average, so a sparse
+  // series (val_loss, every eval) is smoothed as little as its spacing warrants, not point by point.
+  function ema(values, weight, xs = null, unit = 1) {
     const out = new Array(values.length);
     let last = 0;
-    let n = 0;
+    let norm = 0; // the weights' sum: dividing by it removes the start's bias toward 0
+    let prev = null;
     for (let i = 0; i < values.length; i++) {
       const v = values[i];
       if (v === null || !Number.isFinite(v)) {
         out[i] = null;
         continue;
       }
-      last = last * weight + (1 - weight) * v;
-      n++;
-      out[i] = last / (1 - Math.pow(weight, n));
+      const w = xs && prev !== null ? Math.pow(weight, Math.max(0, xs[i] - xs[prev]) / unit) : weight;
+      last = last * w + (1 - w) * v;
+      norm = norm * w + (1 - w);
+      out[i] = last / norm;
+      prev = i;
     }
     return out;
+  }
+
+  // The typical x gap of a table (the median over its steps): the unit of the EMA's distance.
+  function typicalGap(xs) {
+    if (xs.length < 2) return 1;
+    const gaps = [];
+    for (let i = 1; i < xs.length; i++) gaps.push(xs[i] - xs[i - 1]);
+    gaps.sort((a, b) => a - b);
+    return gaps[gaps.length >> 1] || 1;
   }
 
   // Series ([[step, value], ...] each, ascending) aligned on the union of their steps: {steps,
@@ -140,9 +154,10 @@
       const { steps, columns } = this.zoomed ? this.zoomed.table : this.table;
       const { smoothing, logY } = this.view;
       const out = [steps.map(this.view.x)];
+      const unit = typicalGap(steps);
       for (const col of columns) {
         const raw = logY ? col.map((v) => (v !== null && v > 0 ? v : null)) : col;
-        out.push(raw, smoothing > 0 ? ema(raw, smoothing) : new Array(raw.length).fill(null));
+        out.push(raw, smoothing > 0 ? ema(raw, smoothing, steps, unit) : new Array(raw.length).fill(null));
       }
       return out;
     }
@@ -203,6 +218,7 @@
     }
 
     // Each series' label and value: at the cursor, else the last point shown; the x value first.
+    // The value is the raw one; the smoothed one follows it, lighter, while smoothing is on.
     updateLegend(u) {
       if (!this.legend) return;
       const data = u.data;
@@ -216,10 +232,12 @@
       const cursorX = u.cursor.idx !== null && u.cursor.idx !== undefined ? data[0][u.cursor.idx] : null;
       const items = [MF.el("span", { class: "x" }, cursorX === null ? "" : `${this.view.xLabel} ${formatTick(cursorX)}`)];
       this.spec.series.forEach((s, i) => {
-        const value = at(data[1 + 2 * i + (smoothed ? 1 : 0)] || []);
+        const value = at(data[1 + 2 * i] || []);
+        const smooth = smoothed ? at(data[2 + 2 * i] || []) : null;
         items.push(
           MF.el("span", { class: "item" }, MF.el("i", { style: `background:${s.color || color(i)}` }), `${s.label || s.name} `,
-            MF.el("b", {}, value === null ? "–" : formatTick(value)))
+            MF.el("b", {}, value === null ? "–" : formatTick(value)),
+            smooth === null ? "" : MF.el("span", { class: "smoothed", title: "smoothed" }, ` ~${formatTick(smooth)}`))
         );
       });
       this.legend.replaceChildren(...items);
@@ -253,9 +271,15 @@
       ctx.moveTo(u.bbox.left, y);
       ctx.lineTo(u.bbox.left + u.bbox.width, y);
       ctx.stroke();
-      ctx.fillStyle = "#d13b3b";
+      // The label at the right end, above the line, on a light box so a curve under it stays legible.
       ctx.font = `${11 * devicePixelRatio}px system-ui`;
-      ctx.fillText(ref.label, u.bbox.left + 6 * devicePixelRatio, y - 4 * devicePixelRatio);
+      ctx.textAlign = "right";
+      const right = u.bbox.left + u.bbox.width - 4 * devicePixelRatio;
+      const textWidth = ctx.measureText(ref.label).width;
+      ctx.fillStyle = "rgba(255, 255, 255, 0.8)";
+      ctx.fillRect(right - textWidth - 3 * devicePixelRatio, y - 16 * devicePixelRatio, textWidth + 6 * devicePixelRatio, 13 * devicePixelRatio);
+      ctx.fillStyle = "#d13b3b";
+      ctx.fillText(ref.label, right, y - 5 * devicePixelRatio);
       ctx.restore();
     }
   }
