@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,10 +59,14 @@ HTTP_CODES = {
 
 
 def error_response(
-    status: int, code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """The one error body: ``{"error": {"code", "message", "param"}}``."""
+    status: int, code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None,
+    errors: list[dict[str, str | None]] | None = None,
+) -> JSONResponse:  # fmt: skip
+    """The one error body: ``{"error": {"code", "message", "param"}}``; a 422 of the request's
+    validation also lists every invalid field in ``errors`` (``[{"param", "message"}]``)."""
     body = {"error": {"code": code, "message": message, "param": param}}
+    if errors is not None:
+        body["error"]["errors"] = errors
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -68,13 +74,18 @@ async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
     return error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
 
 
-async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ())]
+def _field(error: dict) -> dict[str, str | None]:
+    """One pydantic error as ``{"param": "optimizer.lr", "message": "..."}``."""
+    loc = [str(p) for p in error.get("loc", ())]
     if loc and loc[0] in ("body", "query", "path", "header"):
         loc = loc[1:]
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    return error_response(422, "validation_error", message, ".".join(loc) or None)
+    message = str(error.get("msg", "invalid request")).removeprefix("Value error, ")
+    return {"param": ".".join(loc) or None, "message": message}
+
+
+async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    fields = [_field(error) for error in exc.errors()] or [{"param": None, "message": "invalid request"}]
+    return error_response(422, "validation_error", fields[0]["message"], fields[0]["param"], errors=fields)
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -82,9 +93,13 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error", exc_info=exc)
-    return error_response(500, "internal", "internal error")
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # The id the answer and the log share: a proxy's X-Request-ID when it sent one, else a new one.
+    request_id = request.headers.get("x-request-id", "")
+    if not re.fullmatch(r"[\w.:-]{1,100}", request_id):
+        request_id = f"req_{uuid.uuid4().hex[:16]}"
+    log.exception("unhandled error (request %s)", request_id, exc_info=exc)
+    return error_response(500, "internal", "internal error", headers={"X-Request-ID": request_id})
 
 
 def install_error_handlers(app: FastAPI) -> None:

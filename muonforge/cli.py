@@ -13,19 +13,23 @@ import traceback
 from pathlib import Path
 
 from muonforge import errors
-from muonforge.client_commands import add_client_commands
+from muonforge.client_commands import add_client_commands, after_ctrl_c
+from muonforge.services import UpFailed
 from muonforge.specs import InputError, SpecError, load_spec
 
 EXIT_STATUS = """\
 exit status:
   0    ok
-  1    the job ended failed or cancelled (submit --follow, logs --follow), or an unexpected error
+  1    the job ended failed or cancelled (submit --follow, logs --follow), a process of
+       `muonforge up` exited, or an unexpected error
   2    bad input: a spec or argument that does not validate (422), an unknown id (404), a conflict
-       such as cancelling a finished job (409), an upload over the limit (413), the job cap (429)
+       such as cancelling a finished job (409), an upload over the limit (413), the job cap (429,
+       after waiting as the server asks), a port that `muonforge up` cannot listen on
   3    cannot reach or authenticate to the server: refused, timed out, server errors (5xx) after
        retries, no API key, a rejected one (401, 403)
   130  interrupted (Ctrl-C); a job being followed goes on
 
+An error is one line on stderr; --debug adds its traceback and the client's retries.
 environment: MUONFORGE_API_URL (default http://127.0.0.1:8000), MUONFORGE_API_KEY,
 MUONFORGE_DEBUG=1 (as --debug); the service's settings are listed in the README."""
 
@@ -74,7 +78,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     uvicorn.run(
         "app.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
-        workers=args.processes, access_log=args.access_log,
+        workers=args.processes, access_log=args.access_log, timeout_graceful_shutdown=args.graceful_timeout,
     )  # fmt: skip
     return 0
 
@@ -94,6 +98,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def connection_options(parser: argparse.ArgumentParser, default: object) -> None:
     parser.add_argument("--url", default=default, help="the server (default: MUONFORGE_API_URL)")
     parser.add_argument("--api-key", default=default, help="the API key (default: MUONFORGE_API_KEY)")
+    parser.add_argument("--timeout", type=float, default=default, metavar="SECONDS",
+                        help="wait this long for each answer (default 30)")  # fmt: skip
     parser.add_argument("--debug", action="store_true", default=default, help="tracebacks and retries on stderr")
 
 
@@ -126,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, default=8000)
     api.add_argument("--processes", type=int, default=1, help="API processes sharing the port (one per core)")
     api.add_argument("--no-access-log", dest="access_log", action="store_false", help="no line per request")
+    api.add_argument("--graceful-timeout", type=float, default=5.0, metavar="SECONDS",
+                     help="on SIGTERM, wait this long for requests to end, then cut them (default 5)")  # fmt: skip
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="a Celery worker")
@@ -143,45 +151,88 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def explain(exc: Exception) -> tuple[int, str]:
+def key_source(args: argparse.Namespace | None) -> str:
+    """Where the API key the client sent came from, as the error line names it."""
+    return "given with --api-key" if getattr(args, "api_key", None) else "from MUONFORGE_API_KEY"
+
+
+def explain(exc: Exception, args: argparse.Namespace | None = None) -> tuple[int, str]:
     """The exit status of an error that ends a command, and its line for people."""
     match exc:
         case InputError():
             return 2, str(exc)
+        case UpFailed():
+            return exc.status, str(exc)
         case errors.ConfigError():
             return 3, f"{exc.problem}: set {exc.env} or pass --{exc.argument.replace('_', '-')}"
+        case errors.ConnectionFailed(timed_out=True):
+            return 3, (
+                f"the server at {exc.url} gave {exc.reason}{attempts(exc)}; try again later, or wait longer with"
+                " --timeout SECONDS"
+            )
         case errors.ConnectionFailed():
             return 3, f"{exc}; start one with 'muonforge up', or point MUONFORGE_API_URL (or --url) at it"
+        case errors.Forbidden():
+            return 3, f"the API key {key_source(args)} is not allowed to do this: {exc.message} {answer(exc)}"
         case errors.Unauthorized():
-            return 3, f"the server refused the API key: {exc.message}; check MUONFORGE_API_KEY or --api-key"
+            return 3, f"the server refused the API key {key_source(args)}: {exc.message} {answer(exc)}"
         case errors.ServerError():
-            return 3, f"the server failed: {exc.message} ({exc.status} {exc.code})"
-        case errors.ValidationError() if exc.param:
-            return 2, f"{exc.param}: {exc.message} ({exc.status} {exc.code})"
-        case errors.RateLimited() if exc.retry_after is not None:
-            return 2, f"{exc.message}; retry in {exc.retry_after:.0f} s ({exc.status} {exc.code})"
+            after = f" after {exc.attempts} attempts" if exc.attempts > 1 else ""
+            request_id = f", request id {exc.request_id}" if exc.request_id else ""
+            return 3, f"the server failed{after}: {exc.message} ({exc.status} {exc.code}{request_id})"
+        case errors.ValidationError():
+            fields = "; ".join(f"{param}: {message}" if param else message for param, message in exc.fields)
+            return 2, f"{fields} {answer(exc)}"
+        case errors.PayloadTooLarge() if path := getattr(args, "file", None) or getattr(args, "data", None):
+            return 2, f"{path}: {exc.message} {answer(exc)}"
+        case errors.RateLimited():
+            waited = f"; still refused after {exc.attempts} attempts over {exc.waited:.0f} s" * (exc.attempts > 1)
+            again = f"; try again in {exc.retry_after:.0f} s" if exc.retry_after is not None else ""
+            return 2, f"{exc.message}{waited}{again} {answer(exc)}"
+        case errors.NotFound() if exc.code != "not_found" and exc.request:  # not the API's answer
+            return 2, f"{exc.request}: {exc.message} {answer(exc)}; is MUONFORGE_API_URL (or --url) a muonforge server?"
         case errors.ApiError():
-            return 2, f"{exc.message} ({exc.status} {exc.code})"
+            return 2, f"{exc.message} {answer(exc)}"
         case OSError() if exc.filename:
             return 2, f"{exc.filename}: {exc.strerror}"
     return 1, f"unexpected {type(exc).__name__}: {exc} (--debug shows the traceback)"
 
 
+def answer(exc: errors.ApiError) -> str:
+    return f"({exc.status} {exc.code})"
+
+
+def attempts(exc: errors.MuonforgeError) -> str:
+    return f" ({exc.attempts} attempts)" if exc.attempts > 1 else ""
+
+
+def show_retries(debug: bool) -> None:
+    """The client's log on stderr: with --debug every retry, else only the waits the server asks
+    for (a 429's Retry-After), as notes."""
+    log = logging.getLogger("muonforge.client")
+    if debug:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        log.setLevel(logging.INFO)
+    elif not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("note: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("MUONFORGE_DEBUG") == "1"
-    if debug:  # the client's retries
-        logging.basicConfig(format="%(name)s: %(message)s")
-        logging.getLogger("muonforge.client").setLevel(logging.INFO)
+    show_retries(debug)
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"{after_ctrl_c()}interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         if debug:
             traceback.print_exc()
-        status, message = explain(exc)
+        status, message = explain(exc, args)
         print(f"error: {message}", file=sys.stderr)
         return status
 

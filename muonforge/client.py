@@ -54,11 +54,12 @@ class _ClientBase:
         key = api_key or os.environ.get("MUONFORGE_API_KEY")
         if not key:
             raise ConfigError("no API key", "MUONFORGE_API_KEY", "api_key")
-        self.retry = retry
+        self.retry, self.timeout = retry, timeout
         self._http_options = {"base_url": self.url, "headers": {"Authorization": f"Bearer {key}"}, "timeout": timeout}
 
     def _attempts(self, call: Call, retrying: bool = True) -> Attempts:
-        return Attempts(self.retry if retrying else NO_RETRY, call.repeat, self.url, call.what)
+        timeout = call.timeout.read if call.timeout is not None else self.timeout
+        return Attempts(self.retry if retrying else NO_RETRY, call.repeat, self.url, call.what, timeout)
 
 
 class Client(_ClientBase):

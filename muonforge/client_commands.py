@@ -24,13 +24,14 @@ from muonforge.output import (
 from muonforge.progress import follow, transfer_bar
 from muonforge.specs import InputError, read_spec, with_source
 
-# Someone is waiting at the terminal: give up after two quick retries, and report a long
-# Retry-After (the job cap) rather than sit through it.
-CLI_RETRY = Retry(max_retries=2, max_wait=10.0)
+# Someone is waiting at the terminal: give up after two quick retries; wait as a 429 asks (each
+# wait is shown as a note), up to a minute.
+CLI_RETRY = Retry(max_retries=2, max_wait=60.0)
+DEFAULT_TIMEOUT = 30.0
 
 
 def connect(args: argparse.Namespace) -> Client:
-    return Client(args.url, args.api_key, retry=CLI_RETRY)
+    return Client(args.url, args.api_key, timeout=args.timeout or DEFAULT_TIMEOUT, retry=CLI_RETRY)
 
 
 def positive(text: str) -> int:
@@ -45,8 +46,16 @@ def outcome(job: dict[str, Any]) -> int:
     return 0 if job["status"] == "succeeded" else 1
 
 
-def detached(job_id: str) -> int:
-    print(f"\ndetached; {job_id} goes on. Re-attach: muonforge logs {job_id} --follow", file=sys.stderr)
+def after_ctrl_c() -> str:
+    """What starts a line printed after Ctrl-C: a line feed on a terminal, past the ^C it echoed."""
+    return "\n" if sys.stderr.isatty() else ""
+
+
+def detached(job_id: str, fresh_line: bool = False) -> int:
+    """Ctrl-C while following a job: say how to come back to it. ``fresh_line``: the cursor is
+    at the start of a line already (a progress bar ends by redrawing its line, ^C included)."""
+    start = "" if fresh_line else after_ctrl_c()
+    print(f"{start}detached; {job_id} goes on. Re-attach: muonforge logs {job_id} --follow", file=sys.stderr)
     return 130
 
 
@@ -66,7 +75,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         try:
             job = follow(client, job)
         except KeyboardInterrupt:
-            return detached(job["id"])
+            return detached(job["id"], fresh_line=True)
     print(json.dumps({k: job[k] for k in ("id", "status", "progress", "summary", "error")}))
     return outcome(job)
 

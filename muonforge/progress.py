@@ -13,29 +13,44 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
-from muonforge.output import event_line
+from muonforge.output import STATUS_STYLE, event_line
+
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+class EtaColumn(TimeRemainingColumn):
+    """The time left as "ETA h:mm:ss" while the run goes on; nothing once it has ended."""
+
+    def render(self, task: Task) -> Text:
+        if task.fields["state"] in FINAL:
+            return Text("")
+        return Text("ETA ") + super().render(task)
 
 
 class ProgressSink:
+    """A training run's bar: step, loss, val_loss, tokens/s, elapsed time and ETA; its first
+    column says "train" while it runs and the job's outcome once it has ended."""
+
     def __init__(self, total_steps: int, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, log_path=False)
         self._progress = Progress(
-            TextColumn("[bold]train"),
+            TextColumn("{task.fields[state]}", style="bold"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
             TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            EtaColumn(),
             console=self.console,
         )
-        self._task = self._progress.add_task("train", total=total_steps, loss="-", val="-", tps="-")
+        self._task = self._progress.add_task("train", total=total_steps, loss="-", val="-", tps="-", state="train")
 
     def __enter__(self) -> ProgressSink:
         self._progress.start()
@@ -58,6 +73,12 @@ class ProgressSink:
         if "tokens_per_s" in values:
             fields["tps"] = f"{values['tokens_per_s']:,.0f}"
         self._progress.update(self._task, completed=completed, **fields)
+
+    def end(self, status: str) -> None:
+        """The job ended: its bar stops there, named by the outcome."""
+        self._progress.columns[0].style = STATUS_STYLE.get(status, "bold")
+        self._progress.update(self._task, state=status)
+        self._progress.stop_task(self._task)
 
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         self._progress.console.log(f"checkpoint step {step}: {path} ({nbytes / 2**20:.1f} MiB)", markup=False)
@@ -82,6 +103,8 @@ def follow(client, job: dict) -> dict:
                 bar.show(event.data["progress"]["step"], {})
             if (line := event_line(event.event, event.data)) is not None:
                 bar.console.log(line, markup=False, highlight=False)
+            if event.event == "status" and event.data["status"] in FINAL:
+                bar.end(event.data["status"])
     return client.get_job(job["id"])
 
 

@@ -15,7 +15,7 @@ from email.utils import parsedate_to_datetime
 
 import httpx
 
-from muonforge.errors import ConnectionFailed, api_error
+from muonforge.errors import ConnectionFailed, MuonforgeError, api_error
 
 log = logging.getLogger("muonforge.client")
 
@@ -90,10 +90,12 @@ def retry_delay(
     return min(policy.max_backoff, policy.backoff * 2**retries) * (0.5 + jitter / 2)
 
 
-def describe(error: BaseException) -> str:
-    """A transport error in a few words: "connection refused", "timed out", ..."""
+def describe(error: BaseException, timeout: float | None = None) -> str:
+    """A transport error in a few words: "connection refused", "no answer within 30 s", ..."""
+    if isinstance(error, httpx.ConnectTimeout):
+        return "connection timed out"
     if isinstance(error, httpx.TimeoutException):
-        return "timed out"
+        return f"no answer within {timeout:g} s" if timeout else "timed out"
     cause: BaseException | None = error
     while cause is not None:  # the socket's own error says most: "connection refused"
         if isinstance(cause, OSError) and cause.errno:
@@ -105,34 +107,52 @@ def describe(error: BaseException) -> str:
 
 class Attempts:
     """The failures of one call so far. Each failure gives the wait before the next attempt, or
-    raises what the caller gets: the ApiError of the last answer, or ConnectionFailed."""
+    raises what the caller gets: the ApiError of the last answer, or ConnectionFailed; either
+    says how many attempts were made and how long was waited between them. A wait the server
+    asked for (Retry-After) is logged as a warning, the others as info."""
 
-    def __init__(self, policy: Retry, repeat: Repeat, url: str, what: str) -> None:
-        self.policy, self.repeat, self.url, self.what = policy, repeat, url, what
+    def __init__(self, policy: Retry, repeat: Repeat, url: str, what: str, timeout: float | None = None) -> None:
+        self.policy, self.repeat, self.url, self.what, self.timeout = policy, repeat, url, what, timeout
         self.retries = 0
+        self.waited = 0.0
 
     def after_response(self, response: httpx.Response) -> float:
         """``response`` is an error answer, already read."""
         retry_after = retry_after_seconds(response.headers.get("retry-after"), time.time())
         status = response.status_code
+        error = api_error(status, response.content, response.headers, retry_after)
+        method, _, path = self.what.partition(" ")
+        error.request = f"{method} {self.url}{path}"
         delay = retry_delay(
             self.policy, self.retries, self.repeat, status=status, retry_after=retry_after, jitter=random.random()
         )
         if delay is None:
-            raise api_error(status, response.content, response.headers, retry_after)
+            raise self._final(error)
+        if retry_after is not None:
+            log.warning(
+                "%s (%d %s); waiting %g s as the server asks, then retry %d of %d",
+                error.message, status, error.code, delay, self.retries + 1, self.policy.max_retries,
+            )  # fmt: skip
         return self._next(delay, f"HTTP {status}")
 
     def after_error(self, error: httpx.TransportError) -> float:
         delay = retry_delay(self.policy, self.retries, self.repeat, error=error, jitter=random.random())
+        reason = describe(error, self.timeout)
         if delay is None:
-            raise ConnectionFailed(self.url, describe(error)) from error
-        return self._next(delay, describe(error))
+            timed_out = isinstance(error, httpx.TimeoutException) and not isinstance(error, UNSENT)
+            raise self._final(ConnectionFailed(self.url, reason, timed_out)) from error
+        return self._next(delay, reason)
 
     def reset(self) -> None:
         """The call made progress (a stream delivered an event): count its failures afresh."""
-        self.retries = 0
+        self.retries, self.waited = 0, 0.0
 
     def _next(self, delay: float, reason: str) -> float:
         self.retries += 1
+        self.waited += delay
         log.info("%s: %s; retry %d in %.1f s", self.what, reason, self.retries, delay)
         return delay
+
+    def _final(self, error: MuonforgeError) -> MuonforgeError:
+        error.attempts, error.waited = self.retries + 1, self.waited
+        return error

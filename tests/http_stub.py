@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -31,9 +31,10 @@ DROP = "drop"  # close the connection without answering
 
 class StubServer:
     """Every request is recorded in ``requests`` and answered by ``handler(request)``: a Reply,
-    DROP, or a list of byte chunks sent as a stream (the connection then closes)."""
+    DROP, or byte chunks sent as a stream (a list, or an iterator whose chunks are sent as they
+    come); the connection then closes."""
 
-    def __init__(self, handler: Callable[[Request], Reply | str | list[bytes]]) -> None:
+    def __init__(self, handler: Callable[[Request], Reply | str | list[bytes] | Iterator[bytes]]) -> None:
         self.requests: list[Request] = []
         stub = self
 
@@ -49,13 +50,17 @@ class StubServer:
                 reply = handler(request)
                 if reply == DROP:
                     self.close_connection = True
-                elif isinstance(reply, list):
+                elif not isinstance(reply, Reply):
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
                     self.send_header("Connection", "close")
                     self.end_headers()
-                    for chunk in reply:
-                        self.wfile.write(chunk)
+                    try:
+                        for chunk in reply:
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                    except OSError:  # the client went away
+                        pass
                     self.close_connection = True
                 else:
                     body = reply.body if isinstance(reply.body, bytes) else json.dumps(reply.body).encode()
@@ -64,7 +69,10 @@ class StubServer:
                         self.send_header(name, value)
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    try:
+                        self.wfile.write(body)
+                    except OSError:  # the client went away (a test's Ctrl-C)
+                        self.close_connection = True
 
             def body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

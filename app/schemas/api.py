@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.job_status import JobStatus
 
 
+class FieldError(BaseModel):
+    param: str | None
+    message: str
+
+
 class ErrorDetail(BaseModel):
     code: Literal[
         "unauthorized",
@@ -23,6 +28,9 @@ class ErrorDetail(BaseModel):
     ]
     message: str
     param: str | None = Field(None, description="The offending field, dotted (e.g. optimizer.lr), or null.")
+    errors: list[FieldError] | None = Field(
+        None, description="A 422 of the request's validation: every invalid field (the first is param, message)."
+    )
 
 
 class ErrorBody(BaseModel):

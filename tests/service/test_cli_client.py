@@ -250,7 +250,12 @@ def test_a_missing_or_rejected_key_exits_3(api_url):
     rejected = muonforge("jobs", url=api_url, key="mf_wrong")
     assert rejected.returncode == 3
     assert one_error_line(rejected) == (
-        "error: the server refused the API key: unknown or revoked API key; check MUONFORGE_API_KEY or --api-key"
+        "error: the server refused the API key from MUONFORGE_API_KEY: unknown or revoked API key (401 unauthorized)"
+    )
+    typed = muonforge("jobs", "--api-key", "mf_typed", url=api_url, key=None)
+    assert typed.returncode == 3
+    assert one_error_line(typed) == (
+        "error: the server refused the API key given with --api-key: unknown or revoked API key (401 unauthorized)"
     )
 
 
@@ -272,12 +277,19 @@ def test_an_unknown_job_exits_2(settings, api_url, args):
     assert one_error_line(result) == "error: no job 'job_nope' (404 not_found)"
 
 
-def test_an_invalid_spec_exits_2_naming_the_field(settings, api_url, tmp_path):
+def test_an_invalid_spec_exits_2_naming_each_field(settings, api_url, tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text(json.dumps(tiny_spec() | {"optimizer": {"lr": -1}}))
     result = muonforge("submit", spec, url=api_url, key=new_key(settings))
     assert result.returncode == 2
     assert one_error_line(result) == "error: optimizer.lr: Input should be greater than 0 (422 validation_error)"
+    spec.write_text(json.dumps(tiny_spec(steps=0) | {"optimizer": {"lr": -1}, "extra": 1}))
+    result = muonforge("submit", spec, url=api_url, key=new_key(settings))
+    assert result.returncode == 2
+    assert one_error_line(result) == (
+        "error: optimizer.lr: Input should be greater than 0; train.steps: Input should be greater than 0; extra:"
+        " Extra inputs are not permitted (422 validation_error)"
+    )
 
 
 def test_client_commands_import_neither_app_worker_nor_torch():

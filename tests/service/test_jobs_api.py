@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
+from app.errors import install_error_handlers
 from tests.service.conftest import new_key, tiny_spec
 
 
@@ -169,6 +173,35 @@ def test_invalid_specs_answer_422_with_the_offending_param(client, auth, spec, p
     error = r.json()["error"]
     assert error["code"] == "validation_error" and error["param"] == param and error["message"]
     assert client.get("/v1/jobs", headers=auth).json()["data"] == []  # nothing stored
+
+
+def test_a_422_lists_every_invalid_field(client, auth):
+    spec = _with("optimizer.lr", -1.0) | {"train": {"steps": 0}, "extra": 1}
+    error = client.post("/v1/jobs", json=spec, headers=auth).json()["error"]
+    assert error["errors"] == [
+        {"param": "optimizer.lr", "message": "Input should be greater than 0"},
+        {"param": "train.steps", "message": "Input should be greater than 0"},
+        {"param": "extra", "message": "Extra inputs are not permitted"},
+    ]
+    assert (error["param"], error["message"]) == ("optimizer.lr", "Input should be greater than 0")
+
+
+def test_an_unexpected_error_answers_500_with_the_request_id_its_log_line_has(caplog):
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    def boom():
+        raise RuntimeError("boom")
+
+    with TestClient(app, raise_server_exceptions=False) as c:
+        made, given = c.get("/boom"), c.get("/boom", headers={"X-Request-ID": "edge-42"})
+    assert made.status_code == 500
+    assert made.json() == {"error": {"code": "internal", "message": "internal error", "param": None}}
+    request_id = made.headers["x-request-id"]
+    assert re.fullmatch(r"req_[0-9a-f]{16}", request_id) and given.headers["x-request-id"] == "edge-42"
+    assert f"unhandled error (request {request_id})" in caplog.text
+    assert "unhandled error (request edge-42)" in caplog.text
 
 
 def test_non_json_body(client, auth):
