@@ -1,7 +1,8 @@
 """Telemetry end to end on this machine's Postgres and Redis: ingest, live latency, training
 overhead and history queries, each through the service's own code.
 
-    .venv/bin/python bench/telemetry.py [--part all|ingest|sse|overhead|history] [--quick] [--json PATH]
+    .venv/bin/python bench/telemetry.py [--part all|ingest|sse|overhead|history] [--quick] [--data FILE]
+                                        [--json PATH]
 
 1. ingest: telemetry steps of a 4-layer, 4-head gpt (the names and values of a real step of the
    engine, about 40 values) handed to the worker's sink (worker.sink.JobSink) as fast as one
@@ -12,8 +13,9 @@ overhead and history queries, each through the service's own code.
    sink (a separate process, as in a worker) emits RATE telemetry steps a second; the latency of
    each metrics event from the moment the trainer hands the step to the sink (a timestamp in
    the step) to the moment a client has parsed it. Every client must receive every step once.
-3. overhead: tokens/s of the convergence benchmark's gpt (bench/train_overhead.py) with
-   telemetry every step through the service's sink (Redis and Postgres) against step 0 only.
+3. overhead: tokens/s of the convergence benchmark's gpt (bench/train_overhead.py; the builtin
+   pysource text, or --data FILE) with telemetry every step through the service's sink (Redis
+   and Postgres) against step 0 only.
 4. history: a job holding a 1,000,000-step series and 20 other series (every 10th step),
    ingested through the same path; GET /v1/jobs/{id}/metrics downsampling it to at most 1,000
    (and 300) points, a 20,000-step zoom, and all 21 series at once, timed over HTTP.
@@ -36,6 +38,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import train_overhead
 import uvloop
 from stack import ROOT, CpuMeter, Stack, processes
 from train_overhead import measure, summarize
@@ -423,8 +426,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="overhead: training steps per run")
     parser.add_argument("--history-steps", type=int, default=1_000_000)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--data", metavar="FILE", type=Path, help="overhead: a UTF-8 corpus instead of the builtin "
+                        "pysource text")  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.data:
+        train_overhead.DATA.update(path=str(args.data.resolve()), builtin=None)
     if args.quick:
         args.ingest_steps, args.clients, args.seconds, args.rounds, args.steps = 5_000, 20, 5.0, 1, 20
         args.history_steps = 100_000

@@ -14,7 +14,7 @@ import optim
 from app.job_status import FINISHED, JobStatus
 from app.schemas import JobSpec
 from app.schemas.api import Job
-from app.services import caps
+from app.services import caps, intake
 from muonforge import client
 from worker.engine import data as engine_data
 from worker.engine.config import ModelConfig, OptimizerConfig, TelemetryConfig, TrainConfig, job_config_from_dict
@@ -52,12 +52,15 @@ def test_engine_facts_copied_into_the_app():
     assert caps.MLP_RATIO == ModelConfig(arch="gpt").mlp_ratio
 
 
-def test_the_apps_pysource_vocabulary_bounds_the_engines(tmp_path):
-    """The parameter cap counts the char vocabulary of the builtin text at its bound (ASCII)."""
+def test_the_apps_pysource_vocabulary_is_the_engines(tmp_path):
+    """The parameter cap counts exactly the vocabulary the engine builds for the builtin text."""
     for tokenizer in ("byte", "char"):
-        cfg = job_config_from_dict({"model": {"arch": "gpt"}, "data": {"builtin": "pysource", "tokenizer": tokenizer}})
-        vocab = engine_data.load_data(cfg.data, 0, tmp_path).vocab_size
-        assert vocab == 256 if tokenizer == "byte" else 90 <= vocab <= caps.PYSOURCE_CHAR_VOCAB
+        data = {"builtin": "pysource", "tokenizer": tokenizer}
+        spec = JobSpec.model_validate({"model": {"arch": "gpt"}, "data": data})
+        engine = engine_data.load_data(job_config_from_dict(spec.model_dump()).data, 0, tmp_path).vocab_size
+        assert intake.vocabulary(None, None, spec) == engine == (256 if tokenizer == "byte" else 128)
+    assert caps.PYSOURCE_CHAR_VOCAB == len(engine_data.PYSOURCE_CHARS)
+    assert caps.CHAR_VOCAB_MAX == engine_data.CHAR_VOCAB_MAX
 
 
 def spec_defaults(section: str) -> dict:

@@ -60,10 +60,13 @@ class DataSpec(_Strict):
     builtin: Literal["synthetic", "pysource"] | None = Field(
         None,
         description="synthetic: a generated Markov chain with a known loss floor (its own 64 tokens); "
-        "pysource: the worker's Python standard library sources, 4 MiB of real text (docs/engine.md).",
+        "pysource: the worker's Python standard library sources, 4 MiB of real ASCII text "
+        "(its char vocabulary is the 128 ASCII characters; docs/engine.md).",
     )
     path: str | None = Field(None, min_length=1, description="A UTF-8 text file (`muonforge train` only).")
-    tokenizer: Literal["byte", "char"] = Field("byte", description="byte: vocab 256; char: the corpus's characters.")
+    tokenizer: Literal["byte", "char"] = Field(
+        "byte", description="byte: vocab 256; char: the corpus's distinct characters (at most 65,536)."
+    )
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of the corpus held out for validation.")
 
     @model_validator(mode="after")

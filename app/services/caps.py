@@ -12,7 +12,8 @@ from app.settings import Settings
 MLP_RATIO = 4  # feed-forward width: d_model x 4
 MLP_CONTEXT = 8  # the mlp baseline's window, in tokens
 SYNTHETIC_VOCAB = 64  # tokens of the builtin synthetic task
-PYSOURCE_CHAR_VOCAB = 128  # the builtin pysource text is ASCII: its char vocabulary is at most this
+PYSOURCE_CHAR_VOCAB = 128  # the builtin pysource text's char tokenizer: the ASCII alphabet on every Python
+CHAR_VOCAB_MAX = 1 << 16  # the most distinct characters the char tokenizer takes (uint16 ids)
 
 
 def parameter_count(model: dict[str, Any], vocab: int) -> int:

@@ -43,7 +43,7 @@ from app.repositories.tenants import DatasetRepository
 from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import TenantRef
-from app.services.caps import PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB, check_caps
+from app.services.caps import CHAR_VOCAB_MAX, PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB, check_caps
 from app.services.job_events import record_first_statuses
 from app.settings import Settings
 
@@ -115,9 +115,8 @@ def replay(existing: Job, digest: str) -> Job:
 
 
 def vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
-    """The vocabulary size the engine will use for the spec's data (for the parameter cap); for
-    the builtin pysource text with the char tokenizer, its upper bound (the text depends on the
-    worker's Python)."""
+    """The vocabulary size the engine will use for the spec's data (for the parameter cap). A
+    dataset with more distinct characters than the char tokenizer takes is refused here."""
     if spec.data.path is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
     if spec.data.builtin == "synthetic":
@@ -127,7 +126,15 @@ def vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
     dataset = DatasetRepository(session).get(spec.data.dataset_id, tenant.id)
     if dataset is None:
         raise ValidationFailed(f"no dataset {spec.data.dataset_id!r} for this tenant", param="data.dataset_id")
-    return 256 if spec.data.tokenizer == "byte" else dataset.char_vocab
+    if spec.data.tokenizer == "byte":
+        return 256
+    if dataset.char_vocab > CHAR_VOCAB_MAX:
+        raise ValidationFailed(
+            f"the dataset has {dataset.char_vocab:,} distinct characters; the char tokenizer takes at most "
+            f"{CHAR_VOCAB_MAX:,}: use tokenizer byte",
+            param="data.tokenizer",
+        )
+    return dataset.char_vocab
 
 
 # -- stage 2: insert -----------------------------------------------------------------------------

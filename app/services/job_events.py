@@ -47,7 +47,9 @@ def record_log(session: Session, bus: LiveBus, job_id: str, level: str, message:
 
 
 def record_sample(session: Session, bus: LiveBus, job_id: str, step: int, prompt: str, text: str) -> None:
-    """What the model wrote from the fixed prompt at an evaluation after ``step`` steps (``sample`` event)."""
+    """What the model wrote from the fixed prompt at an evaluation after ``step`` steps (``sample``
+    event). Postgres's JSON holds no NUL character: one the model wrote is stored as U+FFFD."""
+    prompt, text = prompt.replace("\x00", "\ufffd"), text.replace("\x00", "\ufffd")
     _record(session, bus, job_id, "sample", {"step": step, "prompt": prompt, "text": text}, step=step)
 
 

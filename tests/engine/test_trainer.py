@@ -250,7 +250,8 @@ def test_real_run_on_the_builtin_text_learns_it(tmp_path):
     ).model_dump()
     result = run_job(s, tmp_path)
     print(f"pysource byte-level gpt, Muon, 300 steps: val_loss {result.val_loss:.3f}")
-    assert result.status == "succeeded" and result.val_loss < 2.3
+    # 1.942 on Python 3.11.7's text; its byte frequencies alone (no context) give 3.118
+    assert result.status == "succeeded" and result.val_loss < 2.15
 
 
 def test_a_resume_after_the_last_step_keeps_the_summary(tmp_path):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import optim
-from worker.engine.data import pysource
+from worker.engine.data import pysource_text
 
 LAYOUTS = ("separate", "fused", "gqa", "mla")
 
@@ -212,7 +212,7 @@ class CharData:
     vocab = 256
 
     def __init__(self, seq_len: int) -> None:
-        data = torch.frombuffer(bytearray(pysource()), dtype=torch.uint8).long()
+        data = torch.frombuffer(bytearray(pysource_text().encode()), dtype=torch.uint8).long()
         n_train = int(0.9 * len(data))
         self.splits = {"train": data[:n_train], "val": data[n_train:]}
         self.seq_len = seq_len

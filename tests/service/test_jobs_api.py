@@ -227,6 +227,19 @@ def test_dataset_upload_list_get_and_use(client, settings, auth):
     cancel_all(client, auth)
 
 
+def test_char_tokenizer_refuses_a_dataset_of_more_than_65536_characters(client, auth):
+    text = "".join(chr(c) for c in range(0x10000 + 0x800 + 1) if not 0xD800 <= c < 0xE000)  # 65,537
+    r = client.post("/v1/datasets", files={"file": ("wide.txt", text.encode())}, headers=auth)
+    assert r.status_code == 201, r.text
+    spec = tiny_spec() | {"data": {"dataset_id": r.json()["id"], "tokenizer": "char"}}
+    r = client.post("/v1/jobs", json=spec, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "data.tokenizer"
+    assert "65,537 distinct characters" in r.json()["error"]["message"]
+    spec["data"]["tokenizer"] = "byte"
+    assert client.post("/v1/jobs", json=spec, headers=auth).status_code == 201
+    cancel_all(client, auth)
+
+
 def test_dataset_rejects_non_utf8_empty_and_too_large(client, settings, auth):
     r = client.post("/v1/datasets", files={"file": ("x.bin", b"abc\xff\xfe")}, headers=auth)
     assert r.status_code == 422 and r.json()["error"]["param"] == "file"

@@ -21,7 +21,7 @@ from app.repositories.jobs import JobRepository
 from app.schemas import JobSpec
 from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
-from app.services.job_events import record_status
+from app.services.job_events import record_sample, record_status
 from app.services.telemetry import history, store_metrics, unpack
 from muonforge.client import ApiError, Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
@@ -185,6 +185,16 @@ def test_checkpoints_carry_their_metrics_and_history_matches_the_stream(api_url,
     samples = [e.data for e in events if e.event == "sample"]  # what the model wrote at each evaluation
     assert [s["step"] for s in samples] == [0, 10, 20, 30, 40]
     assert all(len(s["prompt"]) == 32 and len(s["text"]) == 120 for s in samples)
+
+
+def test_a_sample_holding_a_nul_character_is_stored(settings):
+    """An untrained byte- or char-level model can write NUL, which Postgres's JSON cannot hold."""
+    job_id = new_job(settings)
+    with transaction(settings) as session:
+        record_sample(session, live_bus(settings), job_id, 0, "def f(\x00", "\x00x = 1\x00")
+    with transaction(settings) as session:
+        (event,) = [e for e in JobRepository(session).events(job_id) if e.kind == "sample"]
+        assert event.payload == {"step": 0, "prompt": "def f(\ufffd", "text": "\ufffdx = 1\ufffd"}
 
 
 def test_another_tenant_cannot_stream_read_history_or_download(api_url, settings, auth, start_worker):

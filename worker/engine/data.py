@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,22 +27,36 @@ SYNTHETIC_ALPHABET = (
 )
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
+CHAR_VOCAB_MAX = 1 << 16  # the char tokenizer's ids are uint16
 PYSOURCE_BYTES = 4 << 20  # the builtin pysource corpus: the first 4 MiB
 # Directories left out: installed packages (not the stdlib), tests (fixtures, deliberately broken
 # files) and the codecs' generated character tables.
 PYSOURCE_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings"})
+# The pysource text is ASCII, so its char tokenizer is the fixed ASCII alphabet rather than the
+# characters one interpreter's text happens to use: the vocabulary (128) and every id are the
+# same on every Python, the API's parameter count is exact and a checkpoint fits any worker.
+PYSOURCE_CHARS = "".join(map(chr, range(128)))
 
 
 class Tokenizer:
-    """byte: UTF-8 bytes, vocab 256. char: the corpus's distinct characters, sorted."""
+    """byte: UTF-8 bytes, vocab 256. char: the corpus's distinct characters, sorted (or a fixed
+    alphabet, for the builtin pysource text), at most CHAR_VOCAB_MAX of them."""
 
     def __init__(self, kind: str, chars: str | None = None) -> None:
         if kind not in ("byte", "char"):
             raise ValueError(f"unknown tokenizer {kind!r}")
         if kind == "char" and not chars:
             raise ValueError("a char tokenizer needs its character set")
+        if kind == "char" and len(chars) > CHAR_VOCAB_MAX:
+            raise ValueError(
+                f"the text has {len(chars):,} distinct characters; the char tokenizer holds at most "
+                f"{CHAR_VOCAB_MAX:,}: use the byte tokenizer"
+            )
         self.kind, self.chars = kind, chars
-        self._index = {c: i for i, c in enumerate(chars)} if chars else None
+        if chars:  # code points sorted, and each one's id: encoding is a vectorized search
+            codes = np.frombuffer(chars.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+            self._order = np.argsort(codes, kind="stable").astype(np.uint16)
+            self._codes = codes[self._order]
 
     @classmethod
     def fit(cls, kind: str, text: str) -> Tokenizer:
@@ -54,10 +69,12 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         if self.kind == "byte":
             return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-        try:
-            return np.fromiter((self._index[c] for c in text), dtype=np.uint16, count=len(text))
-        except KeyError as exc:
-            raise ValueError(f"character {exc.args[0]!r} is not in the tokenizer's vocabulary") from None
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        at = np.minimum(np.searchsorted(self._codes, codes), len(self._codes) - 1)
+        unknown = np.flatnonzero(self._codes[at] != codes)
+        if len(unknown):
+            raise ValueError(f"character {chr(codes[unknown[0]])!r} is not in the tokenizer's vocabulary")
+        return self._order[at]
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids, dtype=np.int64)
@@ -107,18 +124,21 @@ def load_corpus(cfg: DataConfig, corpus: Path, cache_dir: Path) -> TokenData:
     return load_text(cfg, raw, cache_dir)
 
 
-def load_text(cfg: DataConfig, raw: bytes, cache_dir: Path) -> TokenData:
-    """UTF-8 text tokenized once into ``cache_dir`` (named by its sha256) and memory-mapped."""
+def load_text(cfg: DataConfig, raw: bytes, cache_dir: Path, chars: str | None = None) -> TokenData:
+    """UTF-8 text tokenized once into ``cache_dir`` (named by its sha256) and memory-mapped; a char
+    tokenizer over ``chars`` when given, else over the text's own characters."""
     digest = hashlib.sha256(raw).hexdigest()[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    stem = cache_dir / f"{digest}-{cfg.tokenizer}"
+    alphabet = chars if cfg.tokenizer == "char" else None
+    suffix = f"-{hashlib.sha256(alphabet.encode()).hexdigest()[:8]}" if alphabet else ""
+    stem = cache_dir / f"{digest}-{cfg.tokenizer}{suffix}"
     meta_path, bin_path = stem.with_suffix(".json"), stem.with_suffix(".bin")
     if meta_path.exists() and bin_path.exists():
         meta = json.loads(meta_path.read_text())
         tokenizer = Tokenizer(meta["kind"], meta["chars"])
     else:
         text = raw.decode("utf-8")
-        tokenizer = Tokenizer.fit(cfg.tokenizer, text)
+        tokenizer = Tokenizer(cfg.tokenizer, alphabet) if alphabet else Tokenizer.fit(cfg.tokenizer, text)
         ids = tokenizer.encode(text)
         tmp = bin_path.with_suffix(".tmp")
         ids.tofile(tmp)
@@ -131,16 +151,22 @@ def load_text(cfg: DataConfig, raw: bytes, cache_dir: Path) -> TokenData:
 
 
 @functools.cache
-def pysource(max_bytes: int = PYSOURCE_BYTES) -> bytes:
+def pysource_text(max_bytes: int = PYSOURCE_BYTES) -> str:
     """The builtin ``pysource`` corpus: the running interpreter's own standard library sources.
-    Every ``.py`` file under ``sysconfig``'s stdlib directory outside PYSOURCE_SKIP that is ASCII
-    text, in sorted relative-path order (POSIX spelling), each ending in a newline, concatenated and
-    cut at ``max_bytes``. Nothing is downloaded or copied into the repository; the text (and its
-    sha256) depends on the Python version (docs/engine.md gives it for the one CI uses)."""
+    Every ``.py`` file under ``sysconfig``'s stdlib directory outside the directories PYSOURCE_SKIP
+    whose bytes are ASCII (a subset of UTF-8), in sorted relative-path order (POSIX spelling), each
+    ending in a newline, concatenated and cut at ``max_bytes`` (so as many characters). Nothing is
+    downloaded or copied into the repository; the text (and its sha256) depends on the Python
+    version (docs/engine.md gives it for the one CI uses)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in PYSOURCE_SKIP]  # not walked at all: site-packages is large
+        base = Path(folder).relative_to(root)
+        paths += [(base / f).as_posix() for f in files if f.endswith(".py")]
     parts, size = [], 0
-    for rel in sorted((p.relative_to(root) for p in root.rglob("*.py")), key=Path.as_posix):
-        data = b"" if PYSOURCE_SKIP & set(rel.parts) else (root / rel).read_bytes()
+    for rel in sorted(paths):
+        data = (root / rel).read_bytes()
         if not data or not data.isascii():
             continue
         parts.append(data if data.endswith(b"\n") else data + b"\n")
@@ -152,7 +178,12 @@ def pysource(max_bytes: int = PYSOURCE_BYTES) -> bytes:
             f"the builtin pysource corpus needs {max_bytes:,} bytes of the standard library's .py sources; "
             f"{root} holds {size:,} (an interpreter installed without its sources?)"
         )
-    return b"".join(parts)[:max_bytes]
+    return b"".join(parts)[:max_bytes].decode("ascii")
+
+
+def pysource_sha256(max_bytes: int = PYSOURCE_BYTES) -> str:
+    """The sha256 of :func:`pysource_text` (its UTF-8 bytes): which text this interpreter gives."""
+    return hashlib.sha256(pysource_text(max_bytes).encode()).hexdigest()
 
 
 def synthetic_task(seed: int, val_fraction: float = 0.1, tokens: int = SYNTHETIC_TOKENS) -> TokenData:
@@ -178,7 +209,7 @@ def load_data(cfg: DataConfig, seed: int, cache_dir: Path, corpus: Path | None =
     if cfg.builtin == "synthetic":
         return synthetic_task(seed, cfg.val_fraction)
     if cfg.builtin == "pysource":
-        return load_text(cfg, pysource(), cache_dir)
+        return load_text(cfg, pysource_text().encode(), cache_dir, chars=PYSOURCE_CHARS)
     if cfg.builtin is not None:
         raise ValueError(f"unknown builtin task {cfg.builtin!r}")
     path = corpus or (Path(cfg.path) if cfg.path else None)

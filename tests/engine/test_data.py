@@ -1,0 +1,78 @@
+"""The builtin pysource corpus and the char tokenizer's limit."""
+
+from __future__ import annotations
+
+import platform
+import re
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker.engine.config import DataConfig
+from worker.engine.data import (
+    CHAR_VOCAB_MAX,
+    PYSOURCE_BYTES,
+    PYSOURCE_CHARS,
+    Tokenizer,
+    load_data,
+    pysource_sha256,
+    pysource_text,
+)
+
+ENGINE_DOC = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
+
+
+def test_pysource_is_the_stdlib_sources_cut_at_4_mib():
+    text = pysource_text()
+    assert len(text) == PYSOURCE_BYTES == len(text.encode()) and text.isascii()
+    assert text.startswith((Path(sysconfig.get_paths()["stdlib"]) / "__future__.py").read_text())
+    assert "def " in text and "import " in text
+    assert pysource_text.__wrapped__(PYSOURCE_BYTES) == text  # built again from disk: the same text
+
+
+def test_pysource_sha256_is_the_documented_one_on_the_documented_python():
+    """docs/engine.md gives the text's sha256 for one CPython version; the text differs between
+    versions, so only that interpreter can check it (CI runs it)."""
+    doc = ENGINE_DOC.read_text()
+    version, sha = re.search(r"CPython (\d+\.\d+\.\d+) \(what CI runs\) yields sha256\s+`([0-9a-f]{64})`", doc).groups()
+    assert re.fullmatch(r"[0-9a-f]{64}", pysource_sha256())
+    if platform.python_version() == version:
+        assert pysource_sha256() == sha
+
+
+def test_pysource_refuses_an_interpreter_without_its_sources(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "big.py").write_text("y = 2\n" * 1000)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert pysource_text.__wrapped__(6) == "x = 1\n"
+    with pytest.raises(ValueError, match=r"needs 1,000 bytes .* holds 6"):
+        pysource_text.__wrapped__(1000)
+
+
+def test_pysource_tokenizers(tmp_path):
+    """char is the fixed ASCII alphabet (128 on every Python), so its ids are the byte ids."""
+    data = {kind: load_data(DataConfig(builtin="pysource", tokenizer=kind), 0, tmp_path) for kind in ("byte", "char")}
+    assert data["byte"].vocab_size == 256 and data["char"].vocab_size == len(PYSOURCE_CHARS) == 128
+    assert np.array_equal(data["byte"].train, data["char"].train)
+    assert np.array_equal(data["byte"].val, data["char"].val)
+    assert data["char"].decode(data["char"].val[:200]) == pysource_text()[len(data["char"].train) :][:200]
+    again = load_data(DataConfig(builtin="pysource", tokenizer="char"), 0, tmp_path)  # from the cache
+    assert again.tokenizer.chars == PYSOURCE_CHARS and np.array_equal(again.val, data["char"].val)
+
+
+def test_char_tokenizer_refuses_more_than_65536_characters():
+    Tokenizer("char", "".join(map(chr, range(CHAR_VOCAB_MAX))))  # the most it takes
+    text = "".join(chr(c) for c in range(CHAR_VOCAB_MAX + 0x800 + 1) if not 0xD800 <= c < 0xE000)
+    with pytest.raises(ValueError, match=r"65,537 distinct characters.*at most 65,536: use the byte tokenizer"):
+        Tokenizer.fit("char", text)
+
+
+def test_char_tokenizer_ids_follow_its_alphabet_and_refuse_other_characters():
+    tok = Tokenizer("char", "c🙂ab")  # ids in the alphabet's order, sorted or not
+    assert tok.encode("abc🙂").tolist() == [2, 3, 0, 1] and tok.decode([2, 3, 0, 1]) == "abc🙂"
+    assert tok.encode("").tolist() == []
+    with pytest.raises(ValueError, match="'d' is not in the tokenizer's vocabulary"):
+        tok.encode("abd")
