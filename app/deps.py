@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.db.session import open_session
 from app.live import LiveBus, live_bus
-from app.services.auth import authenticate
+from app.services.auth import TenantRef, authenticate
 from app.services.intake import Intake
 
 T = TypeVar("T")
@@ -32,10 +32,11 @@ class UnitOfWork:
     request's tenant in one thread and one transaction (then the actions registered with
     on_commit run, e.g. publishing job events to ``bus``)."""
 
-    def __init__(self, request: Request, authorization: str | None) -> None:
+    def __init__(self, request: Request, authorization: str | None, tenant: TenantRef | None = None) -> None:
         self.request, self.settings, self.key_cache = request, request.app.state.settings, request.app.state.key_cache
         self.bus: LiveBus = live_bus(self.settings)
         self._authorization = authorization
+        self._tenant = tenant  # already authenticated (app.limits, for requests with a body)
 
     def with_key(self, key: str) -> UnitOfWork:
         """The same unit of work for the tenant of ``key`` (a sign-in's key, not the request's)."""
@@ -46,7 +47,7 @@ class UnitOfWork:
 
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
         with open_session(self.settings) as session:
-            tenant = authenticate(session, self._authorization, self.key_cache)
+            tenant = self._tenant or authenticate(session, self._authorization, self.key_cache)
             result = fn(session, tenant, *args)
             session.commit()
         return result
@@ -58,9 +59,10 @@ def unit_of_work(
     session_key: Annotated[str | None, Cookie(alias=SESSION_COOKIE, include_in_schema=False)] = None,
 ) -> UnitOfWork:
     """The request's key: the Authorization header, else the web app's session cookie."""
+    tenant = getattr(request.state, "tenant", None)
     if credentials:
-        return UnitOfWork(request, f"{credentials.scheme} {credentials.credentials}")
-    return UnitOfWork(request, f"Bearer {session_key}" if session_key else None)
+        return UnitOfWork(request, f"{credentials.scheme} {credentials.credentials}", tenant)
+    return UnitOfWork(request, f"Bearer {session_key}" if session_key else None, tenant)
 
 
 def intake(request: Request) -> Intake:

@@ -28,6 +28,14 @@ class Unauthorized(DomainError):
     code, status = "unauthorized", 401
 
 
+class Forbidden(DomainError):
+    code, status = "forbidden", 403
+
+
+class TenantSuspended(Forbidden):
+    code = "tenant_suspended"
+
+
 class NotFound(DomainError):
     code, status = "not_found", 404
 
@@ -53,8 +61,8 @@ class RateLimited(DomainError):
 
 # The code of an error raised by the framework itself (no route, wrong method, ...), by status.
 HTTP_CODES = {
-    401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
-    422: "validation_error", 429: "rate_limited",
+    401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
+    413: "payload_too_large", 422: "validation_error", 429: "rate_limited",
 }  # fmt: skip
 
 

@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(1_048_576, description="Largest batch_size x seq_len.")
     tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
     upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
+    max_body_bytes: int = Field(
+        1 << 20, description="Largest request body other than an upload (a job spec is a few kB); more answers 413."
+    )
     auth_cache_seconds: float = Field(
         10.0, description="How long a verified API key is trusted without a database lookup (0: never)."
     )
@@ -38,6 +41,11 @@ class Settings(BaseSettings):
     reaper_seconds: float = Field(10.0, description="How often expired leases are looked for.")
     requeue_after_seconds: float = Field(300.0, description="Re-send a queued job's task after this long.")
     cancel_poll_seconds: float = Field(1.0, description="How often a running job reads its cancel flag.")
+    outage_patience_seconds: float = Field(
+        120.0,
+        description="How long a running job keeps training through a database outage (retrying with backoff) "
+        "before its attempt hands the job back to resume later; it is never failed for it.",
+    )
 
     # Telemetry.
     telemetry_flush_seconds: float = Field(

@@ -36,9 +36,9 @@ STATUS_SEQUENCE = re.compile(r"queued( running queued)* running succeeded")
 
 def job_spec(steps: int, index: int) -> dict:
     """A tiny GPT on the builtin synthetic task: about 1 s per 100 steps on one CPU thread.
-    max_restarts is the cap (100) so that a job that is killed often does not end worker_lost."""
+    max_restarts is the cap (10) so that a job that is killed often does not end worker_lost."""
     every = steps // 4
-    train = {"steps": steps, "batch_size": 4, "eval_every": every, "checkpoint_every": every, "max_restarts": 100}
+    train = {"steps": steps, "batch_size": 4, "eval_every": every, "checkpoint_every": every, "max_restarts": 10}
     return {
         "name": f"chaos-{index}",
         "model": {"arch": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 16},

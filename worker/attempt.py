@@ -10,8 +10,9 @@ import logging
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
-from app.db.session import transaction
+from app.db.session import is_transient, retrying, transaction
 from app.job_status import JobStatus
 from app.live import live_bus
 from app.repositories.jobs import JobRepository
@@ -23,6 +24,11 @@ from worker.engine.trainer import TrainingError
 from worker.sink import JobSink, LeaseLost
 
 log = logging.getLogger("muonforge.worker")
+DATASET_MISSING = "the file of dataset {dataset_id} is missing from the service's storage; upload the corpus again"
+INTERNAL_ERROR = (
+    "the job stopped on an internal error; the service's operators can find it in the worker log "
+    "(job {job_id}, attempt {attempt})"
+)
 
 
 class Lease:
@@ -55,22 +61,20 @@ class Lease:
 
 
 def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
-    """Claim and run ``job_id``; returns what happened ("skipped" if another attempt holds it)."""
-    with transaction(settings) as session:
-        repo = JobRepository(session)
-        attempt = repo.claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
-        if attempt is None:
-            return "skipped"  # a redelivery, a finished job, or another worker's live lease
-        job = record_status(session, live_bus(settings), job_id)
-        spec, dataset_id = job.spec, job.dataset_id
-        progress, summary = job.progress_step, dict(job.summary or {})
-        corpus = None
-        if dataset_id:
-            corpus = settings.artifact_dir / DatasetRepository(session).get_any(dataset_id).path
+    """Claim and run ``job_id``; returns what happened ("skipped" if another attempt holds it,
+    "handed_back" if the database stayed out of reach: the job resumes once its lease lapses)."""
+    patience = settings.outage_patience_seconds
+    claimed = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
+    if claimed is None:
+        return "skipped"  # a redelivery, a finished job, or another worker's live lease
+    attempt, spec, corpus, progress, summary = claimed
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
+    if corpus is not None and not corpus.is_file():
+        error = {"code": "dataset_missing", "message": DATASET_MISSING.format(dataset_id=spec["data"]["dataset_id"])}
+        return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     out_dir = settings.artifact_dir / "jobs" / job_id
-    sink = JobSink(settings, job_id, attempt, progress, summary)
+    sink = JobSink(settings, job_id, attempt, progress, summary, spec["train"].get("keep_checkpoints", 3))
     with Lease(settings, job_id, attempt) as lease:
         should_cancel = _cancel_flag(settings, job_id, lease)
         try:
@@ -85,22 +89,47 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
             error = {"code": "training_error", "message": str(exc)}
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
         except Exception as exc:
+            if is_transient(exc):  # infrastructure, not the job: it resumes from its checkpoint
+                log.warning("job %s: attempt %d hands the job back: %s", job_id, attempt, exc)
+                return "handed_back"
+            # The tenant sees a code and a sentence; the traceback (SQL, hosts, paths) stays here.
             log.exception("job %s: attempt %d crashed", job_id, attempt)
-            error = {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}
+            error = {"code": "internal", "message": INTERNAL_ERROR.format(job_id=job_id, attempt=attempt)}
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
         if lease.lost.is_set():
             return "lease_lost"
     return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
 
 
+def _claim(settings: Settings, job_id: str, owner: str) -> tuple[int, dict, Path | None, int, dict] | None:
+    """The job's new attempt: (attempt, spec, corpus, progress, summary), or None if it is not
+    to be run (finished, or another attempt's live lease)."""
+    with transaction(settings) as session:
+        attempt = JobRepository(session).claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
+        if attempt is None:
+            return None
+        job = record_status(session, live_bus(settings), job_id)
+        corpus = None
+        if job.dataset_id:
+            corpus = settings.artifact_dir / DatasetRepository(session).get_any(job.dataset_id).path
+        return attempt, job.spec, corpus, job.progress_step, dict(job.summary or {})
+
+
 def _finish(
     settings: Settings, job_id: str, attempt: int, status: JobStatus, step: int, summary: dict, error: dict | None
 ) -> str:
-    """The attempt's outcome, with the steps completed and the run's summary (fenced)."""
-    with transaction(settings) as session:
-        if not JobRepository(session).finish(job_id, attempt, status, error, progress_step=step, summary=summary):
-            return "lease_lost"
-        record_status(session, live_bus(settings), job_id)
+    """The attempt's outcome, with the steps completed and the run's summary (fenced; through a
+    database outage of up to the outage patience)."""
+
+    def finish() -> bool:
+        with transaction(settings) as session:
+            if not JobRepository(session).finish(job_id, attempt, status, error, progress_step=step, summary=summary):
+                return False
+            record_status(session, live_bus(settings), job_id)
+            return True
+
+    if not retrying(finish, f"job {job_id}: recording {status}", settings.outage_patience_seconds):
+        return "lease_lost"
     log.info("job %s: attempt %d %s", job_id, attempt, status)
     return status
 
@@ -115,9 +144,13 @@ def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
             raise LeaseLost(f"job {job_id}: the lease was lost")
         now = time.monotonic()
         if now - state["at"] >= settings.cancel_poll_seconds:
-            with transaction(settings) as session:
-                state["cancel"] = JobRepository(session).cancel_requested(job_id)
             state["at"] = now
+            try:
+                with transaction(settings) as session:
+                    state["cancel"] = JobRepository(session).cancel_requested(job_id)
+            except Exception as exc:  # an outage: train on; the lease decides whether this attempt lives
+                if not is_transient(exc):
+                    raise
         return state["cancel"]
 
     return should_cancel

@@ -13,27 +13,33 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import random
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from app.db.session import transaction
+from app.db.session import is_transient, on_commit, retrying, transaction
 from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.services.job_events import record_checkpoint, record_log, record_sample
 from app.services.telemetry import store_metrics
 from app.settings import Settings
-from worker.engine.checkpoints import checkpoints_in, load_checkpoint
+from worker.engine.checkpoints import checkpoints_in, load_checkpoint, remove_stale_temp_files, to_prune
 from worker.engine.telemetry import Report
 
 log = logging.getLogger("muonforge.worker")
 _FLUSH = object()  # asks the thread to write everything pending now
-MAX_FAILURES = 5  # consecutive failed writes (one per flush interval) before the attempt fails
+MAX_FAILURES = 5  # consecutive failed writes for a reason other than an outage before the attempt fails
 
 
 class LeaseLost(RuntimeError):
     """Another attempt owns the job now."""
+
+
+class DatabaseUnavailable(ConnectionError):
+    """The database stayed out of reach for longer than the outage patience: the attempt hands
+    its job back (it resumes from its latest checkpoint), it does not fail it."""
 
 
 class JobSink:
@@ -41,8 +47,16 @@ class JobSink:
     progress and summary kept current (as the trainer reports them); checkpoints, log lines and
     samples recorded as job events."""
 
-    def __init__(self, settings: Settings, job_id: str, attempt: int, step: int, summary: dict[str, float]) -> None:
-        self.settings, self.job_id, self.attempt = settings, job_id, attempt
+    def __init__(
+        self,
+        settings: Settings,
+        job_id: str,
+        attempt: int,
+        step: int,
+        summary: dict[str, float],
+        keep_checkpoints: int = 3,
+    ) -> None:
+        self.settings, self.job_id, self.attempt, self.keep_checkpoints = settings, job_id, attempt, keep_checkpoints
         self.bus = live_bus(settings)
         # The latest progress and summary reported (a resumed attempt starts from what is known).
         self.step, self.summary = step, dict(summary)
@@ -51,7 +65,8 @@ class JobSink:
         self._mark: str | None = None
         self._progress: tuple[int, dict[str, float]] | None = None
         self._flushed = threading.Event()
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # ends the attempt
+        self._store_error: BaseException | None = None  # the last store failed (an outage): points still buffered
         self._thread = threading.Thread(target=self._run, name=f"telemetry-{job_id}", daemon=True)
         self._thread.start()
 
@@ -64,41 +79,97 @@ class JobSink:
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
         self.flush()  # the metrics before it are stored first
         relative = str(path.relative_to(self.settings.artifact_dir))
-        with transaction(self.settings) as session:
-            if not JobRepository(session).record_progress(self.job_id, self.attempt, self.step, self.summary):
-                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")  # fenced
-            record_checkpoint(session, self.bus, self.job_id, self.attempt, step, relative, nbytes, metrics)
+
+        def record() -> None:
+            with transaction(self.settings) as session:
+                if not JobRepository(session).record_progress(self.job_id, self.attempt, self.step, self.summary):
+                    raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")  # fenced
+                record_checkpoint(session, self.bus, self.job_id, self.attempt, step, relative, nbytes, metrics)
+                self._prune(session)
+
+        self._retrying(record, f"recording checkpoint {step}")
+
+    def _prune(self, session) -> None:
+        """The retention policy (``train.keep_checkpoints``): rows now, files once committed."""
+        repo = JobRepository(session)
+        rows = {c.step: c for c in repo.checkpoints(self.job_id)}
+        steps = to_prune([(s, c.metrics.get("val_loss")) for s, c in rows.items()], self.keep_checkpoints)
+        if not steps:
+            return
+        repo.delete_checkpoints(self.job_id, steps)
+        paths = [self.settings.artifact_dir / rows[s].path for s in steps]
+        on_commit(session, lambda: [p.unlink(missing_ok=True) for p in paths])
 
     def adopt_checkpoints(self, directory: Path) -> None:
-        """Record the checkpoint files in ``directory`` that no attempt recorded (an attempt
-        that died between writing a checkpoint and recording it): a resumed attempt starts from
-        the latest file, so its checkpoint must be listed too."""
-        with transaction(self.settings) as session:
-            repo = JobRepository(session)
-            recorded = {c.step for c in repo.checkpoints(self.job_id)}
-            for step, path in checkpoints_in(directory):
-                if step not in recorded:
+        """Settle the checkpoint files in ``directory`` that no attempt recorded (an attempt that
+        died, or lost its lease, between writing a checkpoint and recording it). A file within the
+        stored progress (every metric before it is stored) is recorded, and the attempt resumes
+        from it; a file past it is deleted, so that the attempt resumes from an earlier one and
+        redoes those steps, their metrics included."""
+
+        if removed := remove_stale_temp_files(directory):
+            log.info("job %s: removed %d temp file(s) of attempts that died mid-write", self.job_id, removed)
+
+        def adopt() -> None:
+            with transaction(self.settings) as session:
+                repo = JobRepository(session)
+                recorded = {c.step for c in repo.checkpoints(self.job_id)}
+                for step, path in checkpoints_in(directory):
+                    if step in recorded:
+                        continue
+                    if step > self.step:
+                        log.warning(
+                            "job %s: checkpoint %d is past the stored metrics (%d): redone",
+                            self.job_id,
+                            step,
+                            self.step,
+                        )
+                        path.unlink(missing_ok=True)
+                        continue
                     nbytes, metrics = path.stat().st_size, load_checkpoint(path, mmap=True).get("last_metrics", {})
                     relative = str(path.relative_to(self.settings.artifact_dir))
                     record_checkpoint(session, self.bus, self.job_id, self.attempt, step, relative, nbytes, metrics)
 
+        self._retrying(adopt, "adopting checkpoints")
+
     def log(self, level: str, message: str) -> None:
-        with transaction(self.settings) as session:
-            record_log(session, self.bus, self.job_id, level, message, step=self.step)
+        def record() -> None:
+            with transaction(self.settings) as session:
+                record_log(session, self.bus, self.job_id, level, message, step=self.step)
+
+        self._retrying(record, "recording a log line")
 
     def sample(self, step: int, prompt: str, text: str) -> None:
-        with transaction(self.settings) as session:
-            record_sample(session, self.bus, self.job_id, step, prompt, text)
+        def record() -> None:
+            with transaction(self.settings) as session:
+                record_sample(session, self.bus, self.job_id, step, prompt, text)
+
+        self._retrying(record, "recording a sample")
+
+    def _retrying(self, fn, what: str) -> None:
+        """``fn`` through a database outage of up to the outage patience (then DatabaseUnavailable)."""
+        try:
+            retrying(fn, f"job {self.job_id}: {what}", self.settings.outage_patience_seconds)
+        except Exception as exc:
+            if is_transient(exc):
+                raise DatabaseUnavailable(f"the database was out of reach while {what}: {exc}") from exc
+            raise
 
     # -- control ---------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Publish and store everything handed over so far (waits for the thread)."""
+        """Publish and store everything handed over so far (waits for the thread); through an
+        outage, tries again for up to the outage patience."""
+        self._retrying(self._flush_once, "storing metrics")
+
+    def _flush_once(self) -> None:
         self._flushed.clear()
         self._pending.put(_FLUSH)
         while not self._flushed.wait(1.0):
             if not self._thread.is_alive():
                 break
         self._raise_if_failed()
+        if self._store_error is not None:
+            raise self._store_error
 
     def close(self) -> None:
         """Flush, then stop the thread."""
@@ -114,9 +185,12 @@ class JobSink:
 
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
-        flush_every = self.settings.telemetry_flush_seconds
+        """Publish what arrives; store every flush interval. Through a database outage the
+        points stay buffered and the store is tried again with backoff and jitter; an outage
+        longer than the patience ends the attempt with DatabaseUnavailable (the job resumes)."""
+        flush_every, patience = self.settings.telemetry_flush_seconds, self.settings.outage_patience_seconds
         next_store = time.monotonic() + flush_every
-        stop, failures = False, 0
+        stop, failures, outage_since, backoff = False, 0, None, flush_every
         while not stop:
             try:
                 items = [self._pending.get(timeout=max(0.0, next_store - time.monotonic()))]
@@ -133,17 +207,27 @@ class JobSink:
                 if reports:
                     self._publish(reports)
                 if flush or stop or time.monotonic() >= next_store:
-                    self._store()
                     next_store = time.monotonic() + flush_every
+                    self._store()
+                    self._store_error, failures, outage_since, backoff = None, 0, None, flush_every
             except LeaseLost as exc:
                 self._error = exc  # the trainer stops at its next step
-            except Exception as exc:  # a database or Redis blip: kept, tried again at the next store
-                failures += 1
-                log.warning("job %s: telemetry write failed (%d in a row): %s", self.job_id, failures, exc)
-                if failures >= MAX_FAILURES or stop:
-                    self._error = RuntimeError(f"telemetry could not be written: {exc}")
-            else:
-                failures = 0
+            except Exception as exc:
+                now = time.monotonic()
+                self._store_error = exc
+                if is_transient(exc):  # an outage: keep the points, try again later
+                    outage_since = outage_since or now
+                    down = now - outage_since
+                    log.warning("job %s: the database is out of reach (%.0f s): %s", self.job_id, down, exc)
+                    backoff = min(2 * backoff, 5.0)
+                    next_store = now + random.uniform(0.5, 1.0) * backoff
+                    if down > patience or stop:
+                        self._error = DatabaseUnavailable(f"the database was out of reach for {down:.0f} s")
+                else:
+                    failures += 1
+                    log.warning("job %s: telemetry write failed (%d in a row): %s", self.job_id, failures, exc)
+                    if failures >= MAX_FAILURES or stop:
+                        self._error = RuntimeError(f"telemetry could not be written: {exc}")
             if flush:
                 self._flushed.set()
         self._flushed.set()

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import TypeVar
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.settings import Settings
 
+T = TypeVar("T")
 log = logging.getLogger("muonforge.db")
 
 
@@ -20,9 +25,10 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    # No pre-ping (it costs a round trip per request); connections are recycled every half hour.
+    # Pre-ping: a connection is tested as it leaves the pool (one short round trip), so that after
+    # a database restart no request or job meets a dead connection. Recycled every half hour.
     # 50 > the 40 threads of the API's thread pool, each holding at most one connection at a time.
-    return create_engine(url, pool_size=20, max_overflow=30, pool_recycle=1800)
+    return create_engine(url, pool_size=20, max_overflow=30, pool_recycle=1800, pool_pre_ping=True)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -73,3 +79,26 @@ def _run_on_commit(session: Session) -> None:
 @event.listens_for(Session, "after_rollback")
 def _forget_on_commit(session: Session) -> None:
     session.info.pop("on_commit", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is the database being unreachable (a restart, an outage, a dropped
+    connection) rather than a fault of the statement: worth trying again later."""
+    if isinstance(exc, OperationalError | TimeoutError | ConnectionError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def retrying(fn: Callable[[], T], what: str, patience: float, first: float = 0.2, most: float = 5.0) -> T:
+    """``fn()``, tried again while it fails for a transient reason (``is_transient``), with
+    exponential backoff and full jitter, for up to ``patience`` seconds; then the last error."""
+    deadline, delay = time.monotonic() + patience, first
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s failed (%s: %s); trying again", what, type(exc).__name__, str(exc).splitlines()[0])
+        time.sleep(random.uniform(0, delay))
+        delay = min(2 * delay, most)

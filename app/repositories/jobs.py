@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -49,6 +49,14 @@ class JobRepository:
     def count_active(self, tenant_id: str) -> int:
         query = select(func.count()).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
         return self.session.scalar(query) or 0
+
+    def count_active_by_tenant(self, tenant_ids: Sequence[str]) -> dict[str, int]:
+        query = (
+            select(Job.tenant_id, func.count())
+            .where(Job.tenant_id.in_(tenant_ids), Job.status.in_(ACTIVE))
+            .group_by(Job.tenant_id)
+        )
+        return dict(self.session.execute(query).all())
 
     def count_by_status(self) -> dict[str, int]:
         return dict(self.session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
@@ -187,6 +195,9 @@ class JobRepository:
             )
         else:  # a resumed attempt rewrote the same step: the file is the same path
             existing.attempt, existing.bytes, existing.metrics = attempt, nbytes, metrics
+
+    def delete_checkpoints(self, job_id: str, steps: Sequence[int]) -> None:
+        self.session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(steps)))
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())

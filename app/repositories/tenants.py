@@ -23,6 +23,12 @@ class TenantRepository:
             self.session.flush()
         return tenant
 
+    def lock(self, tenant_ids: list[str]) -> None:
+        """Lock the tenants' rows until the transaction ends (in id order: no deadlock between two
+        lockers). SQLite has no row locks; its one writer at a time serializes instead."""
+        query = select(Tenant.id).where(Tenant.id.in_(tenant_ids)).order_by(Tenant.id).with_for_update()
+        self.session.execute(query).all()
+
     def add_key(self, tenant: Tenant, key_hash: str, prefix: str) -> ApiKey:
         key = ApiKey(tenant_id=tenant.id, key_hash=key_hash, prefix=prefix)
         self.session.add(key)

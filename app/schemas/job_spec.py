@@ -128,7 +128,10 @@ class TrainSpec(_Strict):
     grad_clip: float | None = Field(1.0, gt=0.0, description="Clip the global grad norm (raw gradients); null: off.")
     lr_schedule: Literal["constant", "cosine", "wsd"] = Field("constant", description="Learning-rate schedule.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
-    max_restarts: int = Field(3, ge=0, le=100, description="Resumes from checkpoint after a worker loss.")
+    keep_checkpoints: int = Field(
+        3, ge=1, le=100, description="Checkpoints kept: the latest N, plus the one with the best val_loss."
+    )
+    max_restarts: int = Field(3, ge=0, le=10, description="Resumes from checkpoint after a worker loss.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA if present, else CPU.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on CUDA, fp32 on CPU.")
 

@@ -36,10 +36,10 @@ from app.broker import send_train_tasks
 from app.db.base import new_id, utcnow
 from app.db.models import Job
 from app.db.session import transaction
-from app.errors import Conflict, RateLimited, ValidationFailed
+from app.errors import Conflict, RateLimited, TenantSuspended, ValidationFailed
 from app.job_status import JobStatus
 from app.repositories.jobs import JobRepository
-from app.repositories.tenants import DatasetRepository
+from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import TenantRef
@@ -62,6 +62,7 @@ class Submission:
     digest: str  # request_hash of the validated spec
     row: dict[str, Any] | None = None
     existing: Job | None = None
+    cap: int = 0  # the tenant's job cap, checked again, exactly, where the row is inserted
 
 
 def request_hash(spec: dict[str, Any]) -> str:
@@ -92,11 +93,13 @@ def prepare_submission(
         existing = repo.by_idempotency_key(tenant.id, idempotency_key)
         if existing is not None:
             return Submission(digest, existing=replay(existing, digest))
+    cap = settings.tenant_job_cap if tenant.job_cap is None else tenant.job_cap
+    if cap <= 0:
+        raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
     check_caps(dumped, vocabulary(session, tenant, spec), settings)
-    cap = tenant.job_cap or settings.tenant_job_cap
     count_active = partial(repo.count_active, tenant.id)
     if not (admission.admit(tenant.id, cap, count_active) if admission else count_active() < cap):
-        raise RateLimited(f"this tenant already has {cap} queued or running jobs (the cap)", retry_after=30)
+        raise cap_reached(cap)
     now = utcnow()
     row = dict(
         id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=JobStatus.QUEUED, spec=dumped,
@@ -104,7 +107,11 @@ def prepare_submission(
         request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
         enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1,
     )  # fmt: skip
-    return Submission(digest, row=row)
+    return Submission(digest, row=row, cap=cap)
+
+
+def cap_reached(cap: int) -> RateLimited:
+    return RateLimited(f"this tenant already has {cap} queued or running jobs (the cap)", retry_after=30)
 
 
 def replay(existing: Job, digest: str) -> Job:
@@ -139,11 +146,22 @@ def vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
 
 # -- stage 2: insert -----------------------------------------------------------------------------
 def insert_submissions(session: Session, submissions: list[Submission]) -> list[tuple[Job, bool] | Exception]:
-    """Insert new jobs and their first status events, in one statement per table. A job whose
-    Idempotency-Key another request inserted first is that request's replay (or a 409).
-    Returns, per submission, (job, created) or the error it answers with."""
+    """Insert new jobs and their first status events, in one statement per table. The tenants'
+    rows are locked and their active jobs counted first, so the job cap holds exactly however many
+    API processes insert at once. A job whose Idempotency-Key another request inserted first is
+    that request's replay (or a 409). Returns, per submission, (job, created) or the error it
+    answers with."""
     repo = JobRepository(session)
-    inserted = repo.insert_new([s.row for s in submissions])
+    tenants = sorted({s.row["tenant_id"] for s in submissions})
+    TenantRepository(session).lock(tenants)
+    active = repo.count_active_by_tenant(tenants)
+    admitted: list[Submission] = []
+    for sub in submissions:
+        tenant = sub.row["tenant_id"]
+        if active.get(tenant, 0) < sub.cap:
+            active[tenant] = active.get(tenant, 0) + 1
+            admitted.append(sub)
+    inserted = repo.insert_new([s.row for s in admitted])
     results: list[tuple[Job, bool] | Exception] = []
     for sub in submissions:
         if sub.row["id"] in inserted:
@@ -151,8 +169,8 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
             continue
         key = sub.row["idempotency_key"]
         existing = repo.by_idempotency_key(sub.row["tenant_id"], key) if key else None
-        if existing is None:  # only a concurrent insert with the same key skips a row
-            results.append(RuntimeError(f"job {sub.row['id']} was not inserted"))
+        if existing is None:
+            results.append(cap_reached(sub.cap))  # only the cap (or a concurrent insert of the same key) skips a row
             continue
         try:
             results.append((replay(existing, sub.digest), False))

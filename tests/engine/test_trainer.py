@@ -261,3 +261,47 @@ def test_a_resume_after_the_last_step_keeps_the_summary(tmp_path):
     assert again.steps == 8 and again.status == "succeeded"
     assert again.loss == first.loss and again.attn_max_logit == first.attn_max_logit
     assert again.val_loss == first.val_loss
+
+
+class _Planted:
+    """What a planted checkpoint would run when unpickled: here, create a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoints_load_tensors_and_plain_values_only(tmp_path):
+    import pickle
+
+    from worker.engine.checkpoints import load_checkpoint
+
+    marker = tmp_path / "ran"
+    planted = tmp_path / "step_00000010.pt"
+    torch.save({"model": {}, "x": _Planted(str(marker))}, planted, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(planted)
+    assert not marker.exists()
+
+
+def test_checkpoint_temp_files_are_unique_and_stale_ones_are_removed(tmp_path):
+    from worker.engine.checkpoints import checkpoints_in, remove_stale_temp_files, save_checkpoint
+
+    (tmp_path / "step_00000010.pt.123-dead.tmp").write_bytes(b"torn")  # an attempt that died mid-write
+    save_checkpoint(tmp_path, 10, {"model": {}})
+    save_checkpoint(tmp_path, 10, {"model": {"w": torch.ones(2)}})  # the same step again: no collision
+    assert [step for step, _ in checkpoints_in(tmp_path)] == [10]
+    assert remove_stale_temp_files(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010.pt"]
+
+
+def test_the_retention_rule_keeps_the_latest_and_the_best():
+    from worker.engine.checkpoints import to_prune
+
+    kept = [(10, 3.0), (20, 2.0), (30, None), (40, 2.5), (50, float("nan")), (60, 2.6)]
+    assert to_prune(kept, 3) == [10, 30]  # latest three: 40, 50, 60; best val_loss: 20
+    assert to_prune(kept, 1) == [10, 30, 40, 50]
+    assert to_prune([(10, None), (20, None)], 1) == [10]
+    assert to_prune([(10, 1.0)], 3) == []

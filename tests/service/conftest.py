@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -158,15 +159,16 @@ def auth(settings) -> dict[str, str]:
     return {"Authorization": f"Bearer {new_key(settings)}"}
 
 
-@pytest.fixture(scope="session")
-def api_url(settings, tmp_path_factory) -> Iterator[str]:
-    """A real `muonforge api` process (streaming responses need a real server)."""
+@contextmanager
+def running_api(settings: Settings, log_dir: Path, *args: str, **env: str) -> Iterator[str]:
+    """A real `muonforge api` process (streaming responses need a real server); ``args`` are
+    more options of `muonforge api`, ``env`` more MUONFORGE_* settings. Yields its URL."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("api") / "api.log"
+    log_path = log_dir / "api.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "muonforge.cli", "api", "--port", str(port), "--no-access-log"],
-            cwd=ROOT, env=service_env(settings), stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "muonforge.cli", "api", "--port", str(port), "--no-access-log", *args],
+            cwd=ROOT, env={**service_env(settings), **env}, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -177,6 +179,12 @@ def api_url(settings, tmp_path_factory) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="session")
+def api_url(settings, tmp_path_factory) -> Iterator[str]:
+    with running_api(settings, tmp_path_factory.mktemp("api")) as url:
+        yield url
 
 
 def _ready(url: str) -> bool:

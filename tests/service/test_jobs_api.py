@@ -273,3 +273,12 @@ def test_health_readiness_metrics_and_openapi(client, auth):
     assert {"JobSpec", "Job", "JobList", "ErrorBody", "Dataset"} <= set(schema["components"]["schemas"])
     assert schema["components"]["schemas"]["JobSpec"]["examples"]
     assert client.get("/docs").status_code == 200
+
+
+def test_restarts_and_retention_are_bounded(client, auth):
+    for train, param in (
+        ({"max_restarts": 11}, "train.max_restarts"),
+        ({"keep_checkpoints": 0}, "train.keep_checkpoints"),
+    ):
+        r = client.post("/v1/jobs", json=tiny_spec(**train), headers=auth)
+        assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text

@@ -171,7 +171,7 @@ def test_checkpoints_carry_their_metrics_and_history_matches_the_stream(api_url,
     start_worker()
     key = auth["Authorization"].split()[1]
     with Client(api_url, key) as client:
-        job = client.create_job(tiny_spec(steps=40))  # eval and checkpoint every 10
+        job = client.create_job(tiny_spec(steps=40, keep_checkpoints=4))  # eval, checkpoint every 10
         events = list(client.events(job["id"]))
         streamed = {e.data["step"]: e.data["metrics"] for e in events if e.event == "metrics"}
         history = client.metrics(job["id"], names=["loss", "val_loss"])

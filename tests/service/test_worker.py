@@ -81,7 +81,10 @@ def test_a_job_whose_corpus_is_gone_fails_with_the_reason(client, settings, auth
     spec = tiny_spec() | {"data": {"dataset_id": ds["id"]}}
     created = client.post("/v1/jobs", json=spec, headers=auth).json()
     done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "failed" and j, timeout=120)
-    assert done["error"]["code"] == "internal" and "does not exist" in done["error"]["message"]
+    assert done["error"] == {
+        "code": "dataset_missing",
+        "message": f"the file of dataset {ds['id']} is missing from the service's storage; upload the corpus again",
+    }
     assert done["attempt"] == 1 and done["finished_at"]
 
 
@@ -102,6 +105,12 @@ def test_kill_9_mid_job_then_a_fresh_worker_resumes_from_the_checkpoint(client, 
         history = c.metrics(created["id"], names=["loss", "val_loss"], max_points=1000)
     assert [p[0] for p in history["loss"]] == list(range(600))
     assert [p[0] for p in history["val_loss"]] == list(range(0, 601, 100))
+    # Retention (keep_checkpoints 3): the latest three and the best val_loss, in rows and on disk.
+    listed = client.get(f"/v1/jobs/{created['id']}/checkpoints", headers=auth).json()["data"]
+    best = min((c["metrics"]["val_loss"], c["step"]) for c in listed if "val_loss" in c["metrics"])[1]
+    assert {c["step"] for c in listed} == {600, 550, 500, best}
+    on_disk = {p.name for p in checkpoint_dir(settings.artifact_dir / "jobs" / created["id"]).iterdir()}
+    assert on_disk == {f"step_{c['step']:08d}.pt" for c in listed}
 
 
 def _kill_and_resume(client, settings, auth, start_worker, first, created):
@@ -123,14 +132,17 @@ def _kill_and_resume(client, settings, auth, start_worker, first, created):
 
 def test_a_checkpoint_written_but_not_recorded_is_adopted_by_the_next_attempt(settings, auth, client):
     """An attempt that dies between writing a checkpoint file and recording it: the next attempt,
-    which resumes from that file, records it (once) with the metrics saved in it."""
+    which resumes from that file, records it (once) with the metrics saved in it. A file past the
+    stored metrics is deleted instead: resuming from it would leave the steps before it without
+    metrics."""
     created = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()
     with transaction(settings) as session:
         attempt = JobRepository(session).claim(created["id"], "test", timedelta(minutes=1))
     directory = checkpoint_dir(settings.artifact_dir / "jobs" / created["id"])
     save_checkpoint(directory, 20, {"model": {}, "last_metrics": {"loss": 1.25, "val_loss": 1.5}})
+    save_checkpoint(directory, 30, {"model": {}, "last_metrics": {"loss": 1.0}})
     for _ in range(2):
-        sink = JobSink(settings, created["id"], attempt, 0, {})
+        sink = JobSink(settings, created["id"], attempt, 25, {})  # metrics stored up to step 25
         sink.adopt_checkpoints(directory)
         sink.close()
     listed = client.get(f"/v1/jobs/{created['id']}/checkpoints", headers=auth).json()["data"]
@@ -138,3 +150,4 @@ def test_a_checkpoint_written_but_not_recorded_is_adopted_by_the_next_attempt(se
     assert [p for kind, p in events(settings, created["id"]) if kind == "checkpoint"] == [
         {"step": 20, "bytes": (directory / "step_00000020.pt").stat().st_size}
     ]
+    assert not (directory / "step_00000030.pt").exists()

@@ -61,6 +61,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    keep_checkpoints: int = 3  # the service keeps the latest N plus the best val_loss (local runs keep all)
     max_restarts: int = 3
     device: str = "auto"
     precision: str = "auto"

@@ -1,0 +1,98 @@
+"""Limits before work: a request's body is bounded, and a /v1 request is authenticated before a
+byte of its body is read.
+
+FastAPI reads (and parses) a body before it resolves a route's dependencies, so without this an
+unauthenticated caller could make the API read a body of any size. ``BodyLimit`` is pure ASGI and
+sits in front of the routes:
+
+1. a declared Content-Length over the limit is answered 413 at once, nothing read;
+2. a /v1 request with a body (POST, PUT, PATCH) is authenticated from its headers alone; the
+   tenant is kept in the request's state, where the unit of work takes it (one lookup, not two);
+3. the body is counted as it streams in, chunked uploads included: the request is refused with
+   413 the moment the count passes the limit, so no more than the limit is ever read.
+
+The limit is ``MUONFORGE_MAX_BODY_BYTES`` for JSON (a job spec is a few kB) and
+``MUONFORGE_UPLOAD_LIMIT_BYTES`` plus the multipart framing for dataset uploads.
+"""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.db.session import open_session
+from app.deps import SESSION_COOKIE
+from app.errors import DomainError, error_response
+from app.services.auth import KeyCache, TenantRef, authenticate
+from app.settings import Settings
+
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+UPLOAD_PATHS = frozenset({"/v1/datasets"})
+MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fields
+
+
+def credentials(headers: Headers) -> str | None:
+    """The request's key as an Authorization value: the header, else the web app's cookie."""
+    if authorization := headers.get("authorization"):
+        return authorization
+    for part in headers.get("cookie", "").split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == SESSION_COOKIE and value:
+            return f"Bearer {value}"
+    return None
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, settings: Settings, key_cache: KeyCache) -> None:
+        self.app, self.settings, self.key_cache = app, settings, key_cache
+
+    def limit_for(self, path: str) -> int:
+        if path in UPLOAD_PATHS:
+            return self.settings.upload_limit_bytes + MULTIPART_SLACK
+        return self.settings.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], Headers(scope=scope)
+        limit = self.limit_for(path)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return await too_large(limit)(scope, receive, send)
+        if path.startswith("/v1/"):
+            try:
+                tenant = await run_in_threadpool(self._authenticate, credentials(headers))
+            except DomainError as exc:
+                return await error_response(exc.status, exc.code, exc.message, exc.param)(scope, receive, send)
+            scope.setdefault("state", {})["tenant"] = tenant
+
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    # An HTTPException passes through FastAPI's body parsing (anything else would
+                    # become a 400) to the error handlers, which answer 413.
+                    raise HTTPException(413, body_limit_message(limit))
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _authenticate(self, authorization: str | None) -> TenantRef:
+        with open_session(self.settings) as session:
+            return authenticate(session, authorization, self.key_cache)
+
+
+def body_limit_message(limit: int) -> str:
+    return f"the request body exceeds {limit:,} bytes"
+
+
+def too_large(limit: int):
+    response = error_response(413, "payload_too_large", body_limit_message(limit))
+    response.headers["Connection"] = "close"  # the body was not read: the connection cannot be reused
+    return response
