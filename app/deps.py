@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Cookie, Depends, Request
+from fastapi import Cookie, Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
@@ -70,4 +70,11 @@ def intake(request: Request) -> Intake:
 
 
 Work = Annotated[UnitOfWork, Depends(unit_of_work)]
+
+# Ids as the service hands them out (``prefix_`` + base-32): anything else is a 422 naming the
+# parameter, before a database sees it (Postgres refuses a NUL character in a string, for one).
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+JobId = Annotated[str, Path(pattern=ID_PATTERN, description="A job's id (`job_…`).")]
+DatasetId = Annotated[str, Path(pattern=ID_PATTERN, description="A dataset's id (`ds_…`).")]
+After = Annotated[str | None, Query(pattern=ID_PATTERN, description="The previous page's `next_after`.")]
 JobIntake = Annotated[Intake, Depends(intake)]

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger("muonforge.api")
 
@@ -59,6 +60,7 @@ class RateLimited(DomainError):
         super().__init__(message, headers={"Retry-After": str(retry_after)})
 
 
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 # The code of an error raised by the framework itself (no route, wrong method, ...), by status.
 HTTP_CODES = {
     401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
@@ -96,9 +98,21 @@ async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONRespo
     return error_response(422, "validation_error", fields[0]["message"], fields[0]["param"], errors=fields)
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 400:  # FastAPI could not parse the body (not JSON, not UTF-8, a broken form)
+        return error_response(422, "validation_error", "the request body could not be parsed", "body")
+    if exc.status_code == 405:  # every method of the path, not only those of the first route that matched it
+        headers["Allow"] = ", ".join(allowed_methods(request))
     code = HTTP_CODES.get(exc.status_code, "internal")
-    return error_response(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, code, str(exc.detail), headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods some route answers on the request's path (routes of one path may live in
+    several routers, each with its own methods)."""
+    routes = request.app.router.routes
+    return [m for m in METHODS if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes)]
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -7,7 +7,8 @@ sits in front of the routes:
 
 1. a declared Content-Length over the limit is answered 413 at once, nothing read;
 2. a /v1 request with a body (POST, PUT, PATCH) is authenticated from its headers alone; the
-   tenant is kept in the request's state, where the unit of work takes it (one lookup, not two);
+   tenant is kept in the request's state, where the unit of work takes it (one lookup, not two).
+   The web app's sign-in, whose body is the key, is only bounded;
 3. the body is counted as it streams in, chunked uploads included: the request is refused with
    413 the moment the count passes the limit, so no more than the limit is ever read.
 
@@ -29,6 +30,7 @@ from app.services.auth import KeyCache, TenantRef, authenticate
 from app.settings import Settings
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+SIGN_IN = "/v1/session"  # its body is the key: bounded, not authenticated beforehand
 UPLOAD_PATHS = frozenset({"/v1/datasets"})
 MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fields
 
@@ -61,7 +63,7 @@ class BodyLimit:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             return await too_large(limit)(scope, receive, send)
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") and path != SIGN_IN:
             try:
                 tenant = await run_in_threadpool(self._authenticate, credentials(headers))
             except DomainError as exc:

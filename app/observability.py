@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import text
@@ -91,7 +92,7 @@ def install_metrics(app: FastAPI, settings: Settings) -> None:
 
     app.add_middleware(RequestMetrics, requests=requests, latency=latency)
 
-    @app.get("/metrics", tags=["health"], include_in_schema=True)
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
     def metrics() -> Response:
         """Prometheus exposition."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Path
 from fastapi.responses import FileResponse
 
-from app.deps import Work
+from app.deps import JobId, Work
 from app.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.services import checkpoints as service
+from app.services.telemetry import MAX_STEP
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 
 
 @router.get("", response_model=schemas.CheckpointList, responses=ERRORS)
-async def list_checkpoints(job_id: str, work: Work) -> schemas.CheckpointList:
+async def list_checkpoints(job_id: JobId, work: Work) -> schemas.CheckpointList:
     """Newest first."""
     rows = await work(service.list_checkpoints, job_id)
     return schemas.CheckpointList(data=[schemas.Checkpoint.model_validate(c) for c in rows])
@@ -25,7 +28,7 @@ async def list_checkpoints(job_id: str, work: Work) -> schemas.CheckpointList:
     response_class=FileResponse,
     responses={**ERRORS, 200: {"content": {"application/octet-stream": {}}, "description": "The checkpoint file."}},
 )
-async def download_checkpoint(job_id: str, step: int, work: Work):
+async def download_checkpoint(job_id: JobId, step: Annotated[int, Path(ge=0, le=MAX_STEP)], work: Work):
     """The checkpoint written after `step` optimizer steps (a torch.save file: model, optimizer,
     RNG states, step), streamed."""
     path = await work(service.checkpoint_file, job_id, step, work.settings)

@@ -7,20 +7,38 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.sse import EventSourceResponse
 
-from app.deps import JobIntake, Work
+from app.deps import After, JobId, JobIntake, Work
 from app.job_status import JobStatus
 from app.schemas import JobSpec
 from app.schemas import api as schemas
+from app.schemas.job_spec import NO_NUL
 from app.services import events
 from app.services import jobs as service
+from app.services.telemetry import MAX_STEP
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": schemas.ErrorBody} for code in (401, 404, 409, 422, 429)
 }  # fmt: skip
+# The errors of a route whose own answer is not JSON (the events stream): the same bodies, said to be JSON.
+JSON_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {
+        "description": "An error.",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+    }
+    for code in (401, 404, 422)
+}
 
 
-@router.post("", status_code=201, response_model=schemas.Job, responses=ERRORS)
+REPLAY = {"model": schemas.Job, "description": "A replay of an `Idempotency-Key` with the same body: its job."}
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=schemas.Job,
+    responses={200: REPLAY, **ERRORS, 403: ERRORS[401], 413: ERRORS[401]},
+)
 async def create_job(
     spec: JobSpec,
     work: Work,
@@ -40,31 +58,33 @@ async def list_jobs(
     work: Work,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_LIMIT)] = 20,
-    after: str | None = None,
+    after: After = None,
 ) -> schemas.JobList:
     """Newest first. Pass the previous page's `next_after` as `after`."""
     return await work(service.list_jobs, limit, after, status)
 
 
 @router.get("/{job_id}", response_model=schemas.Job, responses=ERRORS)
-async def get_job(job_id: str, work: Work) -> schemas.Job:
+async def get_job(job_id: JobId, work: Work) -> schemas.Job:
     return schemas.Job.of(await work(service.get_job, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=schemas.Job, responses=ERRORS)
-async def cancel_job(job_id: str, work: Work) -> schemas.Job:
+async def cancel_job(job_id: JobId, work: Work) -> schemas.Job:
     """Queued: cancelled at once. Running: `cancelling` until the worker stops. Finished: 409."""
     return schemas.Job.of(await work(service.cancel_job, job_id, work.bus))
 
 
 @router.get("/{job_id}/metrics", response_model=schemas.MetricHistory, responses=ERRORS)
 async def job_metrics(
-    job_id: str,
+    job_id: JobId,
     work: Work,
-    names: Annotated[str | None, Query(description="Comma-separated metric names; all when omitted.")] = None,
+    names: Annotated[
+        str | None, Query(pattern=NO_NUL, description="Comma-separated metric names; all when omitted.")
+    ] = None,
     max_points: Annotated[int, Query(ge=3, le=100_000, description="Real points per series, at most.")] = 1000,
-    from_step: Annotated[int | None, Query(ge=0)] = None,
-    to_step: Annotated[int | None, Query(ge=0)] = None,
+    from_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
+    to_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
 ) -> schemas.MetricHistory:
     """History, downsampled on the server: a series with more than `max_points` points in the
     range is cut into about `max_points / 3` step buckets, each keeping its min, max and last
@@ -72,16 +92,19 @@ async def job_metrics(
     return await work(service.metric_history, job_id, names, max_points, from_step, to_step)
 
 
-async def followed_job(job_id: str, work: Work) -> str:
+async def followed_job(job_id: JobId, work: Work) -> str:
     """The job's id once it is known to be the tenant's (404 before any event is sent)."""
     await work(service.get_job, job_id)
     return job_id
 
 
 def event_cursor(
-    last_event_id: Annotated[str | None, Header()] = None,
+    last_event_id: Annotated[
+        str, Header(pattern=r"^[0-9]{0,19}$", description="The id of the last event received (resume after it).")
+    ] = "",
     from_step: Annotated[
-        int | None, Query(ge=0, description="Telemetry from this step on (job events: all). `Last-Event-ID` wins.")
+        int | None,
+        Query(ge=0, le=MAX_STEP, description="Telemetry from this step on (job events: all). `Last-Event-ID` wins."),
     ] = None,
 ) -> events.Cursor:
     if last_event_id or from_step is None:
@@ -89,7 +112,7 @@ def event_cursor(
     return events.Cursor(next_step=from_step)
 
 
-@router.get("/{job_id}/events", response_class=EventSourceResponse, responses=ERRORS)
+@router.get("/{job_id}/events", response_class=EventSourceResponse, responses=JSON_ERRORS)
 async def job_events(
     request: Request,
     job_id: Annotated[str, Depends(followed_job)],

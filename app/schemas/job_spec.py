@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
+NO_NUL = r"^[^\x00]*$"  # text the database stores: Postgres holds no NUL character
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
@@ -56,7 +58,9 @@ class ModelSpec(_Strict):
 class DataSpec(_Strict):
     """Exactly one source: an uploaded dataset, a builtin task, or (local runs only) a file path."""
 
-    dataset_id: str | None = Field(None, min_length=1, max_length=64, description="An uploaded dataset's id.")
+    dataset_id: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="An uploaded dataset's id."
+    )
     builtin: Literal["synthetic", "pysource"] | None = Field(
         None,
         description="synthetic: a generated Markov chain with a known loss floor (its own 64 tokens); "
@@ -157,7 +161,7 @@ class TelemetrySpec(_Strict):
 class JobSpec(_Strict):
     """A training job: what to train, on what, with which optimizer, for how long."""
 
-    name: str | None = Field(None, max_length=200, description="A label for people.")
+    name: str | None = Field(None, max_length=200, pattern=NO_NUL, description="A label for people (no NUL character).")
     model: ModelSpec
     data: DataSpec
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)

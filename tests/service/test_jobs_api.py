@@ -282,3 +282,21 @@ def test_restarts_and_retention_are_bounded(client, auth):
     ):
         r = client.post("/v1/jobs", json=tiny_spec(**train), headers=auth)
         assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+
+
+def test_what_schema_fuzzing_found_answers_as_documented(client, auth):
+    # 405 lists every method of the path, not only those of the first route that matched it.
+    r = client.request("OPTIONS", "/v1/jobs", headers=auth)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert set(r.headers["allow"].split(", ")) >= {"GET", "POST"}
+    # A body that is not JSON at all (not even UTF-8) is a 422 naming the body, not a 400 "internal".
+    r = client.post("/v1/jobs", content=b"\xff\xfe{", headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
+    # Text Postgres cannot hold (a NUL character) is refused by the schema, before any query.
+    for path in ("/v1/jobs?after=job_%00x", "/v1/datasets?after=%00", "/v1/jobs/job_%00/metrics?names=loss"):
+        r = client.get(path, headers=auth)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", (path, r.text)
+    r = client.post("/v1/jobs", json=tiny_spec() | {"name": "a\x00b"}, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "name"
+    r = client.get("/v1/jobs/job_x/checkpoints/99999999999", headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "step"
