@@ -104,8 +104,8 @@ def job_events(job_id: str, last_event_id: str | None) -> Call:
     return Call("GET", f"/v1/jobs/{_id(job_id)}/events", headers=headers, timeout=STREAM_TIMEOUT)
 
 
-def checkpoints(job_id: str) -> Call:
-    return Call("GET", f"/v1/jobs/{_id(job_id)}/checkpoints", result=lambda body: body["data"])
+def checkpoints_page(job_id: str, after: str | None) -> Call:
+    return Call("GET", f"/v1/jobs/{_id(job_id)}/checkpoints", params=_query(limit=100, after=after))
 
 
 def checkpoint_file(job_id: str, step: int) -> Call:

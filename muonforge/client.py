@@ -149,7 +149,7 @@ class Client(_ClientBase):
 
     def checkpoints(self, job_id: str) -> list[Json]:
         """The job's checkpoints, newest first, each with the metrics of its step."""
-        return self._call(api.checkpoints(job_id))
+        return list(self._each(lambda after: api.checkpoints_page(job_id, after)))
 
     def download_checkpoint(self, job_id: str, step: int, path: str | Path, progress: Progress | None = None) -> Path:
         """Stream the checkpoint written after ``step`` steps to ``path``; ``progress(done, total)``
@@ -300,7 +300,7 @@ class AsyncClient(_ClientBase):
         return await self._call(api.job_metrics(job_id, names, max_points, from_step, to_step))
 
     async def checkpoints(self, job_id: str) -> list[Json]:
-        return await self._call(api.checkpoints(job_id))
+        return [c async for c in self._each(lambda after: api.checkpoints_page(job_id, after))]
 
     async def download_checkpoint(
         self, job_id: str, step: int, path: str | Path, progress: Progress | None = None

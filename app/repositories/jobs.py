@@ -179,9 +179,9 @@ class JobRepository:
             ]
             self.session.execute(insert(JobEvent.__table__), rows)
 
-    def events(self, job_id: str, after_seq: int = 0) -> list[JobEvent]:
+    def events(self, job_id: str, after_seq: int = 0, limit: int | None = None) -> list[JobEvent]:
         query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after_seq)
-        return list(self.session.scalars(query.order_by(JobEvent.seq)))
+        return list(self.session.scalars(query.order_by(JobEvent.seq).limit(limit)))
 
     def add_checkpoint(
         self, job_id: str, attempt: int, step: int, path: str, nbytes: int, metrics: dict[str, float]
@@ -198,6 +198,13 @@ class JobRepository:
 
     def delete_checkpoints(self, job_id: str, steps: Sequence[int]) -> None:
         self.session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(steps)))
+
+    def checkpoints_page(self, job_id: str, limit: int, before_step: int | None) -> list[Checkpoint]:
+        """Up to ``limit`` checkpoints, newest first, below ``before_step`` when given."""
+        query = select(Checkpoint).where(Checkpoint.job_id == job_id)
+        if before_step is not None:
+            query = query.where(Checkpoint.step < before_step)
+        return list(self.session.scalars(query.order_by(Checkpoint.step.desc()).limit(limit)))
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import FileResponse
 
 from app.deps import JobId, Work
@@ -17,10 +17,16 @@ router = APIRouter(prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 
 
 @router.get("", response_model=schemas.CheckpointList, responses=ERRORS)
-async def list_checkpoints(job_id: JobId, work: Work) -> schemas.CheckpointList:
-    """Newest first."""
-    rows = await work(service.list_checkpoints, job_id)
-    return schemas.CheckpointList(data=[schemas.Checkpoint.model_validate(c) for c in rows])
+async def list_checkpoints(
+    job_id: JobId,
+    work: Work,
+    limit: Annotated[int, Query(ge=1, le=100)] = 100,
+    after: Annotated[
+        str | None, Query(pattern=r"^[0-9]{1,10}$", description="The previous page's `next_after`.")
+    ] = None,
+) -> schemas.CheckpointList:
+    """Newest first, a page at a time (a job keeps `train.keep_checkpoints` plus its best)."""
+    return await work(service.list_checkpoints, job_id, limit, after)
 
 
 @router.get(

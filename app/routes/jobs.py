@@ -100,7 +100,8 @@ async def followed_job(job_id: JobId, work: Work) -> str:
 
 def event_cursor(
     last_event_id: Annotated[
-        str, Header(pattern=r"^[0-9]{0,19}$", description="The id of the last event received (resume after it).")
+        str,
+        Header(alias="Last-Event-ID", pattern=r"^[0-9]{0,19}$", description="The last event's id: resume after it."),
     ] = "",
     from_step: Annotated[
         int | None,

@@ -38,6 +38,7 @@ from app.settings import Settings
 
 STEP_BITS = 32  # the id packs (seq, next step) into one increasing integer
 PAGE_STEPS = 500  # telemetry steps per database page
+PAGE_EVENTS = 500  # job events per database page
 POLL_SECONDS = 0.5  # embedded mode, and after the bus lost its place
 RECHECK_SECONDS = 15.0  # the database is read again when the bus brought nothing for this long
 
@@ -91,8 +92,9 @@ class Page:
 
 
 def read_page(settings: Settings, job_id: str, cursor: Cursor) -> Page:
-    """Everything after ``cursor`` that the database holds, up to PAGE_STEPS telemetry steps,
-    in order; advances the cursor."""
+    """What the database holds after ``cursor``, in order, up to PAGE_STEPS telemetry steps
+    and PAGE_EVENTS job events (a page costs the same however long the job); advances the
+    cursor."""
     with open_session(settings) as session:
         repo = JobRepository(session)
         job = repo.get(job_id)
@@ -100,19 +102,23 @@ def read_page(settings: Settings, job_id: str, cursor: Cursor) -> Page:
             return Page(done=True)
         # Read first: the rows below are at least as new.
         mark, status, last_seq = job.telemetry_mark, job.status, job.event_seq
-        events = repo.events(job_id, after_seq=cursor.seq)
+        events = repo.events(job_id, after_seq=cursor.seq, limit=PAGE_EVENTS)
         steps = steps_from(session, job_id, cursor.next_step, PAGE_STEPS)
-    page = Page(more=len(steps) == PAGE_STEPS, mark=mark)
+    full_steps, more_events = len(steps) == PAGE_STEPS, len(events) == PAGE_EVENTS
+    page = Page(more=full_steps or more_events, mark=mark)
     pending = [(e.seq, e.kind, e.payload, step_of(e.kind, e.payload, e.step)) for e in events]
-    i = 0
+    i, stopped = 0, False
     for step, values in steps:  # job events in seq order, each before the steps after it
         while i < len(pending) and pending[i][3] <= step:
             page.events.append(cursor.job_event(*pending[i][:3]))
             i += 1
+        if more_events and i == len(pending):  # events not read yet may come before this step
+            stopped = True
+            break
         page.events.append(cursor.metrics(step, values))
-    if not page.more:
+    if not full_steps and not stopped:
         page.events += [cursor.job_event(*p[:3]) for p in pending[i:]]
-        page.done = is_finished(status) and cursor.seq >= last_seq
+    page.done = not page.more and is_finished(status) and cursor.seq >= last_seq
     page.events = [e for e in page.events if e is not None]
     return page
 

@@ -300,3 +300,25 @@ def test_what_schema_fuzzing_found_answers_as_documented(client, auth):
     assert r.status_code == 422 and r.json()["error"]["param"] == "name"
     r = client.get("/v1/jobs/job_x/checkpoints/99999999999", headers=auth)
     assert r.status_code == 422 and r.json()["error"]["param"] == "step"
+
+
+def test_checkpoints_come_a_page_at_a_time(client, settings, auth):
+    from app.db.session import transaction
+    from app.repositories.jobs import JobRepository
+
+    job_id = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"]
+    with transaction(settings) as session:
+        for step in (10, 20, 30, 40, 50):
+            JobRepository(session).add_checkpoint(job_id, 1, step, f"jobs/{job_id}/x{step}.pt", 1, {})
+    steps, after = [], None
+    for _ in range(5):
+        params = {"limit": 2, **({"after": after} if after else {})}
+        page = client.get(f"/v1/jobs/{job_id}/checkpoints", params=params, headers=auth).json()
+        steps += [c["step"] for c in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["next_after"]
+    assert steps == [50, 40, 30, 20, 10]
+    r = client.get(f"/v1/jobs/{job_id}/checkpoints", params={"limit": 101}, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "limit"
+    client.post(f"/v1/jobs/{job_id}/cancel", headers=auth)
