@@ -48,6 +48,8 @@ class UnitOfWork:
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
         with open_session(self.settings) as session:
             tenant = self._tenant or authenticate(session, self._authorization, self.key_cache)
+            if not self._tenant:  # a pre-authenticated request has had its token (app.limits)
+                self.request.app.state.request_rate.take(tenant.id)
             result = fn(session, tenant, *args)
             session.commit()
         return result

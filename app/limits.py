@@ -27,6 +27,7 @@ from app.db.session import open_session
 from app.deps import SESSION_COOKIE
 from app.errors import DomainError, error_response
 from app.services.auth import KeyCache, TenantRef, authenticate
+from app.services.quotas import RequestRate
 from app.settings import Settings
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -47,8 +48,8 @@ def credentials(headers: Headers) -> str | None:
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, settings: Settings, key_cache: KeyCache) -> None:
-        self.app, self.settings, self.key_cache = app, settings, key_cache
+    def __init__(self, app: ASGIApp, settings: Settings, key_cache: KeyCache, request_rate: RequestRate) -> None:
+        self.app, self.settings, self.key_cache, self.request_rate = app, settings, key_cache, request_rate
 
     def limit_for(self, path: str) -> int:
         if path in UPLOAD_PATHS:
@@ -66,8 +67,10 @@ class BodyLimit:
         if path.startswith("/v1/") and path != SIGN_IN:
             try:
                 tenant = await run_in_threadpool(self._authenticate, credentials(headers))
+                self.request_rate.take(tenant.id)
             except DomainError as exc:
-                return await error_response(exc.status, exc.code, exc.message, exc.param)(scope, receive, send)
+                response = error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
+                return await response(scope, receive, send)
             scope.setdefault("state", {})["tenant"] = tenant
 
         seen = 0

@@ -16,6 +16,7 @@ from app.observability import install_metrics
 from app.routes import checkpoints, datasets, health, jobs, session
 from app.services.auth import KeyCache
 from app.services.intake import Intake
+from app.services.quotas import RequestRate, StreamSlots
 from app.services.reaper import run_reaper
 from app.settings import Settings, get_settings
 from app.web.pages import install_web
@@ -36,12 +37,13 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
     app.state.intake = Intake(settings)
     app.state.live_reader = None
-    app.state.open_streams = 0
+    app.state.streams = StreamSlots(settings.tenant_stream_cap)
+    app.state.request_rate = RequestRate(settings.tenant_rate_per_second, settings.tenant_burst)
     for module in (jobs, checkpoints, datasets, session, health):
         app.include_router(module.router)
     install_web(app)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, settings=settings, key_cache=app.state.key_cache)
+    app.add_middleware(BodyLimit, settings=settings, key_cache=app.state.key_cache, request_rate=app.state.request_rate)
     install_metrics(app, settings)
     return app
 

@@ -48,7 +48,7 @@ class StreamCollector:
     def collect(self):
         state = self.app.state
         yield GaugeMetricFamily("muonforge_event_streams", "Open events streams (SSE clients).",
-                                value=getattr(state, "open_streams", 0))  # fmt: skip
+                                value=state.streams.total if hasattr(state, "streams") else 0)  # fmt: skip
         reader = getattr(state, "live_reader", None)
         yield GaugeMetricFamily("muonforge_live_feeds", "Jobs whose live stream this process reads.",
                                 value=len(reader.feeds) if reader else 0)  # fmt: skip

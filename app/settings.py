@@ -31,6 +31,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         1 << 20, description="Largest request body other than an upload (a job spec is a few kB); more answers 413."
     )
+    tenant_stream_cap: int = Field(100, description="Open event streams per tenant and API process; more answers 429.")
+    tenant_rate_per_second: float = Field(
+        200.0, description="Requests a second per tenant and API process, on average (0: no limit); more answers 429."
+    )
+    tenant_burst: int = Field(400, description="Requests a tenant may make at once above its rate.")
     auth_cache_seconds: float = Field(
         10.0, description="How long a verified API key is trusted without a database lookup (0: never)."
     )

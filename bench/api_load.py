@@ -149,7 +149,15 @@ def main() -> None:
     args = parser.parse_args()
     seconds = 5.0 if args.quick else args.seconds
 
-    with Stack("api_load", REDIS, {"MUONFORGE_TENANT_JOB_CAP": "10000000"}) as stack:
+    with Stack(
+        "api_load",
+        REDIS,
+        {
+            "MUONFORGE_TENANT_JOB_CAP": "10000000",
+            "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
+            "MUONFORGE_TENANT_STREAM_CAP": "100000",
+        },
+    ) as stack:
         key = stack.api_key("load")
         url = stack.start_api(args.api_processes)
         api_pid = stack.api.pid

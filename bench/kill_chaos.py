@@ -187,7 +187,8 @@ def main() -> int:
 
     settings = {
         "MUONFORGE_LEASE_SECONDS": "3", "MUONFORGE_HEARTBEAT_SECONDS": "0.5", "MUONFORGE_REAPER_SECONDS": "0.5",
-        "MUONFORGE_TENANT_JOB_CAP": "100000",
+        "MUONFORGE_TENANT_JOB_CAP": "100000", "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
+        "MUONFORGE_TENANT_STREAM_CAP": "100000",
     }  # fmt: skip
     try:
         with Stack("chaos", REDIS, settings) as stack:

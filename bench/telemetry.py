@@ -56,7 +56,12 @@ from worker.engine.telemetry import Report
 from worker.sink import JobSink
 
 REDIS = "redis://127.0.0.1:6379/10"
-SETTINGS = {"MUONFORGE_TENANT_JOB_CAP": "100000"}  # the bench makes many jobs
+# One tenant makes many jobs, follows them with hundreds of streams, at any rate.
+SETTINGS = {
+    "MUONFORGE_TENANT_JOB_CAP": "100000",
+    "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
+    "MUONFORGE_TENANT_STREAM_CAP": "100000",
+}
 TARGETS = {"ingest_points_per_s": 100_000, "sse_p50_ms": 100, "sse_p99_ms": 500, "history_ms": 200, "overhead": 0.05}
 
 

@@ -47,7 +47,11 @@ REDIS = "redis://127.0.0.1:6379/11"
 CHROMIUM = "/usr/bin/chromium"
 LAUNCH_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]  # fmt: skip
-SETTINGS = {"MUONFORGE_TENANT_JOB_CAP": "1000"}
+SETTINGS = {
+    "MUONFORGE_TENANT_JOB_CAP": "1000",
+    "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
+    "MUONFORGE_TENANT_STREAM_CAP": "100000",
+}
 TARGETS = {"first_curves_s": 1.0, "zoom_s": 0.3, "heap_growth_mb": 20.0, "busy": 0.20, "compare_s": 1.5}
 LAYERS, HEADS, TAU, VAL_EVERY = 2, 4, 100.0, 1000
 SPEC = {  # the job the pages show: its charts and heatmap follow from it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -26,7 +27,7 @@ JSON_ERRORS: dict[int | str, dict[str, Any]] = {
         "description": "An error.",
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
     }
-    for code in (401, 404, 422)
+    for code in (401, 404, 422, 429)
 }
 
 
@@ -92,10 +93,12 @@ async def job_metrics(
     return await work(service.metric_history, job_id, names, max_points, from_step, to_step)
 
 
-async def followed_job(job_id: JobId, work: Work) -> str:
-    """The job's id once it is known to be the tenant's (404 before any event is sent)."""
-    await work(service.get_job, job_id)
-    return job_id
+async def followed_job(job_id: JobId, work: Work, request: Request) -> AsyncIterator[str]:
+    """The job's id once it is known to be the tenant's (404 before any event is sent), holding
+    one of the tenant's stream slots while the stream lasts (429 when it has none free)."""
+    job = await work(service.get_job, job_id)
+    with request.app.state.streams.hold(job.tenant_id):
+        yield job_id
 
 
 def event_cursor(
@@ -126,9 +129,5 @@ async def job_events(
     replays its history and ends. `from_step` skips the telemetry before it (a page that has
     drawn the history follows from there). A `: ping` comment comes every 15 s."""
     state = request.app.state
-    state.open_streams += 1
-    try:
-        async for event in events.follow(state.settings, state.live_reader, job_id, cursor):
-            yield event
-    finally:  # the stream ended, or the client went away
-        state.open_streams -= 1
+    async for event in events.follow(state.settings, state.live_reader, job_id, cursor):
+        yield event

@@ -1,0 +1,71 @@
+"""Per-tenant limits an API process enforces on its own: open event streams and request rate.
+
+Both are counted per process (no round trip per request): with P API processes a tenant may hold
+up to P x the stream cap and make up to P x the rate. That bounds what one tenant can take of a
+process (its threads, its Redis connections, its event loop), which is the point: other tenants
+keep their latency.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from app.errors import RateLimited
+
+
+class StreamSlots:
+    """Open event streams per tenant, at most ``cap`` each (used from the event loop only)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.open.values())
+
+    @contextmanager
+    def hold(self, tenant_id: str) -> Iterator[None]:
+        if self.open[tenant_id] >= self.cap:
+            raise RateLimited(
+                f"this tenant already has {self.cap} open event streams on this server; close one first",
+                retry_after=5,
+            )
+        self.open[tenant_id] += 1
+        try:
+            yield
+        finally:
+            self.open[tenant_id] -= 1
+            if not self.open[tenant_id]:
+                del self.open[tenant_id]
+
+
+class RequestRate:
+    """A token bucket per tenant: ``rate`` requests a second on average, bursts of ``burst``."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def take(self, tenant_id: str) -> None:
+        """One request's token, or RateLimited with the seconds until the next one."""
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            tokens, at = self._buckets.get(tenant_id, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - at) * self.rate)
+            if tokens < 1.0:
+                self._buckets[tenant_id] = (tokens, now)
+                wait = math.ceil((1.0 - tokens) / self.rate)
+                raise RateLimited(f"this tenant is over {self.rate:g} requests a second; slow down", retry_after=wait)
+            self._buckets[tenant_id] = (tokens - 1.0, now)
+            if len(self._buckets) > 100_000:  # a bounded table: forget the tenants idle longest
+                for key in sorted(self._buckets, key=lambda k: self._buckets[k][1])[: len(self._buckets) // 2]:
+                    del self._buckets[key]

@@ -1,0 +1,53 @@
+"""Per-tenant limits of an API process: open event streams and request rate. One tenant at
+its limit gets 429 with Retry-After; another tenant is not affected."""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+import pytest
+
+from tests.service.conftest import new_key, running_api, tiny_spec
+
+
+@pytest.fixture(scope="module")
+def strict_api(settings, tmp_path_factory):
+    with running_api(
+        settings, tmp_path_factory.mktemp("strict-api"),
+        MUONFORGE_TENANT_STREAM_CAP="3", MUONFORGE_TENANT_RATE_PER_SECOND="2", MUONFORGE_TENANT_BURST="20",
+    ) as url:  # fmt: skip
+        yield url
+
+
+def test_a_tenant_holds_at_most_its_cap_of_open_streams(strict_api, settings):
+    mine, theirs = ({"Authorization": f"Bearer {new_key(settings)}"} for _ in range(2))
+    with httpx.Client(base_url=strict_api, timeout=30) as client, contextlib.ExitStack() as streams:
+        job = client.post("/v1/jobs", json=tiny_spec(), headers=mine).json()["id"]  # queued: its stream stays open
+        other = client.post("/v1/jobs", json=tiny_spec(), headers=theirs).json()["id"]
+        path = f"/v1/jobs/{job}/events"
+        held = [streams.enter_context(client.stream("GET", path, headers=mine)) for _ in range(3)]
+        assert all(r.status_code == 200 for r in held)
+        refused = client.get(path, headers=mine)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+        assert refused.headers["retry-after"] == "5" and "3 open event streams" in refused.json()["error"]["message"]
+        with client.stream("GET", f"/v1/jobs/{other}/events", headers=theirs) as r:
+            assert r.status_code == 200  # another tenant is not affected
+        held[0].close()
+        with client.stream("GET", path, headers=mine) as r:
+            assert r.status_code == 200  # a closed stream frees its slot
+        for job_id, headers in ((job, mine), (other, theirs)):
+            client.post(f"/v1/jobs/{job_id}/cancel", headers=headers)
+
+
+def test_a_tenant_over_its_request_rate_is_told_when_to_come_back(strict_api, settings):
+    mine, theirs = ({"Authorization": f"Bearer {new_key(settings)}"} for _ in range(2))
+    with httpx.Client(base_url=strict_api, timeout=30) as client:
+        codes = [client.get("/v1/jobs", headers=mine).status_code for _ in range(40)]
+        assert codes[:20] == [200] * 20 and codes.count(429) >= 15  # a burst of 20, then 2 a second
+        refused = client.get("/v1/jobs", headers=mine)
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert "requests a second" in refused.json()["error"]["message"]
+        r = client.post("/v1/jobs", json=tiny_spec(), headers=mine)  # a body's request is counted too
+        assert r.status_code == 429 and r.headers["retry-after"]
+        assert client.get("/v1/jobs", headers=theirs).status_code == 200
