@@ -16,6 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from app.db.session import open_session
+from app.errors import Unauthorized
 from app.live import LiveBus, live_bus
 from app.services.auth import TenantRef, authenticate
 from app.services.intake import Intake
@@ -48,11 +49,29 @@ class UnitOfWork:
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
         with open_session(self.settings) as session:
             tenant = self._tenant or authenticate(session, self._authorization, self.key_cache)
+            # A key looked up in the database (a cache miss) may have had its last use written:
+            # commit that now, so that no row lock or SQLite write lock lasts as long as the work.
+            # Nothing was sent on a cache hit, and then this commit sends nothing either.
+            session.commit()
             if not self._tenant:  # a pre-authenticated request has had its token (app.limits)
                 self.request.app.state.request_rate.take(tenant.id)
             result = fn(session, tenant, *args)
             session.commit()
         return result
+
+    async def key_still_valid(self) -> bool:
+        """Whether the request's key is still known and not revoked, asked of the database (not
+        the cache): what an open events stream checks every ``auth_cache_seconds``."""
+        return await run_in_threadpool(self._verify)
+
+    def _verify(self) -> bool:
+        with open_session(self.settings) as session:
+            try:
+                authenticate(session, self._authorization)
+            except Unauthorized:
+                return False
+            session.commit()  # its last use, when due
+        return True
 
 
 def unit_of_work(

@@ -90,7 +90,9 @@ class BodyLimit:
 
     def _authenticate(self, authorization: str | None) -> TenantRef:
         with open_session(self.settings) as session:
-            return authenticate(session, authorization, self.key_cache)
+            tenant = authenticate(session, authorization, self.key_cache)
+            session.commit()  # the key's last use, when a lookup wrote it
+        return tenant
 
 
 def body_limit_message(limit: int) -> str:

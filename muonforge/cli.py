@@ -67,9 +67,50 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     from app.settings import get_settings
 
     with transaction(get_settings()) as session:
-        key = create_api_key(session, args.tenant)
-    print(f"API key for tenant {args.tenant!r} (shown once):")
+        key = create_api_key(session, args.tenant, args.name)
+    named = f" named {args.name!r}" if args.name else ""
+    print(f"API key{named} for tenant {args.tenant!r} (shown once):")
     print(key)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from app.db.session import transaction
+    from app.errors import NotFound
+    from app.services.auth import list_api_keys
+    from app.settings import get_settings
+    from muonforge.output import console, keys_table
+
+    try:
+        with transaction(get_settings()) as session:
+            keys = list_api_keys(session, args.tenant)
+    except NotFound as exc:
+        raise InputError(exc.message) from None
+    console().print(keys_table([vars(key) for key in keys]))
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from app.db.session import transaction
+    from app.errors import Conflict, NotFound
+    from app.services.auth import revoke_api_key
+    from app.settings import get_settings
+    from muonforge.output import age
+
+    settings = get_settings()
+    try:
+        with transaction(settings) as session:
+            key, revoked = revoke_api_key(session, args.key)
+    except NotFound as exc:
+        raise InputError(f"{exc.message}; `muonforge keys list` shows the ids and prefixes") from None
+    except Conflict as exc:
+        raise InputError(exc.message) from None
+    what = f"{key.id} ({key.prefix}…{f', {key.name!r}' if key.name else ''}, tenant {key.tenant!r})"
+    if not revoked:
+        print(f"{what} was already revoked, {age(key.revoked_at.isoformat())} ago")
+        return 0
+    within = f"{settings.auth_cache_seconds:g} s (MUONFORGE_AUTH_CACHE_SECONDS)"
+    print(f"revoked {what}; API processes refuse it within {within}, open event streams included")
     return 0
 
 
@@ -147,7 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     create = keys.add_parser("create", help="create an API key; prints it alone on the last line")
     create.add_argument("--tenant", required=True)
+    create.add_argument("--name", help="what the key is for (laptop, ci), as `keys list` shows it")
     create.set_defaults(func=cmd_keys_create)
+    listing = keys.add_parser("list", help="API keys: id, tenant, name, prefix, created, last used, revoked")
+    listing.add_argument("--tenant", help="only this tenant's keys")
+    listing.set_defaults(func=cmd_keys_list)
+    revoke = keys.add_parser("revoke", help="revoke an API key")
+    revoke.add_argument("key", metavar="KEY", help="its id (key_…), its prefix (mf_…, as `keys list` shows) or the key")
+    revoke.set_defaults(func=cmd_keys_revoke)
     return parser
 
 

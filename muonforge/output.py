@@ -1,5 +1,5 @@
-"""What the client commands print: tables of jobs, datasets and metrics, one job's details, the
-lines of ``muonforge logs``, and metrics as CSV."""
+"""What the commands print: tables of jobs, datasets, metrics and API keys, one job's details,
+the lines of ``muonforge logs``, and metrics as CSV."""
 
 from __future__ import annotations
 
@@ -82,6 +82,22 @@ def datasets_table(datasets: list[dict[str, Any]]) -> Table:
     table = Table("id", "name", "bytes", "sha256", "age", box=None, header_style="bold")
     for d in datasets:
         table.add_row(Text(d["id"]), Text(d["name"]), f"{d['bytes']:,}", d["sha256"][:12], age(d["created_at"]))
+    return table
+
+
+def keys_table(keys: list[dict[str, Any]]) -> Table:
+    """API keys (``KeyInfo`` fields; times as datetimes): when each was created, last used and
+    revoked, as ages ("-": never)."""
+    table = Table("id", "tenant", "name", "prefix", "created", "last used", "revoked", box=None, header_style="bold")
+
+    def ago(when: Any) -> str:
+        return f"{age(when.isoformat())} ago" if when else "-"
+
+    for key in keys:
+        table.add_row(
+            Text(key["id"]), Text(key["tenant"]), Text(key["name"] or "-"), Text(key["prefix"]),
+            ago(key["created_at"]), ago(key["last_used_at"]), ago(key["revoked_at"]),
+        )  # fmt: skip
     return table
 
 

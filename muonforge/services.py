@@ -5,7 +5,8 @@ of their own, so that a signal reaches them only through `up`: Ctrl-C, SIGTERM o
 them all within seconds (the API finishes its requests for a moment; a worker's running job is
 interrupted, and resumes from its latest checkpoint once its lease has lapsed and a worker runs
 again), a second Ctrl-C kills them at once, and a child that exits stops the others, with one
-line naming it and why."""
+line naming it and why. `up` prints the same API key at every start while the database accepts
+it (kept in ./var/api-key, mode 0600)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 API_GRACE = 2.0  # seconds the API gives open requests when told to stop (event streams are cut; clients resume)
 # Seconds from SIGTERM to SIGKILL. A worker's warm shutdown would wait for its running job to end,
@@ -232,15 +237,47 @@ def check_children(children: list[Child], host: str, port: int, ready: bool) -> 
         raise UpFailed(f"{child.name} exited{when}{reason}")
 
 
+# -- the local API key ----------------------------------------------------------------------------
+KEY_FILE = "api-key"  # under ./var, beside the embedded database
+KEY_TENANT, KEY_NAME = "default", "muonforge up"
+
+
+def local_api_key(settings: Settings, path: Path) -> str:
+    """The key `up` prints: the one stored at ``path`` while the database accepts it, else a new
+    one for the tenant "default" (the first start, a revoked key, a database reset), written to
+    ``path`` readable by this user alone (mode 0600) in place of the old one."""
+    from app.db.session import transaction
+    from app.services.auth import create_api_key, key_is_active
+
+    with contextlib.suppress(FileNotFoundError):
+        stored = path.read_text().strip()
+        with transaction(settings) as session:
+            if stored and key_is_active(session, stored):
+                return stored
+    with transaction(settings) as session:
+        key = create_api_key(session, KEY_TENANT, KEY_NAME)
+    write_private(path, key + "\n")
+    return key
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` at once, in a file only this user may read or write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(part, path)
+
+
 def run_up(host: str, port: int, workers: int) -> int:
-    """Check the port, migrate, start the API and the workers, print the URL and an API key,
-    then run until Ctrl-C, SIGTERM or SIGHUP (0) or until a child exits (UpFailed)."""
+    """Check the port, migrate, start the API and the workers, print the URL and the local API
+    key (``local_api_key``), then run until Ctrl-C, SIGTERM or SIGHUP (0) or until a child exits (UpFailed)."""
     check_port(host, port)
     with Signals() as signals:
-        from app.db.session import transaction
         from app.migrate import upgrade
-        from app.services.auth import create_api_key
-        from app.settings import get_settings
+        from app.settings import VAR, get_settings
 
         settings = get_settings()
         upgrade(settings)
@@ -259,8 +296,7 @@ def run_up(host: str, port: int, workers: int) -> int:
             url = f"http://{host}:{port}"
             if not wait_ready(url, children, signals, host, port):
                 return 0
-            with transaction(settings) as session:
-                key = create_api_key(session, "default")
+            key = local_api_key(settings, VAR / KEY_FILE)
             print(f"URL: {url}", flush=True)
             print(f"API key: {key}", flush=True)
             while not signals.wait(0.2):

@@ -28,7 +28,11 @@ class ApiKey(Timestamped, Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))  # first characters, to tell keys apart
+    name: Mapped[str | None] = mapped_column(String(100))  # what it is for: "laptop", "ci"
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Written when the key is verified against the database and the value is over a minute old
+    # (app.services.auth): precise to about a minute, at most one write per key per minute.
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Dataset(Timestamped, Base):

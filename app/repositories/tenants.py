@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from datetime import datetime
+
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import ApiKey, Dataset, Tenant
@@ -29,8 +31,8 @@ class TenantRepository:
         query = select(Tenant.id).where(Tenant.id.in_(tenant_ids)).order_by(Tenant.id).with_for_update()
         self.session.execute(query).all()
 
-    def add_key(self, tenant: Tenant, key_hash: str, prefix: str) -> ApiKey:
-        key = ApiKey(tenant_id=tenant.id, key_hash=key_hash, prefix=prefix)
+    def add_key(self, tenant: Tenant, key_hash: str, prefix: str, name: str | None = None) -> ApiKey:
+        key = ApiKey(tenant_id=tenant.id, key_hash=key_hash, prefix=prefix, name=name)
         self.session.add(key)
         self.session.flush()
         return key
@@ -43,6 +45,30 @@ class TenantRepository:
         )
         row = self.session.execute(query).one_or_none()
         return (row[0], row[1]) if row else None
+
+    def mark_key_used(self, key_id: str, now: datetime, unless_since: datetime) -> None:
+        """Set the key's last_used_at to ``now``, unless it is ``unless_since`` or later (another
+        process has just done it)."""
+        fresh = or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < unless_since)
+        self.session.execute(update(ApiKey).where(ApiKey.id == key_id, fresh).values(last_used_at=now))
+
+    def keys(self, tenant_id: str | None = None) -> list[tuple[ApiKey, str]]:
+        """Keys (revoked ones too) with their tenant's name: by tenant name, then oldest first."""
+        query = select(ApiKey, Tenant.name).join(Tenant, ApiKey.tenant_id == Tenant.id)
+        if tenant_id is not None:
+            query = query.where(ApiKey.tenant_id == tenant_id)
+        return [(key, name) for key, name in self.session.execute(query.order_by(Tenant.name, ApiKey.id))]
+
+    def keys_matching(self, id_prefix_or_hash: str) -> list[tuple[ApiKey, str]]:
+        """The keys whose id, prefix or hash is the given value, with their tenant's name."""
+        value = id_prefix_or_hash
+        match = or_(ApiKey.id == value, ApiKey.prefix == value, ApiKey.key_hash == value)
+        query = select(ApiKey, Tenant.name).join(Tenant, ApiKey.tenant_id == Tenant.id).where(match)
+        return [(key, name) for key, name in self.session.execute(query.order_by(ApiKey.id))]
+
+    def revoke_key(self, key: ApiKey, now: datetime) -> None:
+        key.revoked_at = now
+        self.session.flush()
 
 
 class DatasetRepository:

@@ -119,6 +119,7 @@ def event_cursor(
 @router.get("/{job_id}/events", response_class=EventSourceResponse, responses=JSON_ERRORS)
 async def job_events(
     request: Request,
+    work: Work,
     job_id: Annotated[str, Depends(followed_job)],
     cursor: Annotated[events.Cursor, Depends(event_cursor)],
 ):
@@ -127,7 +128,10 @@ async def job_events(
     text}, at evaluations), then `done` once the job has finished. Reconnect with
     `Last-Event-ID` to resume exactly after the last event received. A finished job's stream
     replays its history and ends. `from_step` skips the telemetry before it (a page that has
-    drawn the history follows from there). A `: ping` comment comes every 15 s."""
+    drawn the history follows from there). A `: ping` comment comes every 15 s. The key is
+    checked again every `MUONFORGE_AUTH_CACHE_SECONDS`: once it is revoked, the stream ends
+    without `done` and a reconnect answers 401."""
     state = request.app.state
-    async for event in events.follow(state.settings, state.live_reader, job_id, cursor):
+    stream = events.follow(state.settings, state.live_reader, job_id, cursor)
+    async for event in events.while_key_valid(stream, work.key_still_valid, state.settings.auth_cache_seconds):
         yield event

@@ -15,13 +15,18 @@ Redis Stream from the position up to which the database holds the metrics (the j
 ``telemetry_mark``), skipping what the cursor has passed. When the bus has nothing for a while,
 or its order has a hole (an event whose predecessor has not arrived), or it no longer holds the
 position, it goes back to the database. In embedded mode it polls the database.
+
+An open stream outlives the API-key cache, so ``while_key_valid`` asks the database every
+``auth_cache_seconds`` whether the request's key still holds: a revoked key's stream ends
+within that time, without ``done``, and the client's reconnect is answered 401.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +46,9 @@ PAGE_STEPS = 500  # telemetry steps per database page
 PAGE_EVENTS = 500  # job events per database page
 POLL_SECONDS = 0.5  # embedded mode, and after the bus lost its place
 RECHECK_SECONDS = 15.0  # the database is read again when the bus brought nothing for this long
+MIN_KEY_CHECK_SECONDS = 1.0  # an open stream's key checks, at most this often (auth_cache_seconds may be 0)
+READ_AHEAD = 256  # events read before they are sent, at most (one database page is up to 500 steps)
+NOTHING = object()  # no event before the next key check
 
 
 @dataclass
@@ -174,3 +182,49 @@ async def tail(reader: LiveReader, job_id: str, position: str, cursor: Cursor) -
                     yield event
     except Resync:
         return
+
+
+async def while_key_valid(
+    events: AsyncGenerator[ServerSentEvent, None], key_valid: Callable[[], Awaitable[bool]], every: float
+) -> AsyncIterator[ServerSentEvent]:
+    """``events`` until ``key_valid()``, asked every ``every`` seconds (at least
+    MIN_KEY_CHECK_SECONDS), answers False: then the stream ends, without ``done``. ``events`` is
+    read by a task of its own, so that no check waits for the next event."""
+    every = max(every, MIN_KEY_CHECK_SECONDS)
+    ahead: asyncio.Queue[ServerSentEvent | Exception | None] = asyncio.Queue(maxsize=READ_AHEAD)
+
+    async def read() -> None:
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    await ahead.put(event)
+        except Exception as exc:  # raised below, where the stream is served
+            await ahead.put(exc)
+            return
+        await ahead.put(None)  # the end
+
+    reader = asyncio.create_task(read())
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + every
+    try:
+        while True:
+            try:
+                item = ahead.get_nowait()  # most events: no wait, no timer
+            except asyncio.QueueEmpty:
+                try:
+                    item = await asyncio.wait_for(ahead.get(), max(0.0, check_at - loop.time()))
+                except TimeoutError:
+                    item = NOTHING
+            if item is not NOTHING:
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+            if loop.time() >= check_at:
+                if not await key_valid():
+                    return
+                check_at = loop.time() + every
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)

@@ -148,3 +148,39 @@ def test_ctrl_c_stops_everything_promptly_with_a_job_running_and_a_stream_open(t
     assert "muonforge: stopping (SIGINT)" in screen.lines and screen.lines[-1] == "muonforge: stopped"
     assert processes_in(tmp_path) == []
     assert port_is_free(int(url.rsplit(":", 1)[1]))
+
+
+def stop_up(up) -> None:
+    up.kill(signal.SIGTERM)
+    assert finish(up).status == 0
+
+
+def works(url: str, key: str) -> bool:
+    return httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_up_prints_the_same_key_at_every_start_until_it_no_longer_works(tmp_path):
+    stored = tmp_path / "var" / "api-key"
+    up, url, key = start_up(tmp_path)
+    assert works(url, key)
+    stop_up(up)
+    assert stored.read_text().strip() == key and stored.stat().st_mode & 0o777 == 0o600
+
+    up, url, again = start_up(tmp_path)
+    assert again == key and works(url, key)
+    stop_up(up)
+
+    revoke = run("keys", "revoke", key[:10], env=environment(), cwd=tmp_path)
+    assert revoke.status == 0 and revoke.lines[0].startswith("revoked key_"), revoke.lines
+    up, url, new = start_up(tmp_path)
+    assert new != key and works(url, new) and not works(url, key)
+    assert stored.read_text().strip() == new and stored.stat().st_mode & 0o777 == 0o600
+    stop_up(up)
+
+    for database in (tmp_path / "var").glob("muonforge.db*"):  # a reset: the database starts over
+        database.unlink()
+    up, url, fresh = start_up(tmp_path)
+    assert fresh != new and works(url, fresh)
+    assert stored.read_text().strip() == fresh
+    stop_up(up)
+    assert processes_in(tmp_path) == []
