@@ -1,6 +1,9 @@
-# One image for the API, the worker and the one-shot migration.
+# One image for the API, the workers and the one-shot migration.
 # TORCH_SPEC picks the PyTorch build: the default CUDA 12.8 wheels for a GPU worker; pass
 # --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu for a CPU-only image.
+# No secret is built in: passwords and tokens come from the environment at run time (compose
+# reads them from .env, which .dockerignore keeps out of the build context). Each service's
+# healthcheck is in docker-compose.yml: the API and a worker are checked differently.
 
 # The web app's front-end packages, exactly as app/web/package-lock.json pins them (make web).
 FROM node:20-slim AS web

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hmac
 import time
+from typing import Annotated
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Header, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import text
@@ -12,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.broker import broker_reachable
 from app.db.session import open_session
+from app.errors import Unauthorized
 from app.job_status import JobStatus
 from app.repositories.jobs import JobRepository
 from app.settings import Settings
@@ -92,9 +95,21 @@ def install_metrics(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(RequestMetrics, requests=requests, latency=latency)
 
     @app.get("/metrics", tags=["health"], include_in_schema=True)
-    def metrics() -> Response:
-        """Prometheus exposition."""
+    def metrics(authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> Response:
+        """Prometheus exposition; with MUONFORGE_METRICS_TOKEN set, only for `Authorization:
+        Bearer <that token>` (API keys are for tenants: these figures cover all of them)."""
+        check_metrics_token(settings.metrics_token, authorization)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def check_metrics_token(token: str | None, authorization: str | None) -> None:
+    """Raise Unauthorized unless no token is set or ``authorization`` is ``Bearer <token>``."""
+    if token is None:
+        return
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        challenge = {"WWW-Authenticate": "Bearer"}
+        raise Unauthorized("send Authorization: Bearer <MUONFORGE_METRICS_TOKEN>", headers=challenge)
 
 
 def readiness(settings: Settings) -> dict[str, str]:

@@ -34,6 +34,13 @@ class Settings(BaseSettings):
     auth_cache_seconds: float = Field(
         10.0, description="How long a verified API key is trusted without a database lookup (0: never)."
     )
+    metrics_token: str | None = Field(
+        None, min_length=1, description="When set, GET /metrics needs Authorization: Bearer <it>."
+    )
+
+    # Database connections of each process (Postgres; SQLite has no pool to size).
+    db_pool_size: int = Field(20, ge=1, description="Connections a process keeps open.")
+    db_max_overflow: int = Field(30, ge=0, description="Connections a process may open beyond the pool under load.")
 
     # Leases: a running attempt renews its lease every heartbeat; an expired lease is requeued.
     lease_seconds: float = Field(30.0, description="How long a worker's claim on a job lasts without a heartbeat.")
@@ -52,6 +59,10 @@ class Settings(BaseSettings):
         1.0, description="How often a running job's metrics are written to the database (the live bus: at once)."
     )
     live_stream_maxlen: int = Field(10_000, description="Entries each job's Redis Stream keeps (about).")
+
+    worker_alive_file: Path | None = Field(
+        None, description="A worker touches this file while it reaches the broker and the database (a healthcheck)."
+    )
 
     @field_validator("artifact_dir")
     @classmethod

@@ -14,6 +14,7 @@ from celery.signals import worker_ready, worker_shutdown
 
 from app.services.reaper import run_reaper
 from app.settings import get_settings
+from worker.health import keep_alive
 
 settings = get_settings()
 celery = Celery("muonforge", broker=settings.broker_url, include=["worker.tasks"])
@@ -27,14 +28,17 @@ celery.conf.update(
     worker_hijack_root_logger=False,
 )
 
-_reaper_stop = threading.Event()
+_stop = threading.Event()
 
 
 @worker_ready.connect
-def _start_reaper(**_) -> None:
-    threading.Thread(target=run_reaper, args=(settings, _reaper_stop), name="reaper", daemon=True).start()
+def _start_threads(**_) -> None:
+    threading.Thread(target=run_reaper, args=(settings, _stop), name="reaper", daemon=True).start()
+    if settings.worker_alive_file is not None:  # the healthcheck's file (worker.health)
+        args = (settings, settings.worker_alive_file, _stop)
+        threading.Thread(target=keep_alive, args=args, name="alive", daemon=True).start()
 
 
 @worker_shutdown.connect
-def _stop_reaper(**_) -> None:
-    _reaper_stop.set()
+def _stop_threads(**_) -> None:
+    _stop.set()

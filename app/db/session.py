@@ -20,15 +20,21 @@ T = TypeVar("T")
 log = logging.getLogger("muonforge.db")
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, pool_size: int = 5, max_overflow: int = 10) -> Engine:
+    """An engine on ``url``; for Postgres, a pool of ``pool_size`` connections kept open plus up
+    to ``max_overflow`` opened under load (the defaults are SQLAlchemy's, for one-off uses such as
+    a migration; a process's sessions use MUONFORGE_DB_POOL_SIZE and MUONFORGE_DB_MAX_OVERFLOW)."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     # Pre-ping: a connection is tested as it leaves the pool (one short round trip), so that after
     # a database restart no request or job meets a dead connection. Recycled every half hour.
-    # 50 > the 40 threads of the API's thread pool, each holding at most one connection at a time.
-    return create_engine(url, pool_size=20, max_overflow=30, pool_recycle=1800, pool_pre_ping=True)
+    # The settings' defaults, 20 + 30 = 50, exceed the 40 threads of the API's thread pool, each
+    # holding at most one connection at a time: no request waits for one. A smaller pool is safe
+    # too (a request holds its connection only while its unit of work runs; none waits for another
+    # while holding one): requests then queue for a connection (docs/deploy.md sizes it).
+    return create_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_recycle=1800, pool_pre_ping=True)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -41,18 +47,18 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 
 @lru_cache(maxsize=8)
-def engine_for(url: str) -> Engine:
-    return make_engine(url)
+def engine_for(url: str, pool_size: int, max_overflow: int) -> Engine:
+    return make_engine(url, pool_size, max_overflow)
 
 
 @lru_cache(maxsize=8)
-def session_factory(url: str) -> sessionmaker[Session]:
-    return sessionmaker(engine_for(url), expire_on_commit=False)
+def session_factory(url: str, pool_size: int, max_overflow: int) -> sessionmaker[Session]:
+    return sessionmaker(engine_for(url, pool_size, max_overflow), expire_on_commit=False)
 
 
 def open_session(settings: Settings) -> Session:
     """A session on the settings' database."""
-    return session_factory(settings.sqlalchemy_url)()
+    return session_factory(settings.sqlalchemy_url, settings.db_pool_size, settings.db_max_overflow)()
 
 
 @contextmanager
