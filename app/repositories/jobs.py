@@ -186,9 +186,7 @@ class JobRepository:
     def add_checkpoint(
         self, job_id: str, attempt: int, step: int, path: str, nbytes: int, metrics: dict[str, float]
     ) -> None:
-        existing = self.session.scalars(
-            select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
-        ).one_or_none()
+        existing = self.checkpoint(job_id, step)
         if existing is None:
             self.session.add(
                 Checkpoint(job_id=job_id, attempt=attempt, step=step, path=path, bytes=nbytes, metrics=metrics)
@@ -198,6 +196,10 @@ class JobRepository:
 
     def delete_checkpoints(self, job_id: str, steps: Sequence[int]) -> None:
         self.session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(steps)))
+
+    def checkpoint(self, job_id: str, step: int) -> Checkpoint | None:
+        query = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+        return self.session.scalars(query).one_or_none()
 
     def checkpoints_page(self, job_id: str, limit: int, before_step: int | None) -> list[Checkpoint]:
         """Up to ``limit`` checkpoints, newest first, below ``before_step`` when given."""

@@ -21,9 +21,7 @@ async def list_checkpoints(
     job_id: JobId,
     work: Work,
     limit: Annotated[int, Query(ge=1, le=100)] = 100,
-    after: Annotated[
-        str | None, Query(pattern=r"^[0-9]{1,10}$", description="The previous page's `next_after`.")
-    ] = None,
+    after: Annotated[int | None, Query(ge=0, le=MAX_STEP, description="The previous page's `next_after`.")] = None,
 ) -> schemas.CheckpointList:
     """Newest first, a page at a time (a job keeps `train.keep_checkpoints` plus its best)."""
     return await work(service.list_checkpoints, job_id, limit, after)

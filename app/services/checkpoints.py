@@ -15,12 +15,12 @@ from app.settings import Settings
 
 
 def list_checkpoints(
-    session: Session, tenant: TenantRef, job_id: str, limit: int, after: str | None
+    session: Session, tenant: TenantRef, job_id: str, limit: int, after: int | None
 ) -> schemas.CheckpointList:
     """A page of the job's checkpoints, newest first; ``after`` is the previous page's
     ``next_after`` (a step)."""
     get_job(session, tenant, job_id)  # 404 for another tenant's job
-    rows = JobRepository(session).checkpoints_page(job_id, limit + 1, int(after) if after else None)
+    rows = JobRepository(session).checkpoints_page(job_id, limit + 1, after)
     page = rows[:limit]
     return schemas.CheckpointList(
         data=[schemas.Checkpoint.model_validate(c) for c in page],
@@ -31,8 +31,7 @@ def list_checkpoints(
 
 def checkpoint_file(session: Session, tenant: TenantRef, job_id: str, step: int, settings: Settings) -> Path:
     get_job(session, tenant, job_id)  # 404 for another tenant's job
-    found = next(iter(JobRepository(session).checkpoints_page(job_id, 1, step + 1)), None)
-    found = found if found is not None and found.step == step else None
+    found = JobRepository(session).checkpoint(job_id, step)
     path = settings.artifact_dir / found.path if found else None
     if path is None or not path.is_file():
         raise NotFound(f"job {job_id} has no checkpoint at step {step}", param="step")

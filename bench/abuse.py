@@ -1,0 +1,186 @@
+"""What abuse costs the API, on a throwaway deployment (bench/stack.py): one API process, real
+Postgres and Redis.
+
+1. body: a 1 GB body declared without a key (and one streamed with chunked encoding): the time
+   to the refusal and the API's RSS growth, while the sender keeps writing;
+2. streams: one tenant makes 5,000 attempts to open event streams (it holds what it may and
+   retries the rest as fast as it is answered) while another tenant lists its jobs: that
+   tenant's GET /v1/jobs latency, idle and under the attack, in the same run;
+3. cap: 100 parallel submissions by one tenant whose job cap is 8: how many are admitted.
+
+    python bench/abuse.py [--attempts 5000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+from stack import Stack
+
+REDIS = os.environ.get("MUONFORGE_BENCH_REDIS", "redis://127.0.0.1:6379/14")
+SPEC = {
+    "model": {"arch": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 16},
+    "data": {"builtin": "synthetic"},
+    "train": {"steps": 1000},
+}
+TARGETS = {"body_ms": 100.0, "body_rss_mb": 5.0, "victim_p99_ratio": 2.0, "admitted": 8}
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def body_attack(url: str, pid: int, chunked: bool) -> dict:
+    """Send a 1 GB body's head, keep writing its bytes from a thread, and time the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {10**9}"
+    head = f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode()
+    before = rss_mb(pid)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    stop, sent = threading.Event(), [0]
+
+    def write() -> None:
+        block = b"x" * 65536
+        frame = b"%x\r\n%s\r\n" % (len(block), block) if chunked else block
+        try:
+            while not stop.is_set() and sent[0] < 10**9:
+                sock.sendall(frame)
+                sent[0] += len(block)
+        except OSError:
+            pass
+
+    start = time.perf_counter()
+    sock.sendall(head)
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    answer = sock.recv(4096)
+    elapsed = time.perf_counter() - start
+    stop.set()
+    sock.close()
+    writer.join(timeout=5)
+    time.sleep(0.5)
+    return {
+        "framing": "chunked" if chunked else "content-length",
+        "status": int(answer.split(b" ", 2)[1]) if answer else None,
+        "ms": round(elapsed * 1000, 1),
+        "sent_mb_by_then": round(sent[0] / 2**20, 1),
+        "rss_growth_mb": round(rss_mb(pid) - before, 2),
+    }
+
+
+async def latencies(client: httpx.AsyncClient, n: int, gap: float) -> list[float]:
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        r = await client.get("/v1/jobs", params={"limit": 20})
+        out.append(time.perf_counter() - start)
+        assert r.status_code == 200, r.text
+        await asyncio.sleep(gap)
+    return out
+
+
+def p(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] * 1000
+
+
+async def stream_attack(url: str, attacker: str, victim: str, attempts: int) -> dict:
+    headers_a, headers_v = {"Authorization": f"Bearer {attacker}"}, {"Authorization": f"Bearer {victim}"}
+    limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
+    async with (
+        httpx.AsyncClient(base_url=url, headers=headers_a, timeout=60, limits=limits) as a,
+        httpx.AsyncClient(base_url=url, headers=headers_v, timeout=60) as v,
+    ):
+        job = (await a.post("/v1/jobs", json=SPEC)).json()["id"]  # no worker: queued, its stream stays open
+        for _ in range(5):
+            await v.post("/v1/jobs", json=SPEC)
+        idle = await latencies(v, 200, 0.01)
+        held, codes, remaining = [], {}, attempts
+        done = asyncio.Event()
+
+        async def attempt() -> None:
+            nonlocal remaining
+            while remaining > 0 and not done.is_set():
+                remaining -= 1
+                request = a.build_request("GET", f"/v1/jobs/{job}/events")
+                response = await a.send(request, stream=True)
+                codes[response.status_code] = codes.get(response.status_code, 0) + 1
+                if response.status_code == 200:
+                    held.append(response)  # kept open to the end
+                else:
+                    await response.aclose()
+
+        attackers = [asyncio.create_task(attempt()) for _ in range(400)]
+        await asyncio.sleep(1.0)
+        busy = await latencies(v, 200, 0.01)
+        await asyncio.gather(*attackers)
+        done.set()
+        for response in held:
+            await response.aclose()
+    return {
+        "attempts": attempts, "answers": codes, "held_open": len(held),
+        "victim_idle_p50_ms": round(p(idle, 50), 1), "victim_idle_p99_ms": round(p(idle, 99), 1),
+        "victim_attacked_p50_ms": round(p(busy, 50), 1), "victim_attacked_p99_ms": round(p(busy, 99), 1),
+        "victim_p99_ratio": round(p(busy, 99) / p(idle, 99), 2),
+    }  # fmt: skip
+
+
+async def cap_attack(url: str, key: str, n: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        answers = await asyncio.gather(*(c.post("/v1/jobs", json=SPEC) for _ in range(n)))
+    codes = [r.status_code for r in answers]
+    return {"submissions": n, "admitted": codes.count(201), "refused_429": codes.count(429)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attempts", type=int, default=5000)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with Stack("abuse", REDIS) as stack:
+        attacker, victim, capped = (stack.api_key(t) for t in ("attacker", "victim", "capped"))
+        with psycopg.connect(stack.db_url, autocommit=True) as db:
+            db.execute("UPDATE tenants SET job_cap = 8 WHERE name = 'capped'")
+        url = stack.start_api(processes=1)
+        pid = stack.api.pid
+        result = {
+            "body": [body_attack(url, pid, chunked=False), body_attack(url, pid, chunked=True)],
+            "streams": asyncio.run(stream_attack(url, attacker, victim, args.attempts)),
+            "cap": asyncio.run(cap_attack(url, capped, 100)),
+            "cores": os.cpu_count(),
+        }
+    worst = max(result["body"], key=lambda b: b["ms"])
+    result["targets"] = {
+        "body_ms": [worst["ms"], TARGETS["body_ms"], worst["ms"] < TARGETS["body_ms"]],
+        "body_rss_mb": [
+            max(b["rss_growth_mb"] for b in result["body"]), TARGETS["body_rss_mb"],
+            max(b["rss_growth_mb"] for b in result["body"]) < TARGETS["body_rss_mb"],
+        ],
+        "victim_p99_ratio": [
+            result["streams"]["victim_p99_ratio"], TARGETS["victim_p99_ratio"],
+            result["streams"]["victim_p99_ratio"] < TARGETS["victim_p99_ratio"],
+        ],
+        "admitted": [result["cap"]["admitted"], TARGETS["admitted"], result["cap"]["admitted"] == TARGETS["admitted"]],
+    }  # fmt: skip
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
