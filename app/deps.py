@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from app.db.session import open_session
 from app.errors import Unauthorized
 from app.live import LiveBus, live_bus
-from app.services.auth import TenantRef, authenticate
+from app.services.auth import TenantRef, authenticate, cached_tenant
 from app.services.intake import Intake
 
 T = TypeVar("T")
@@ -43,7 +43,16 @@ class UnitOfWork:
         """The same unit of work for the tenant of ``key`` (a sign-in's key, not the request's)."""
         return UnitOfWork(self.request, f"Bearer {key}")
 
+    def cached_tenant(self) -> TenantRef | None:
+        """The request's tenant if already known (authenticated before, or its key cached)."""
+        return self._tenant or cached_tenant(self._authorization, self.key_cache)
+
     async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._tenant is None and (tenant := self.cached_tenant()) is not None:
+            # A key verified within the cache's time: the rate is checked here, on the event loop,
+            # so a tenant over it costs no thread and no query (429s stay cheap under a flood).
+            self.request.app.state.request_rate.take(tenant.id)
+            self._tenant = tenant
         return await run_in_threadpool(self._run, fn, args)
 
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
@@ -53,7 +62,7 @@ class UnitOfWork:
             # commit that now, so that no row lock or SQLite write lock lasts as long as the work.
             # Nothing was sent on a cache hit, and then this commit sends nothing either.
             session.commit()
-            if not self._tenant:  # a pre-authenticated request has had its token (app.limits)
+            if not self._tenant:  # a request authenticated before (app.limits, the cache) has had its token
                 self.request.app.state.request_rate.take(tenant.id)
             result = fn(session, tenant, *args)
             session.commit()

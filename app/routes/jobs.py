@@ -96,8 +96,11 @@ async def job_metrics(
 async def followed_job(job_id: JobId, work: Work, request: Request) -> AsyncIterator[str]:
     """The job's id once it is known to be the tenant's (404 before any event is sent), holding
     one of the tenant's stream slots while the stream lasts (429 when it has none free)."""
+    streams = request.app.state.streams
+    if (tenant := work.cached_tenant()) is not None:
+        streams.check(tenant.id)  # a tenant at its cap: 429 before any query
     job = await work(service.get_job, job_id)
-    with request.app.state.streams.hold(job.tenant_id):
+    with streams.hold(job.tenant_id):
         yield job_id
 
 

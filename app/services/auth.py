@@ -100,12 +100,23 @@ def create_api_key(session: Session, tenant_name: str, name: str | None = None) 
     return key
 
 
+def bearer_digest(authorization: str | None) -> str | None:
+    """The hash of the key in ``Authorization: Bearer <key>``, or None without one."""
+    scheme, _, key = (authorization or "").partition(" ")
+    return hash_key(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+
+
+def cached_tenant(authorization: str | None, cache: KeyCache) -> TenantRef | None:
+    """The tenant of a key verified within the cache's time: no database, no thread."""
+    digest = bearer_digest(authorization)
+    return cache.get(digest) if digest else None
+
+
 def authenticate(session: Session, authorization: str | None, cache: KeyCache | None = None) -> TenantRef:
     """The tenant of ``Authorization: Bearer <key>``, or Unauthorized."""
-    scheme, _, key = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
+    digest = bearer_digest(authorization)
+    if digest is None:
         raise Unauthorized("send Authorization: Bearer <API key>")
-    digest = hash_key(key.strip())
     if cache is not None and (tenant := cache.get(digest)) is not None:
         return tenant
     repo = TenantRepository(session)

@@ -29,13 +29,17 @@ class StreamSlots:
     def total(self) -> int:
         return sum(self.open.values())
 
-    @contextmanager
-    def hold(self, tenant_id: str) -> Iterator[None]:
+    def check(self, tenant_id: str) -> None:
+        """RateLimited if the tenant holds all its slots."""
         if self.open[tenant_id] >= self.cap:
             raise RateLimited(
                 f"this tenant already has {self.cap} open event streams on this server; close one first",
                 retry_after=5,
             )
+
+    @contextmanager
+    def hold(self, tenant_id: str) -> Iterator[None]:
+        self.check(tenant_id)
         self.open[tenant_id] += 1
         try:
             yield
