@@ -32,6 +32,9 @@ log = logging.getLogger("muonforge.live")
 STREAM_TTL_SECONDS = 24 * 3600  # a job's stream outlives its last event by a day
 READ_COUNT = 1000  # entries per XREAD
 FEED_BLOCK_MS = 5000  # a feed with no subscriber left stops within this
+# Every Redis call but a feed's blocking read answers within this, or fails: Redis stopped or
+# paused (SIGSTOP, a full disk) must never block a request, a stream or a worker's sink for long.
+REDIS_TIMEOUT = 2.0
 MAX_CONNECTIONS = 1000  # Redis connections an API process may open (one per followed job, plus a few)
 
 
@@ -52,7 +55,7 @@ class RedisBus:
 
     def __init__(self, url: str, maxlen: int) -> None:
         self.url, self.maxlen = url, maxlen
-        self._client = redis.Redis.from_url(url)
+        self._client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT, socket_connect_timeout=REDIS_TIMEOUT)
 
     def publish_metrics(self, job_id: str, steps: Sequence[tuple[int, str]]) -> list[str]:
         """Append telemetry steps, (step, JSON of its values), in one round trip; their stream ids."""
@@ -190,7 +193,12 @@ class LiveReader:
     connection) per followed job, however many clients follow it."""
 
     def __init__(self, url: str) -> None:
-        self._client = redis.asyncio.Redis.from_url(url, max_connections=MAX_CONNECTIONS)
+        self._client = redis.asyncio.Redis.from_url(
+            url,
+            max_connections=MAX_CONNECTIONS,
+            socket_timeout=FEED_BLOCK_MS / 1000 + REDIS_TIMEOUT,  # a blocking read waits up to FEED_BLOCK_MS
+            socket_connect_timeout=REDIS_TIMEOUT,
+        )
         self.feeds: dict[str, JobFeed] = {}
 
     async def read(self, job_id: str, after: str, block_ms: int, count: int = READ_COUNT) -> list[Entry]:

@@ -26,22 +26,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.sse import ServerSentEvent
+from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from app.db.session import open_session
 from app.errors import ValidationFailed
 from app.job_status import is_finished
-from app.live import LiveReader, Resync
+from app.live import REDIS_TIMEOUT, LiveReader, Resync
 from app.repositories.jobs import JobRepository
 from app.services.telemetry import steps_from
 from app.settings import Settings
 
 STEP_BITS = 32  # the id packs (seq, next step) into one increasing integer
+log = logging.getLogger("muonforge.api")
 PAGE_STEPS = 500  # telemetry steps per database page
 PAGE_EVENTS = 500  # job events per database page
 POLL_SECONDS = 0.5  # embedded mode, and after the bus lost its place
@@ -141,7 +144,8 @@ def step_of(kind: str, payload: dict[str, Any], step: int | None) -> float:
 async def follow(
     settings: Settings, reader: LiveReader | None, job_id: str, cursor: Cursor
 ) -> AsyncIterator[ServerSentEvent]:
-    """The job's events after ``cursor``, then ``done`` once it has finished."""
+    """The job's events after ``cursor``, then ``done`` once it has finished. Without the bus
+    (embedded mode, or Redis stopped or paused) the database is polled every POLL_SECONDS."""
     while True:
         page = await run_in_threadpool(read_page, settings, job_id, cursor)
         for event in page.events:
@@ -151,11 +155,26 @@ async def follow(
             return
         if page.more:
             continue
-        if reader is None or (page.mark and not await reader.holds(job_id, page.mark)):
+        if reader is None or not await bus_takes_over(reader, job_id, page.mark):
             await asyncio.sleep(POLL_SECONDS)  # no bus, or the bus lost what the database does not hold yet
             continue
-        async for event in tail(reader, job_id, page.mark or "0-0", cursor):
-            yield event
+        try:
+            async for event in tail(reader, job_id, page.mark or "0-0", cursor):
+                yield event
+        except (RedisError, OSError, TimeoutError) as exc:  # the bus failed mid-tail: the database has it all
+            log.warning("job %s: live stream unavailable (%s); reading the database", job_id, exc)
+            await asyncio.sleep(POLL_SECONDS)
+
+
+async def bus_takes_over(reader: LiveReader, job_id: str, mark: str | None) -> bool:
+    """Whether the bus holds everything after ``mark`` (the database's position), answered
+    within REDIS_TIMEOUT: Redis stopped or paused means no, and the stream polls the database."""
+    if not mark:
+        return True
+    try:
+        return await asyncio.wait_for(reader.holds(job_id, mark), REDIS_TIMEOUT)
+    except (RedisError, OSError, TimeoutError):
+        return False
 
 
 async def tail(reader: LiveReader, job_id: str, position: str, cursor: Cursor) -> AsyncIterator[ServerSentEvent]:
