@@ -37,7 +37,7 @@ class UnitOfWork:
         self.request, self.settings, self.key_cache = request, request.app.state.settings, request.app.state.key_cache
         self.bus: LiveBus = live_bus(self.settings)
         self._authorization = authorization
-        self._tenant = tenant  # already authenticated (app.limits, for requests with a body)
+        self._tenant = tenant  # admitted already (app.limits, for requests with a body)
 
     def with_key(self, key: str) -> UnitOfWork:
         """The same unit of work for the tenant of ``key`` (a sign-in's key, not the request's)."""
@@ -47,23 +47,27 @@ class UnitOfWork:
         """The request's tenant if already known (authenticated before, or its key cached)."""
         return self._tenant or cached_tenant(self._authorization, self.key_cache)
 
-    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._tenant is None and (tenant := self.cached_tenant()) is not None:
-            # A key verified within the cache's time: the rate is checked here, on the event loop,
-            # so a tenant over it costs no thread and no query (429s stay cheap under a flood).
+    def _admit(self, tenant: TenantRef) -> TenantRef:
+        """The request's tenant, its request counted once against the tenant's rate."""
+        if self._tenant is None:
             self.request.app.state.request_rate.take(tenant.id)
             self._tenant = tenant
+        return self._tenant
+
+    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+        # A key verified within the cache's time is admitted here, on the event loop: a tenant
+        # over its rate costs no thread and no query (429s stay cheap under a flood).
+        if self._tenant is None and (tenant := self.cached_tenant()) is not None:
+            self._admit(tenant)
         return await run_in_threadpool(self._run, fn, args)
 
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
         with open_session(self.settings) as session:
-            tenant = self._tenant or authenticate(session, self._authorization, self.key_cache)
+            tenant = self._tenant or self._admit(authenticate(session, self._authorization, self.key_cache))
             # A key looked up in the database (a cache miss) may have had its last use written:
             # commit that now, so that no row lock or SQLite write lock lasts as long as the work.
             # Nothing was sent on a cache hit, and then this commit sends nothing either.
             session.commit()
-            if not self._tenant:  # a request authenticated before (app.limits, the cache) has had its token
-                self.request.app.state.request_rate.take(tenant.id)
             result = fn(session, tenant, *args)
             session.commit()
         return result
@@ -83,16 +87,19 @@ class UnitOfWork:
         return True
 
 
+def request_key(authorization: str | None, session_key: str | None) -> str | None:
+    """The request's key as an Authorization value: the header, else the web app's cookie."""
+    return authorization or (f"Bearer {session_key}" if session_key else None)
+
+
 def unit_of_work(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     session_key: Annotated[str | None, Cookie(alias=SESSION_COOKIE, include_in_schema=False)] = None,
 ) -> UnitOfWork:
     """The request's key: the Authorization header, else the web app's session cookie."""
-    tenant = getattr(request.state, "tenant", None)
-    if credentials:
-        return UnitOfWork(request, f"{credentials.scheme} {credentials.credentials}", tenant)
-    return UnitOfWork(request, f"Bearer {session_key}" if session_key else None, tenant)
+    header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
+    return UnitOfWork(request, request_key(header, session_key), getattr(request.state, "tenant", None))
 
 
 def intake(request: Request) -> Intake:

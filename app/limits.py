@@ -21,10 +21,11 @@ from __future__ import annotations
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.db.session import open_session
-from app.deps import SESSION_COOKIE
+from app.deps import SESSION_COOKIE, request_key
 from app.errors import DomainError, error_response
 from app.services.auth import KeyCache, TenantRef, authenticate
 from app.services.quotas import RequestRate
@@ -34,17 +35,6 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 SIGN_IN = "/v1/session"  # its body is the key: bounded, not authenticated beforehand
 UPLOAD_PATHS = frozenset({"/v1/datasets"})
 MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fields
-
-
-def credentials(headers: Headers) -> str | None:
-    """The request's key as an Authorization value: the header, else the web app's cookie."""
-    if authorization := headers.get("authorization"):
-        return authorization
-    for part in headers.get("cookie", "").split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == SESSION_COOKIE and value:
-            return f"Bearer {value}"
-    return None
 
 
 class BodyLimit:
@@ -66,7 +56,10 @@ class BodyLimit:
             return await too_large(limit)(scope, receive, send)
         if path.startswith("/v1/") and path != SIGN_IN:
             try:
-                tenant = await run_in_threadpool(self._authenticate, credentials(headers))
+                session_key = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE)
+                tenant = await run_in_threadpool(
+                    self._authenticate, request_key(headers.get("authorization"), session_key)
+                )
                 self.request_rate.take(tenant.id)
             except DomainError as exc:
                 response = error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)

@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from app.services.quotas import forget_oldest_half
+
 
 class Admission:
     def __init__(self, refresh_seconds: float = 1.0) -> None:
@@ -37,7 +39,5 @@ class Admission:
                 self._counts[tenant_id] = (now, exact)
                 return False
             self._counts[tenant_id] = (now, exact + 1)
-            if len(self._counts) > 100_000:  # forget the oldest half of the tenants (a bounded table)
-                for key in sorted(self._counts, key=lambda k: self._counts[k][0])[: len(self._counts) // 2]:
-                    del self._counts[key]
+            forget_oldest_half(self._counts, at=lambda entry: entry[0])
             return True

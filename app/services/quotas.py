@@ -12,10 +12,24 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from app.errors import RateLimited
+
+V = TypeVar("V")
+
+
+TENANTS_KEPT = 100_000  # per-tenant tables of an API process hold at most this many tenants
+
+
+def forget_oldest_half(table: dict[str, V], at: Callable[[V], float]) -> None:
+    """Keep a per-tenant table bounded: past TENANTS_KEPT entries, forget the half whose ``at``
+    (the entry's last use) is oldest."""
+    if len(table) > TENANTS_KEPT:
+        for key in sorted(table, key=lambda k: at(table[k]))[: len(table) // 2]:
+            del table[key]
 
 
 class StreamSlots:
@@ -70,6 +84,4 @@ class RequestRate:
                 wait = math.ceil((1.0 - tokens) / self.rate)
                 raise RateLimited(f"this tenant is over {self.rate:g} requests a second; slow down", retry_after=wait)
             self._buckets[tenant_id] = (tokens - 1.0, now)
-            if len(self._buckets) > 100_000:  # a bounded table: forget the tenants idle longest
-                for key in sorted(self._buckets, key=lambda k: self._buckets[k][1])[: len(self._buckets) // 2]:
-                    del self._buckets[key]
+            forget_oldest_half(self._buckets, at=lambda entry: entry[1])

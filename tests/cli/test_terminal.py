@@ -58,14 +58,20 @@ def test_an_unreachable_server_names_the_url_and_how_to_start_one():
     )  # fmt: skip
 
 
-def test_a_server_that_does_not_answer_in_time():
+def stalled_server(seconds: float) -> tuple[StubServer, threading.Event]:
+    """A server that answers every request only once released (or after ``seconds``)."""
     release = threading.Event()
 
     def handle(request: Request) -> Reply:
-        release.wait(10)
+        release.wait(seconds)
         return Reply(200, job())
 
-    with StubServer(handle) as server:
+    return StubServer(handle), release
+
+
+def test_a_server_that_does_not_answer_in_time():
+    stub, release = stalled_server(10)
+    with stub as server:
         try:
             begun = time.monotonic()
             screen = run("show", "job_1", "--timeout", "0.5", env=environment(server.url, KEY))
@@ -331,13 +337,8 @@ def test_ctrl_c_detaches_logs_follow():
 
 
 def test_ctrl_c_elsewhere_is_interrupted():
-    release = threading.Event()
-
-    def handle(request: Request) -> Reply:
-        release.wait(30)
-        return Reply(200, job())
-
-    with StubServer(handle) as server:
+    stub, release = stalled_server(30)
+    with stub as server:
         child = spawn("show", "job_1", env=environment(server.url, KEY))
         try:
             while not server.requests:
