@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.db.session import open_session
 from app.deps import SESSION_COOKIE, request_key
 from app.errors import DomainError, error_response
-from app.services.auth import KeyCache, TenantRef, authenticate
+from app.services.auth import KeyCache, TenantRef, authenticate, cached_tenant
 from app.services.quotas import RequestRate
 from app.settings import Settings
 
@@ -57,8 +57,10 @@ class BodyLimit:
         if path.startswith("/v1/") and path != SIGN_IN:
             try:
                 session_key = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE)
-                tenant = await run_in_threadpool(
-                    self._authenticate, request_key(headers.get("authorization"), session_key)
+                authorization = request_key(headers.get("authorization"), session_key)
+                # A key verified within the cache's time costs no thread; only a miss asks the database.
+                tenant = cached_tenant(authorization, self.key_cache) or await run_in_threadpool(
+                    self._authenticate, authorization
                 )
                 self.request_rate.take(tenant.id)
             except DomainError as exc:
