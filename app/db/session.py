@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 from app.settings import Settings
 
@@ -73,8 +73,16 @@ def on_commit(session: Session, action: Callable[[], None]) -> None:
     session.info.setdefault("on_commit", []).append(action)
 
 
+def on_rollback(session: Session, action: Callable[[], None]) -> None:
+    """Run ``action`` once the session's transaction has ended without committing: rolled back,
+    failed to commit, or closed before its commit (not at all once committed). What it undoes
+    outside the database (a file written for a row) is then undone whatever stopped the commit."""
+    session.info.setdefault("on_rollback", []).append(action)
+
+
 @event.listens_for(Session, "after_commit")
 def _run_on_commit(session: Session) -> None:
+    session.info.pop("on_rollback", None)
     for action in session.info.pop("on_commit", []):
         try:
             action()
@@ -85,6 +93,19 @@ def _run_on_commit(session: Session) -> None:
 @event.listens_for(Session, "after_rollback")
 def _forget_on_commit(session: Session) -> None:
     session.info.pop("on_commit", None)
+
+
+@event.listens_for(Session, "after_transaction_end")
+def _run_on_rollback(session: Session, transaction: SessionTransaction) -> None:
+    # Every end of the outermost transaction comes here, a commit's too (after after_commit, which
+    # has dropped the actions by then); a close without a rollback fires nothing else.
+    if transaction.parent is not None:
+        return
+    for action in session.info.pop("on_rollback", []):
+        try:
+            action()
+        except Exception:  # the transaction's own error, if any, is what the caller must see
+            log.exception("an after-rollback action failed")
 
 
 def is_transient(exc: BaseException) -> bool:
