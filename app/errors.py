@@ -49,6 +49,14 @@ class PayloadTooLarge(DomainError):
     code, status = "payload_too_large", 413
 
 
+class StorageQuotaExceeded(PayloadTooLarge):
+    code = "storage_quota_exceeded"
+
+
+class DatasetInUse(Conflict):
+    code = "dataset_in_use"
+
+
 class ValidationFailed(DomainError):
     code, status = "validation_error", 422
 

@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(1_048_576, description="Largest batch_size x seq_len.")
     tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
     upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
+    tenant_storage_bytes: int = Field(
+        10 * 2**30, ge=0, description="Bytes of datasets a tenant may store in all (0: no uploads); more answers 413."
+    )
     max_body_bytes: int = Field(
         1 << 20, description="Largest request body other than an upload (a job spec is a few kB); more answers 413."
     )

@@ -42,7 +42,9 @@ class Dataset(Timestamped, Base):
     name: Mapped[str] = mapped_column(String(200))
     bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
-    char_vocab: Mapped[int] = mapped_column(Integer)  # distinct characters: the char tokenizer's vocabulary
+    # Distinct characters (the char tokenizer's vocabulary), counted up to CHAR_VOCAB_MAX + 1 at most:
+    # that value means "more than the char tokenizer takes".
+    char_vocab: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(String(500))  # relative to MUONFORGE_ARTIFACT_DIR
 
     __table_args__ = (Index("ix_datasets_tenant_id_id", "tenant_id", "id"),)
@@ -87,6 +89,7 @@ class Job(Timestamped, Base):
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
         Index("ix_jobs_tenant_id_status_id", "tenant_id", "status", "id"),
         Index("ix_jobs_status_lease_expires_at", "status", "lease_expires_at"),
+        Index("ix_jobs_dataset_id", "dataset_id"),  # a dataset's delete and its foreign key's check
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_id_idempotency_key"),
     )
 

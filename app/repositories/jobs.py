@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Checkpoint, Job, JobEvent
-from app.job_status import ACTIVE, RUNNING, JobStatus
+from app.job_status import ACTIVE, FINISHED, RUNNING, JobStatus
 
 
 class JobRepository:
@@ -48,6 +48,13 @@ class JobRepository:
 
     def count_active(self, tenant_id: str) -> int:
         query = select(func.count()).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
+        return self.session.scalar(query) or 0
+
+    def count_active_using(self, tenant_id: str, dataset_id: str) -> int:
+        """The tenant's queued and running jobs that train on the dataset."""
+        query = select(func.count()).where(
+            Job.tenant_id == tenant_id, Job.dataset_id == dataset_id, Job.status.in_(ACTIVE)
+        )
         return self.session.scalar(query) or 0
 
     def count_active_by_tenant(self, tenant_ids: Sequence[str]) -> dict[str, int]:
@@ -89,6 +96,12 @@ class JobRepository:
 
     def request_cancel(self, job_id: str) -> bool:
         return self._cas(job_id, (JobStatus.RUNNING,), status=JobStatus.CANCELLING, cancel_requested=True)
+
+    def forget_dataset(self, tenant_id: str, dataset_id: str) -> None:
+        """Unlink the tenant's finished jobs from a dataset about to be deleted (their spec still
+        names it); an unfinished job keeps its link, and the foreign key refuses the delete."""
+        query = update(Job).where(Job.tenant_id == tenant_id, Job.dataset_id == dataset_id, Job.status.in_(FINISHED))
+        self.session.execute(query.values(dataset_id=None))
 
     # -- writes by a worker attempt (fenced by the attempt number) --------------------------------
     def claim(self, job_id: str, owner: str, lease: timedelta) -> int | None:

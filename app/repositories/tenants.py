@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import ApiKey, Dataset, Tenant
@@ -86,6 +87,20 @@ class DatasetRepository:
 
     def get_any(self, dataset_id: str) -> Dataset | None:
         return self.session.get(Dataset, dataset_id)
+
+    def bytes_used(self, tenant_id: str) -> int:
+        """The bytes of the tenant's stored datasets."""
+        query = select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant_id == tenant_id)
+        return self.session.scalar(query)
+
+    def existing_ids(self, dataset_ids: Collection[str]) -> set[str]:
+        """Those of ``dataset_ids`` that name a stored dataset."""
+        if not dataset_ids:
+            return set()
+        return set(self.session.scalars(select(Dataset.id).where(Dataset.id.in_(list(dataset_ids)))))
+
+    def delete(self, dataset: Dataset) -> None:
+        self.session.execute(delete(Dataset).where(Dataset.id == dataset.id))
 
     def page(self, tenant_id: str, limit: int, after: str | None) -> list[Dataset]:
         query = select(Dataset).where(Dataset.tenant_id == tenant_id)

@@ -1,10 +1,10 @@
-"""/v1/datasets: upload and read corpora."""
+"""/v1/datasets: upload, read and delete corpora (thin routes over app.services.datasets)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 
 from app.deps import After, DatasetId, Work
 from app.routes.jobs import ERRORS
@@ -23,8 +23,10 @@ async def upload_dataset(
     ],
     name: Annotated[str | None, Form(max_length=200, pattern=NO_NUL)] = None,
 ) -> schemas.Dataset:
+    """Store a corpus. 413 over the upload limit (`payload_too_large`) or over what the tenant's
+    storage quota leaves (`storage_quota_exceeded`); 422 if it is empty or not UTF-8 text."""
     dataset = await work(service.upload_dataset, file.file, name or file.filename or "dataset", work.settings)
-    return schemas.Dataset.model_validate(dataset)
+    return schemas.Dataset.of(dataset)
 
 
 @router.get("", response_model=schemas.DatasetList, responses=ERRORS)
@@ -36,4 +38,12 @@ async def list_datasets(
 
 @router.get("/{dataset_id}", response_model=schemas.Dataset, responses=ERRORS)
 async def get_dataset(dataset_id: DatasetId, work: Work) -> schemas.Dataset:
-    return schemas.Dataset.model_validate(await work(service.get_dataset, dataset_id))
+    return schemas.Dataset.of(await work(service.get_dataset, dataset_id))
+
+
+@router.delete("/{dataset_id}", status_code=204, response_class=Response, responses=ERRORS)
+async def delete_dataset(dataset_id: DatasetId, work: Work) -> Response:
+    """Delete a dataset and its file. 409 `dataset_in_use` while a queued or running job of
+    the tenant trains on it; finished jobs keep their spec."""
+    await work(service.delete_dataset, dataset_id, work.settings)
+    return Response(status_code=204)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.job_status import JobStatus
+from app.services.caps import CHAR_VOCAB_MAX
 
 
 class FieldError(BaseModel):
@@ -18,10 +19,14 @@ class FieldError(BaseModel):
 class ErrorDetail(BaseModel):
     code: Literal[
         "unauthorized",
+        "forbidden",
+        "tenant_suspended",
         "not_found",
         "method_not_allowed",
         "conflict",
+        "dataset_in_use",
         "payload_too_large",
+        "storage_quota_exceeded",
         "validation_error",
         "rate_limited",
         "internal",
@@ -102,9 +107,22 @@ class Dataset(BaseModel):
     name: str
     bytes: int
     sha256: str
+    char_tokenizer: bool = Field(
+        description="Whether a job may train on it with `tokenizer: char`: false when the text has more "
+        f"than {CHAR_VOCAB_MAX:,} distinct characters (the byte tokenizer takes any dataset)."
+    )
     created_at: datetime
 
-    model_config = ConfigDict(from_attributes=True)
+    @classmethod
+    def of(cls, dataset: Any) -> Dataset:
+        return cls(
+            id=dataset.id,
+            name=dataset.name,
+            bytes=dataset.bytes,
+            sha256=dataset.sha256,
+            char_tokenizer=dataset.char_vocab <= CHAR_VOCAB_MAX,
+            created_at=dataset.created_at,
+        )
 
 
 class DatasetList(BaseModel):

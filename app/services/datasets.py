@@ -1,9 +1,23 @@
-"""Dataset uploads: streamed to disk with a size limit, checked as UTF-8, hashed, recorded."""
+"""Datasets: uploads streamed to disk within the size limit and the tenant's storage quota,
+checked as UTF-8, hashed and recorded; deletes; the sweep of files that no row names.
+
+A dataset's row and its file are stored together or not at all. The upload is written under a
+temp name (``<id>.part``) and fsynced; its row is inserted (under the tenant's lock, which makes
+the quota exact); only then is the file renamed to its final name, and removed again if the
+transaction does not commit (``on_rollback``). A process that dies between the rename and the
+commit leaves a final file that no row names, and one that dies mid-write a ``.part`` file:
+``sweep_orphans`` (run by the reaper) removes both once they are an hour old.
+"""
 
 from __future__ import annotations
 
 import codecs
 import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -11,50 +25,123 @@ from sqlalchemy.orm import Session
 
 from app.db.base import new_id
 from app.db.models import Dataset
-from app.errors import NotFound, PayloadTooLarge, ValidationFailed
-from app.repositories.tenants import DatasetRepository
+from app.db.session import on_commit, on_rollback
+from app.errors import DatasetInUse, NotFound, PayloadTooLarge, StorageQuotaExceeded, ValidationFailed
+from app.repositories.jobs import JobRepository
+from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
+from app.services.caps import CHAR_VOCAB_MAX
 from app.settings import Settings
 
+log = logging.getLogger("muonforge.datasets")
+
 CHUNK = 1 << 20
+DATASETS = "datasets"  # under MUONFORGE_ARTIFACT_DIR: datasets/<tenant id>/<dataset id>.txt
+ORPHAN_AGE_SECONDS = 3600.0  # a file no row names is removed once it is this old (no upload takes that long)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What ``write_upload`` learned of a corpus as it wrote it."""
+
+    size: int
+    sha256: str
+    char_vocab: int  # distinct characters, at most CHAR_VOCAB_MAX + 1 ("more than the char tokenizer takes")
 
 
 def upload_dataset(session: Session, tenant: TenantRef, stream: BinaryIO, name: str, settings: Settings) -> Dataset:
+    """Store an upload as a dataset of the tenant. Over the upload limit, or over what is left of
+    the tenant's storage quota (``MUONFORGE_TENANT_STORAGE_BYTES``), it answers 413: both say
+    the request is larger than the server will take, and 413's meaning is exactly that (a 422
+    would say the file is invalid, which it is not; a smaller one is accepted)."""
+    datasets = DatasetRepository(session)
+    quota = settings.tenant_storage_bytes
+    used = datasets.bytes_used(tenant.id)
+    session.commit()  # no connection is held while the file is read
     dataset_id = new_id("ds")
-    relative = Path("datasets") / tenant.id / f"{dataset_id}.txt"
+    relative = Path(DATASETS) / tenant.id / f"{dataset_id}.txt"
     target = settings.artifact_dir / relative
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".part")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        stored = write_upload(stream, tmp, settings.upload_limit_bytes, quota, used)
+        # Exact under concurrent uploads: the tenant's row is locked until the commit, so the sum
+        # counts every upload of the tenant committed before this one.
+        TenantRepository(session).lock([tenant.id])
+        used = datasets.bytes_used(tenant.id)
+        if used + stored.size > quota:
+            raise over_quota(quota, used)
+        dataset = datasets.add(
+            Dataset(
+                id=dataset_id, tenant_id=tenant.id, name=name[:200], bytes=stored.size, sha256=stored.sha256,
+                char_vocab=stored.char_vocab, path=str(relative),
+            )
+        )  # fmt: skip
+        on_rollback(session, partial(target.unlink, missing_ok=True))
+        os.utime(tmp)  # its age counts from here: the sweep leaves it alone while this commits
+        tmp.replace(target)
+        fsync_directory(target.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dataset
+
+
+def over_quota(quota: int, used: int) -> StorageQuotaExceeded:
+    if quota == 0:
+        return StorageQuotaExceeded("this server takes no dataset uploads (its storage quota is 0 bytes)", "file")
+    return StorageQuotaExceeded(
+        f"the upload would take this tenant's datasets over its storage quota of {quota:,} bytes "
+        f"({used:,} bytes in use); delete a dataset to make room",
+        param="file",
+    )
+
+
+def write_upload(stream: BinaryIO, tmp: Path, limit: int, quota: int, used: int) -> Stored:
+    """Write ``stream`` to ``tmp`` and fsync it (and its directory), checking it as UTF-8 text.
+    Reading stops as soon as it passes ``limit`` or what ``quota`` leaves above ``used``. The
+    distinct characters are collected up to CHAR_VOCAB_MAX + 1 only, so memory stays bounded
+    (that many plus one chunk's) whatever the file holds."""
+    room = max(quota - used, 0)
     digest, decoder, chars, size = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")(), set(), 0
     try:
         with tmp.open("wb") as out:
             while chunk := stream.read(CHUNK):
                 size += len(chunk)
-                if size > settings.upload_limit_bytes:
-                    raise PayloadTooLarge(f"the upload exceeds {settings.upload_limit_bytes:,} bytes", param="file")
+                if size > min(limit, room):
+                    if limit <= room:
+                        raise PayloadTooLarge(f"the upload exceeds {limit:,} bytes", param="file")
+                    raise over_quota(quota, used)
                 try:
-                    chars.update(decoder.decode(chunk))
+                    text = decoder.decode(chunk)
                 except UnicodeDecodeError as exc:
                     where = size - len(chunk) + exc.start
                     raise ValidationFailed(f"the file is not UTF-8 text (byte {where})", "file") from None
+                if chars is not None:
+                    chars.update(text)
+                    if len(chars) > CHAR_VOCAB_MAX:
+                        chars = None  # over the char tokenizer's range: no need to count further
                 digest.update(chunk)
                 out.write(chunk)
             decoder.decode(b"", final=True)
-        if size == 0:
-            raise ValidationFailed("the file is empty", param="file")
-        tmp.replace(target)
+            out.flush()
+            os.fsync(out.fileno())
     except UnicodeDecodeError:
-        tmp.unlink(missing_ok=True)
         raise ValidationFailed("the file ends inside a UTF-8 character", param="file") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dataset = Dataset(
-        id=dataset_id, tenant_id=tenant.id, name=name[:200], bytes=size, sha256=digest.hexdigest(),
-        char_vocab=len(chars), path=str(relative),
-    )  # fmt: skip
-    return DatasetRepository(session).add(dataset)
+    if size == 0:
+        raise ValidationFailed("the file is empty", param="file")
+    fsync_directory(tmp.parent)
+    return Stored(size, digest.hexdigest(), CHAR_VOCAB_MAX + 1 if chars is None else len(chars))
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the directory's entries (a new or renamed file) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def get_dataset(session: Session, tenant: TenantRef, dataset_id: str) -> Dataset:
@@ -68,7 +155,54 @@ def list_datasets(session: Session, tenant: TenantRef, limit: int, after: str | 
     rows = DatasetRepository(session).page(tenant.id, limit, after)
     page = rows[:limit]
     return schemas.DatasetList(
-        data=[schemas.Dataset.model_validate(d) for d in page],
+        data=[schemas.Dataset.of(d) for d in page],
         has_more=len(rows) > limit,
         next_after=page[-1].id if len(rows) > limit else None,
     )
+
+
+def delete_dataset(session: Session, tenant: TenantRef, dataset_id: str, settings: Settings) -> None:
+    """Delete the dataset's row, then (once committed) its file. Refused (409 dataset_in_use)
+    while a queued or running job of the tenant trains on it. The tenant's row is locked first,
+    as a job's insert locks it: no job naming the dataset can be inserted between the count and
+    the delete (one inserted after it finds no dataset)."""
+    TenantRepository(session).lock([tenant.id])
+    dataset = get_dataset(session, tenant, dataset_id)
+    jobs = JobRepository(session)
+    if active := jobs.count_active_using(tenant.id, dataset.id):
+        raise DatasetInUse(
+            f"dataset {dataset.id!r} is used by {active} queued or running job(s): cancel them or let them finish",
+            param="dataset_id",
+        )
+    jobs.forget_dataset(tenant.id, dataset.id)
+    DatasetRepository(session).delete(dataset)
+    on_commit(session, partial((settings.artifact_dir / dataset.path).unlink, missing_ok=True))
+
+
+def sweep_orphans(session: Session, settings: Settings, now: float | None = None) -> int:
+    """Remove the files under the datasets directory that no row names and that are older than
+    ORPHAN_AGE_SECONDS: uploads cut off mid-write (``.part``), and files whose row was never
+    committed (a process that died between the rename and the commit) or whose delete committed
+    before its file went. Returns how many were removed."""
+    root = settings.artifact_dir / DATASETS
+    if not root.is_dir():
+        return 0
+    cutoff = (time.time() if now is None else now) - ORPHAN_AGE_SECONDS
+    repo, removed = DatasetRepository(session), 0
+    for directory in (d for d in root.iterdir() if d.is_dir()):
+        old = [f for f in directory.iterdir() if f.is_file() and _mtime(f) < cutoff]
+        known = repo.existing_ids({f.stem for f in old if f.suffix == ".txt"})
+        for f in old:
+            if f.suffix == ".part" or (f.suffix == ".txt" and f.stem not in known):
+                f.unlink(missing_ok=True)
+                removed += 1
+    if removed:
+        log.info("removed %d dataset file(s) that no dataset names", removed)
+    return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed meanwhile (another process's sweep)
+        return float("inf")

@@ -110,6 +110,10 @@ def prepare_submission(
     return Submission(digest, row=row, cap=cap)
 
 
+def no_dataset(dataset_id: str) -> ValidationFailed:
+    return ValidationFailed(f"no dataset {dataset_id!r} for this tenant", param="data.dataset_id")
+
+
 def cap_reached(cap: int) -> RateLimited:
     return RateLimited(f"this tenant already has {cap} queued or running jobs (the cap)", retry_after=30)
 
@@ -132,13 +136,13 @@ def vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
         return 256 if spec.data.tokenizer == "byte" else PYSOURCE_CHAR_VOCAB
     dataset = DatasetRepository(session).get(spec.data.dataset_id, tenant.id)
     if dataset is None:
-        raise ValidationFailed(f"no dataset {spec.data.dataset_id!r} for this tenant", param="data.dataset_id")
+        raise no_dataset(spec.data.dataset_id)
     if spec.data.tokenizer == "byte":
         return 256
-    if dataset.char_vocab > CHAR_VOCAB_MAX:
+    if dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1 at most (the upload)
         raise ValidationFailed(
-            f"the dataset has {dataset.char_vocab:,} distinct characters; the char tokenizer takes at most "
-            f"{CHAR_VOCAB_MAX:,}: use tokenizer byte",
+            f"the dataset has more than {CHAR_VOCAB_MAX:,} distinct characters, the most the char tokenizer "
+            "takes: use tokenizer byte",
             param="data.tokenizer",
         )
     return dataset.char_vocab
@@ -149,14 +153,20 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
     """Insert new jobs and their first status events, in one statement per table. The tenants'
     rows are locked and their active jobs counted first, so the job cap holds exactly however many
     API processes insert at once. A job whose Idempotency-Key another request inserted first is
-    that request's replay (or a 409). Returns, per submission, (job, created) or the error it
-    answers with."""
+    that request's replay (or a 409); one whose dataset was deleted since it was prepared, a 422.
+    Returns, per submission, (job, created) or the error it answers with."""
     repo = JobRepository(session)
     tenants = sorted({s.row["tenant_id"] for s in submissions})
     TenantRepository(session).lock(tenants)
+    # A dataset deleted since its job was prepared (a delete takes the same lock): refused as then.
+    named = {s.row["dataset_id"] for s in submissions if s.row["dataset_id"]}
+    present = DatasetRepository(session).existing_ids(named)
+    gone = {s.row["id"] for s in submissions if s.row["dataset_id"] and s.row["dataset_id"] not in present}
     active = repo.count_active_by_tenant(tenants)
     admitted: list[Submission] = []
     for sub in submissions:
+        if sub.row["id"] in gone:
+            continue
         tenant = sub.row["tenant_id"]
         if active.get(tenant, 0) < sub.cap:
             active[tenant] = active.get(tenant, 0) + 1
@@ -166,6 +176,9 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
     for sub in submissions:
         if sub.row["id"] in inserted:
             results.append((Job(**sub.row), True))
+            continue
+        if sub.row["id"] in gone:
+            results.append(no_dataset(sub.row["dataset_id"]))
             continue
         key = sub.row["idempotency_key"]
         existing = repo.by_idempotency_key(sub.row["tenant_id"], key) if key else None

@@ -1,11 +1,13 @@
 """The reaper: jobs whose worker stopped renewing its lease go back to the queue (to resume from
 their latest checkpoint), or end cancelled / failed; queued jobs whose task got lost are re-sent.
-Several reapers may run at once (API and workers): every change is a compare-and-set."""
+Several reapers may run at once (API and workers): every change is a compare-and-set. Every
+SWEEP_SECONDS it also removes the dataset files that no row names (app.services.datasets)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
@@ -16,10 +18,12 @@ from app.db.session import transaction
 from app.job_status import JobStatus
 from app.live import live_bus
 from app.repositories.jobs import JobRepository
+from app.services.datasets import sweep_orphans
 from app.services.job_events import record_status
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.reaper")
+SWEEP_SECONDS = 600.0  # how often the dataset files are swept (a directory listing per tenant)
 
 
 def reap(session: Session, settings: Settings, now: datetime) -> list[tuple[str, str]]:
@@ -56,10 +60,23 @@ def reap_once(settings: Settings) -> int:
     return len(resend)
 
 
+def sweep_once(settings: Settings) -> int:
+    with transaction(settings) as session:
+        return sweep_orphans(session, settings)
+
+
 def run_reaper(settings: Settings, stop: threading.Event) -> None:
-    """Reap every ``reaper_seconds`` until ``stop`` is set."""
+    """Reap every ``reaper_seconds``, and sweep the dataset files every SWEEP_SECONDS, until
+    ``stop`` is set."""
+    next_sweep = time.monotonic() + SWEEP_SECONDS
     while not stop.wait(settings.reaper_seconds):
         try:
             reap_once(settings)
         except Exception:
             log.exception("reaper pass failed")
+        if time.monotonic() >= next_sweep:
+            next_sweep = time.monotonic() + SWEEP_SECONDS
+            try:
+                sweep_once(settings)
+            except Exception:
+                log.exception("dataset sweep failed")
