@@ -128,6 +128,12 @@ def get_dataset(dataset_id: str) -> Call:
     return Call("GET", f"/v1/datasets/{_id(dataset_id)}")
 
 
+def delete_dataset(dataset_id: str) -> Call:
+    # Not repeated after an unanswered attempt: had it deleted the dataset, the repeat would
+    # answer 404.
+    return Call("DELETE", f"/v1/datasets/{_id(dataset_id)}", repeat=Repeat.UNSENT)
+
+
 # -- health ---------------------------------------------------------------------------------------
 def healthz() -> Call:
     return Call("GET", "/healthz")

@@ -181,6 +181,11 @@ class Client(_ClientBase):
     def get_dataset(self, dataset_id: str) -> Json:
         return self._call(api.get_dataset(dataset_id))
 
+    def delete_dataset(self, dataset_id: str) -> None:
+        """Delete a dataset and its file; Conflict (``dataset_in_use``) while a queued or running
+        job trains on it, NotFound for an unknown one."""
+        self._call(api.delete_dataset(dataset_id))
+
     # -- health -----------------------------------------------------------------------------------
     def healthz(self) -> Json:
         """Liveness: ``{"status": "ok"}``."""
@@ -194,7 +199,7 @@ class Client(_ClientBase):
     def _call(self, call: Call) -> Any:
         def read(response: httpx.Response) -> Any:
             response.read()
-            return call.result(response.json())
+            return call.result(response.json() if response.content else None)  # 204: no body
 
         return self._run(call, read)
 
@@ -329,6 +334,9 @@ class AsyncClient(_ClientBase):
     async def get_dataset(self, dataset_id: str) -> Json:
         return await self._call(api.get_dataset(dataset_id))
 
+    async def delete_dataset(self, dataset_id: str) -> None:
+        await self._call(api.delete_dataset(dataset_id))
+
     # -- health -----------------------------------------------------------------------------------
     async def healthz(self) -> Json:
         return await self._call(api.healthz())
@@ -340,7 +348,7 @@ class AsyncClient(_ClientBase):
     async def _call(self, call: Call) -> Any:
         async def read(response: httpx.Response) -> Any:
             await response.aread()
-            return call.result(response.json())
+            return call.result(response.json() if response.content else None)  # 204: no body
 
         return await self._run(call, read)
 

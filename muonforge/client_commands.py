@@ -193,6 +193,13 @@ def cmd_datasets_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_datasets_delete(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.delete_dataset(args.dataset_id)
+    print(f"{args.dataset_id}: deleted")
+    return 0
+
+
 def add_client_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """The client commands, each taking the ``common`` options (--url, --api-key, --debug)."""
 
@@ -233,7 +240,7 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     download.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     download.add_argument("--out", type=Path, help="file or directory (default: ./<job>-step<N>.pt)")
 
-    datasets = sub.add_parser("datasets", help="upload and list corpora").add_subparsers(
+    datasets = sub.add_parser("datasets", help="upload, list and delete corpora").add_subparsers(
         dest="datasets_command", required=True
     )
     upload_ = command(datasets, "upload", cmd_datasets_upload, "upload a UTF-8 text corpus; prints its id")
@@ -242,3 +249,5 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     listing = command(datasets, "list", cmd_datasets_list, "list uploaded corpora, newest first")
     listing.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
     listing.add_argument("--json", action="store_true", help="the Dataset objects as JSON")
+    delete = command(datasets, "delete", cmd_datasets_delete, "delete a corpus (refused while a job uses it)")
+    delete.add_argument("dataset_id")

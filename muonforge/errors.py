@@ -62,12 +62,13 @@ class NotFound(ApiError):
 
 
 class Conflict(ApiError):
-    """409: the request contradicts the object's state (cancelling a finished job, an
-    Idempotency-Key reused with another body)."""
+    """409: the request contradicts the object's state (cancelling a finished job, deleting a
+    dataset a queued or running job uses, an Idempotency-Key reused with another body)."""
 
 
 class PayloadTooLarge(ApiError):
-    """413: an upload over the server's limit."""
+    """413: an upload over the server's limit (`payload_too_large`) or the tenant's storage quota
+    (`storage_quota_exceeded`)."""
 
 
 class ValidationError(ApiError):

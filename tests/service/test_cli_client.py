@@ -149,6 +149,13 @@ def test_datasets_upload_and_list(settings, api_url, tmp_path):
     assert row.split()[:3] == [dataset_id, "hamlet", f"{corpus.stat().st_size:,}"]
     listed = json.loads(muonforge("datasets", "list", "--json", url=api_url, key=key).stdout)
     assert [(d["id"], d["name"]) for d in listed] == [(dataset_id, "hamlet")]
+    deleted = muonforge("datasets", "delete", dataset_id, url=api_url, key=key)
+    assert deleted.returncode == 0, deleted.stderr
+    assert deleted.stdout.strip() == f"{dataset_id}: deleted"
+    again = muonforge("datasets", "delete", dataset_id, url=api_url, key=key)
+    assert again.returncode == 2
+    assert one_error_line(again) == f"error: no dataset {dataset_id!r} (404 not_found)"
+    assert muonforge("datasets", "list", "--json", url=api_url, key=key).stdout.strip() == "[]"
 
     (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
     invalid = muonforge("datasets", "upload", tmp_path / "latin1.txt", url=api_url, key=key)

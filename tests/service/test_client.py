@@ -125,6 +125,13 @@ def test_datasets_upload_get_list(run, settings, tmp_path):
         assert (await raises(ValidationError, lambda: client.upload_dataset(tmp_path / "latin1.txt"))).param == "file"
         assert (await raises(NotFound, lambda: client.get_dataset("ds_nope"))).param == "dataset_id"
 
+        job = await done(client.create_job(tiny_spec() | {"data": {"dataset_id": one["id"]}}))
+        assert (await raises(Conflict, lambda: client.delete_dataset(one["id"]))).code == "dataset_in_use"
+        await done(client.cancel_job(job["id"]))
+        assert await done(client.delete_dataset(one["id"])) is None
+        assert [d["id"] for d in await done(client.list_datasets())] == [two["id"]]
+        assert (await raises(NotFound, lambda: client.delete_dataset(one["id"]))).param == "dataset_id"
+
     run(new_key(settings), scenario)
 
 
