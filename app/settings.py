@@ -6,6 +6,7 @@ and a SQLite-backed broker under ./var, no server needed.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -13,6 +14,24 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 VAR = Path("var")
+MEMORY_SHARE = 0.8  # of the machine's (or container's) memory, a job's by default; the rest: the worker, the OS
+
+
+def machine_memory_bytes() -> int:
+    """This machine's memory, or its container's limit where lower (cgroup v2, then v1)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def default_job_memory() -> int:
+    return int(MEMORY_SHARE * machine_memory_bytes())
 
 
 class Settings(BaseSettings):
@@ -26,6 +45,20 @@ class Settings(BaseSettings):
     max_params: int = Field(200_000_000, description="Largest model, in parameters.")
     max_steps: int = Field(1_000_000, description="Most optimizer steps per job.")
     max_batch_tokens: int = Field(1_048_576, description="Largest batch_size x seq_len.")
+    worker_memory_bytes: int = Field(
+        default_factory=default_job_memory,
+        gt=0,
+        description="Memory one job may take on a worker (its estimated peak: weights, optimizer state, "
+        "activations, attention scores, logits); more answers 422. Default: 80% of this machine's or "
+        "container's memory; set it to the smallest worker's.",
+    )
+    max_series_per_step: int = Field(
+        1024, gt=0, description="Telemetry series reported per telemetry step (per-head and per-expert included)."
+    )
+    max_checkpoints: int = Field(1000, gt=0, description="Checkpoints one job writes: steps / checkpoint_every.")
+    max_job_minutes: float = Field(
+        1440.0, gt=0, description="Wall time a job may take (train.max_minutes: its default and its cap)."
+    )
     tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
     upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
     tenant_storage_bytes: int = Field(

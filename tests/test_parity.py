@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import json
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from app.services import caps, intake
 from muonforge import client
 from worker.engine import data as engine_data
 from worker.engine.config import ModelConfig, OptimizerConfig, TelemetryConfig, TrainConfig, job_config_from_dict
+from worker.engine.models import attention as engine_attention
 from worker.engine.models import build_model
 from worker.engine.models import gpt as engine_gpt
+from worker.engine.run import run_job
 
 SHAPES = {  # (n_layer, n_head, d_model, seq_len), a grid that crosses every term of the count
     "gpt": list(itertools.product((1, 3), (1, 4), (8, 48), (2, 9, 64))),
@@ -58,7 +61,7 @@ def test_the_apps_pysource_vocabulary_is_the_engines(tmp_path):
         data = {"builtin": "pysource", "tokenizer": tokenizer}
         spec = JobSpec.model_validate({"model": {"arch": "gpt"}, "data": data})
         engine = engine_data.load_data(job_config_from_dict(spec.model_dump()).data, 0, tmp_path).vocab_size
-        assert intake.vocabulary(None, None, spec) == engine == (256 if tokenizer == "byte" else 128)
+        assert intake.data_facts(None, None, spec) == (engine, 0) == (256 if tokenizer == "byte" else 128, 0)
     assert caps.PYSOURCE_CHAR_VOCAB == len(engine_data.PYSOURCE_CHARS)
     assert caps.CHAR_VOCAB_MAX == engine_data.CHAR_VOCAB_MAX
 
@@ -105,3 +108,32 @@ def test_job_spec_optimizer_defaults_are_optims():
 def test_the_clients_statuses_are_the_services():
     assert set(client.FINISHED) == {s.value for s in FINISHED}
     assert Job.model_json_schema()["$defs"]["JobStatus"]["enum"] == [s.value for s in JobStatus]
+
+
+@pytest.mark.parametrize(
+    ("arch", "optimizer", "per_head", "per_expert"),
+    [("gpt", "muon", True, True), ("gpt", "muonclip", False, True), ("gpt", "adamw", True, True),
+     ("moe", "muon", True, True), ("moe", "muonclip", True, False), ("moe", "adamw", False, False),
+     ("mlp", "muon", True, True)],
+)  # fmt: skip
+def test_the_series_count_of_the_caps_is_what_the_engine_reports(tmp_path, arch, optimizer, per_head, per_expert):
+    model = {"arch": arch, "n_layer": 3, "d_model": 16, "seq_len": 8} | ({} if arch == "mlp" else {"n_head": 2})
+    spec = JobSpec.model_validate(
+        {
+            "model": model | ({"n_experts": 5, "top_k": 2} if arch == "moe" else {}),
+            "data": {"builtin": "synthetic"},
+            "optimizer": {"name": optimizer},
+            "train": {"steps": 2, "batch_size": 2, "eval_every": 1},
+            "telemetry": {"sample_tokens": 0, "per_head": per_head, "per_expert": per_expert},
+        }
+    ).model_dump(mode="json")
+    run_job(spec, tmp_path)
+    reported = [set(json.loads(line)["metrics"]) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(len(names) for names in reported) == caps.series_per_step(spec)
+    assert any(name.count("h") and name.startswith("attn_max_logit/l") for name in set().union(*reported)) == (
+        per_head and arch != "mlp"
+    )
+
+
+def test_the_memory_caps_max_logit_block_is_the_engines():
+    assert caps.MAX_LOGIT_BLOCK == engine_attention.MAX_LOGIT_BLOCK

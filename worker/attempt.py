@@ -86,7 +86,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         except LeaseLost:
             return "lease_lost"
         except TrainingError as exc:
-            error = {"code": "training_error", "message": str(exc)}
+            error = {"code": exc.code, "message": str(exc)}
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
         except Exception as exc:
             if is_transient(exc):  # infrastructure, not the job: it resumes from its checkpoint

@@ -136,6 +136,14 @@ class TrainSpec(_Strict):
         3, ge=1, le=100, description="Checkpoints kept: the latest N, plus the one with the best val_loss."
     )
     max_restarts: int = Field(3, ge=0, le=10, description="Resumes from checkpoint after a worker loss.")
+    max_minutes: float | None = Field(
+        None,
+        gt=0.0,
+        le=525_600,
+        description="Wall time the run may take, its attempts end to end; past it the job stops with its "
+        "state checkpointed and ends failed (code time_limit). Unset: the server's limit "
+        "(MUONFORGE_MAX_JOB_MINUTES) for a service job, none for `muonforge train`.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA if present, else CPU.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on CUDA, fp32 on CPU.")
 
@@ -156,6 +164,8 @@ class TelemetrySpec(_Strict):
         le=1000,
         description="Tokens of text the model writes after a fixed prompt at every evaluation (0: none).",
     )
+    per_head: bool = Field(True, description="Report attn_max_logit/l{i}h{j}, one series per attention head.")
+    per_expert: bool = Field(True, description="Report router/load/l{i}e{j}, one series per MoE expert.")
 
 
 class JobSpec(_Strict):

@@ -1,4 +1,5 @@
-"""Resource caps checked before a job is queued: parameters, steps, tokens per batch."""
+"""Resource caps checked before a job is queued: parameters, steps, tokens per batch, the memory a
+run will take, its telemetry volume, its checkpoints and its run time."""
 
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ MLP_CONTEXT = 8  # the mlp baseline's window, in tokens
 SYNTHETIC_VOCAB = 64  # tokens of the builtin synthetic task
 PYSOURCE_CHAR_VOCAB = 128  # the builtin pysource text's char tokenizer: the ASCII alphabet on every Python
 CHAR_VOCAB_MAX = 1 << 16  # the most distinct characters the char tokenizer takes (uint16 ids)
+MAX_LOGIT_BLOCK = 256  # query rows per block of the exact max-logit recompute on CUDA
+
+# Telemetry series per step (series_per_step), beyond the attention and router ones: loss, val_loss,
+# lr, grad_norm, logits/max_abs, logits/std, step_time_ms, tokens_per_s, elapsed_s.
+GLOBAL_SERIES = 9
+OPTIMIZER_SERIES = {"adamw": 0, "muon": 3, "muonclip": 5}  # update_rms, optim/*; qk_clip/*
+ROUTER_SERIES = 4  # router/aux_loss, router/entropy, router/load_max, router/load_min
+
+# Memory of a run (peak_memory_bytes): fp32 values kept per token, measured on the engine.
+BYTES_PER_FLOAT = 4
+RUN_OVERHEAD_BYTES = 128 << 20  # the run's own buffers whatever its size (thread pools, allocator arenas)
+STATE_COPIES = 6  # fp32 copies of the parameters: weights, gradients, optimizer state, checkpoint work
+NS_WORK = 3  # copies of the largest matrix that Newton–Schulz works on
+ACT_FLOATS_BLOCK = 10  # per layer x d_model: norms, q k v, attention output, projections, residuals
+ACT_FLOATS_FFN = 12  # per layer x d_model: the feed-forward's up projection and GELU (4 d each) and more
+ACT_FLOATS_MOE = 10  # per layer x d_model x top_k: each routed copy's gather, up, GELU and down
+ACT_FLOATS_MLP = 2  # per hidden layer x width: the linear output and its GELU
+ATTENTION_TRANSIENT = 3  # score matrices alive at once beyond those kept: scaled, masked, their gradients
+LOGIT_FLOATS = 5  # per token x vocab: logits, log-softmax, gradients and the telemetry's copy
+CORPUS_BYTES_BYTE = 3  # per corpus byte while it is tokenized: the file, its text and its ids
+CORPUS_BYTES_CHAR = 24  # per corpus byte, char tokenizer: text, UTF-32 codes, 64-bit search indexes
 
 
 def parameter_count(model: dict[str, Any], vocab: int) -> int:
@@ -31,7 +53,64 @@ def parameter_count(model: dict[str, Any], vocab: int) -> int:
     return vocab * d + T * d + L * block + 2 * d
 
 
-def check_caps(spec: dict[str, Any], vocab: int, settings: Settings) -> None:
+def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0) -> int:
+    """An upper estimate of the memory a training run of ``spec`` takes beyond the worker's own,
+    in bytes: weights, gradients and optimizer state (4 fp32 copies of the parameters: Muon keeps
+    one momentum, AdamW two moments); the Newton–Schulz work of the largest matrix; the
+    activations the backward pass keeps, including the attention scores (B x H x T x T per layer
+    on a CPU, where attention is computed plainly; fused attention on CUDA keeps none) and the
+    logits (B x T x vocab, with their softmax and gradients); and the tokenized corpus.
+
+    The coefficients are measured (peak resident memory of real runs, tests/engine/
+    test_memory_estimate.py checks the estimate against it): the estimate is above the measured
+    peak and within a small factor of it."""
+    model, train = spec["model"], spec["train"]
+    d, L, T, B = model["d_model"], model["n_layer"], model["seq_len"], train["batch_size"]
+    tokens = B * T
+    params = parameter_count(model, vocab)
+    state = STATE_COPIES * params + NS_WORK * max_matrix(model, vocab)
+    on_cuda = train.get("device") == "cuda"
+    if model["arch"] == "mlp":
+        hidden = MLP_RATIO * d
+        layer_floats = tokens * (MLP_CONTEXT * d + ACT_FLOATS_MLP * hidden * L)
+        attention = 0
+    else:
+        ffn = ACT_FLOATS_FFN * d
+        if model["arch"] == "moe":
+            ffn = ACT_FLOATS_MOE * d * model["top_k"] + model["n_experts"]
+        layer_floats = tokens * L * (ACT_FLOATS_BLOCK * d + ffn)
+        scores = B * model["n_head"] * T * (min(T, MAX_LOGIT_BLOCK) if on_cuda else T)
+        attention = scores * (L * (0 if on_cuda else 1) + ATTENTION_TRANSIENT)
+    logits = LOGIT_FLOATS * tokens * vocab
+    data = corpus_bytes * (CORPUS_BYTES_CHAR if spec["data"].get("tokenizer") == "char" else CORPUS_BYTES_BYTE)
+    return RUN_OVERHEAD_BYTES + BYTES_PER_FLOAT * (state + layer_floats + attention + logits) + data
+
+
+def max_matrix(model: dict[str, Any], vocab: int) -> int:
+    """Elements of the largest weight matrix (the Newton–Schulz work is a few of its size)."""
+    d = model["d_model"]
+    hidden = MLP_RATIO * d
+    if model["arch"] == "mlp":
+        return max(vocab * hidden, min(MLP_CONTEXT, model["seq_len"]) * d * hidden, hidden * hidden)
+    return max(vocab * d, 3 * d * d, hidden * d)
+
+
+def series_per_step(spec: dict[str, Any]) -> int:
+    """The telemetry series a run reports at each telemetry step (docs/service.md, "Telemetry
+    names"): global ones, per layer, per head, per expert, the optimizer's."""
+    model, telemetry, optimizer = spec["model"], spec["telemetry"], spec["optimizer"]["name"]
+    count = GLOBAL_SERIES + OPTIMIZER_SERIES[optimizer]
+    if model["arch"] != "mlp":
+        L = model["n_layer"]
+        count += 1 + L + (L * model["n_head"] if telemetry["per_head"] else 0)  # attn_max_logit[/l{i}[h{j}]]
+        if model["arch"] == "moe":
+            count += ROUTER_SERIES + (L * model["n_experts"] if telemetry["per_expert"] else 0)
+    return count
+
+
+def check_caps(spec: dict[str, Any], vocab: int, corpus_bytes: int, settings: Settings) -> None:
+    """Every cap a job's spec must fit before it is queued; the first one it misses is a 422
+    naming the field and giving the limit."""
     params = parameter_count(spec["model"], vocab)
     if params > settings.max_params:
         raise ValidationFailed(
@@ -47,3 +126,43 @@ def check_caps(spec: dict[str, Any], vocab: int, settings: Settings) -> None:
             f"batch_size x seq_len = {tokens:,} tokens exceeds this server's cap of {settings.max_batch_tokens:,}",
             param="train.batch_size",
         )
+    needed = peak_memory_bytes(spec, vocab, corpus_bytes)
+    if needed > settings.worker_memory_bytes:
+        raise ValidationFailed(
+            f"this job needs about {gib(needed)} of memory at its peak (weights, optimizer state, activations, "
+            f"attention scores and logits); a worker here gives a job {gib(settings.worker_memory_bytes)}: "
+            "lower train.batch_size, model.seq_len or the model's size",
+            param="train.batch_size",
+        )
+    series = series_per_step(spec)
+    if series > settings.max_series_per_step:
+        fine = "telemetry.per_expert" if spec["model"]["arch"] == "moe" and spec["telemetry"]["per_expert"] else None
+        if spec["model"]["arch"] != "mlp" and spec["telemetry"]["per_head"]:
+            heads = spec["model"]["n_layer"] * spec["model"]["n_head"]
+            experts = spec["model"]["n_layer"] * (spec["model"]["n_experts"] or 0) if fine else 0
+            fine = "telemetry.per_head" if heads >= experts else fine
+        advice = f": set {fine} to false" if fine else ""
+        raise ValidationFailed(
+            f"the run would report {series:,} telemetry series per step; this server's cap is "
+            f"{settings.max_series_per_step:,}{advice}",
+            param=fine or "model.n_layer",
+        )
+    train = spec["train"]
+    checkpoints = -(-train["steps"] // train["checkpoint_every"])
+    if checkpoints > settings.max_checkpoints:
+        floor = -(-train["steps"] // settings.max_checkpoints)
+        raise ValidationFailed(
+            f"checkpoint_every {train['checkpoint_every']:,} writes {checkpoints:,} checkpoints; this server's cap is "
+            f"{settings.max_checkpoints:,} per job: use checkpoint_every {floor:,} or more",
+            param="train.checkpoint_every",
+        )
+    minutes = train.get("max_minutes")
+    if minutes is not None and minutes > settings.max_job_minutes:
+        raise ValidationFailed(
+            f"max_minutes {minutes:g} exceeds this server's limit of {settings.max_job_minutes:g} minutes per job",
+            param="train.max_minutes",
+        )
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"

@@ -88,6 +88,8 @@ def prepare_submission(
     spares most submissions an exact count."""
     repo = JobRepository(session)
     dumped = spec.model_dump(mode="json")
+    if dumped["train"]["max_minutes"] is None:  # the server's limit, shown in the stored spec
+        dumped["train"]["max_minutes"] = settings.max_job_minutes
     digest = request_hash(dumped)
     if idempotency_key:
         existing = repo.by_idempotency_key(tenant.id, idempotency_key)
@@ -96,7 +98,7 @@ def prepare_submission(
     cap = settings.tenant_job_cap if tenant.job_cap is None else tenant.job_cap
     if cap <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
-    check_caps(dumped, vocabulary(session, tenant, spec), settings)
+    check_caps(dumped, *data_facts(session, tenant, spec), settings)
     count_active = partial(repo.count_active, tenant.id)
     if not (admission.admit(tenant.id, cap, count_active) if admission else count_active() < cap):
         raise cap_reached(cap)
@@ -125,27 +127,28 @@ def replay(existing: Job, digest: str) -> Job:
     return existing
 
 
-def vocabulary(session: Session, tenant: TenantRef, spec: JobSpec) -> int:
-    """The vocabulary size the engine will use for the spec's data (for the parameter cap). A
-    dataset with more distinct characters than the char tokenizer takes is refused here."""
+def data_facts(session: Session, tenant: TenantRef, spec: JobSpec) -> tuple[int, int]:
+    """(vocabulary size, corpus bytes) of the spec's data, as the engine will see them (for the
+    parameter and memory caps). A dataset with more distinct characters than the char tokenizer
+    takes is refused here."""
     if spec.data.path is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
     if spec.data.builtin == "synthetic":
-        return SYNTHETIC_VOCAB
+        return SYNTHETIC_VOCAB, 0
     if spec.data.builtin == "pysource":
-        return 256 if spec.data.tokenizer == "byte" else PYSOURCE_CHAR_VOCAB
+        return (256 if spec.data.tokenizer == "byte" else PYSOURCE_CHAR_VOCAB), 0
     dataset = DatasetRepository(session).get(spec.data.dataset_id, tenant.id)
     if dataset is None:
         raise no_dataset(spec.data.dataset_id)
     if spec.data.tokenizer == "byte":
-        return 256
+        return 256, dataset.bytes
     if dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1 at most (the upload)
         raise ValidationFailed(
             f"the dataset has more than {CHAR_VOCAB_MAX:,} distinct characters, the most the char tokenizer "
             "takes: use tokenizer byte",
             param="data.tokenizer",
         )
-    return dataset.char_vocab
+    return dataset.char_vocab, dataset.bytes
 
 
 # -- stage 2: insert -----------------------------------------------------------------------------

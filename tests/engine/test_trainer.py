@@ -15,7 +15,7 @@ from worker.engine.data import SYNTHETIC_ALPHABET, Tokenizer, load_corpus, synth
 from worker.engine.run import run_job
 from worker.engine.sample import PROMPT_TOKENS
 from worker.engine.telemetry import SUMMARY_KEYS, JsonlSink, Report
-from worker.engine.trainer import Trainer, TrainingError, lr_factor
+from worker.engine.trainer import TimeLimitReached, Trainer, TrainingError, lr_factor
 
 
 def spec(arch="gpt", optimizer="muon", **train) -> dict:
@@ -78,6 +78,24 @@ def test_cancel_stops_at_the_next_step_and_checkpoints(tmp_path):
     assert result.status == "cancelled" and result.steps == 3
     assert sink.checkpoints[-1][0] == 3
     assert max(step for step, _ in sink.records) == 2
+
+
+def test_max_minutes_stops_the_run_with_its_state_checkpointed_and_a_resume_goes_on(tmp_path, monkeypatch):
+    clock = itertools.count(0.0, 7.0)  # every reading of the clock is 7 s later than the one before
+    monkeypatch.setattr("worker.engine.trainer.time.perf_counter", lambda: next(clock))
+    sink = ListSink()
+    t = trainer(spec(steps=40, checkpoint_every=25, max_minutes=1.0), tmp_path, sink)
+    with pytest.raises(TimeLimitReached, match=r"train.max_minutes \(1\) after (\d+) of 40 steps; its state") as stop:
+        t.run()
+    stopped = t.step
+    assert 0 < stopped < 25 and stop.value.code == "time_limit"
+    assert sink.checkpoints[-1][0] == stopped  # the work is kept, between two checkpoint steps
+    assert all(values["elapsed_s"] < 60.0 for _, values in sink.records[:-1])  # no step begun past the limit
+    # elapsed_s goes on from the checkpoint: with a larger limit the run ends, from where it stopped.
+    again = ListSink()
+    t2 = trainer(spec(steps=40, checkpoint_every=25, max_minutes=1000.0), tmp_path, again)
+    assert t2.run().steps == 40
+    assert again.records[0][0] == stopped and again.records[0][1]["elapsed_s"] > sink.records[-1][1]["elapsed_s"]
 
 
 def test_nonfinite_loss_stops_with_the_step(tmp_path):

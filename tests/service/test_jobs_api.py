@@ -163,6 +163,17 @@ INVALID = [
     (_with("model.d_model", 8192) | {"model": {"arch": "gpt", "n_layer": 64, "d_model": 8192}}, "model"),
     (_with("train.batch_size", 4096) | {"model": {"arch": "gpt", "seq_len": 4096}}, "train.batch_size"),
     (_with("data.dataset_id", "ds_missing") | {"data": {"dataset_id": "ds_missing"}}, "data.dataset_id"),
+    # Within the parameter and batch caps, over a worker's memory: 128 x 64 x 8192^2 attention scores.
+    (_with("train.batch_size", 128) | {"model": {"arch": "gpt", "n_head": 64, "seq_len": 8192}}, "train.batch_size"),
+    # 64 x 64 per-head series, then 64 x 256 per-expert series, over the 1,024 per step.
+    ({**tiny_spec(), "model": {"arch": "gpt", "n_layer": 64, "n_head": 64, "d_model": 64}}, "telemetry.per_head"),
+    (
+        {**tiny_spec(), "model": {"arch": "moe", "n_layer": 64, "d_model": 16, "n_experts": 256}},
+        "telemetry.per_expert",
+    ),
+    (_with("train.steps", 100_000) | {"train": {"steps": 100_000, "checkpoint_every": 10}}, "train.checkpoint_every"),
+    (_with("train.max_minutes", 100_000), "train.max_minutes"),  # over the server's 1,440
+    (_with("train.max_minutes", 0), "train.max_minutes"),
 ]
 
 
@@ -173,6 +184,33 @@ def test_invalid_specs_answer_422_with_the_offending_param(client, auth, spec, p
     error = r.json()["error"]
     assert error["code"] == "validation_error" and error["param"] == param and error["message"]
     assert client.get("/v1/jobs", headers=auth).json()["data"] == []  # nothing stored
+
+
+def test_the_limits_named_by_a_refusal_are_in_its_message(client, auth, settings):
+    wide = {**tiny_spec(), "model": {"arch": "gpt", "n_layer": 64, "n_head": 64, "d_model": 64}}
+    error = client.post("/v1/jobs", json=wide, headers=auth).json()["error"]
+    assert "4,173 telemetry series per step" in error["message"] and "cap is 1,024" in error["message"]
+    # The way out the message gives is taken: the per-layer series stay, the per-head ones go.
+    r = client.post("/v1/jobs", json={**wide, "telemetry": {"per_head": False}}, headers=auth)
+    assert r.status_code == 201, r.text
+    huge = _with("train.batch_size", 128) | {"model": {"arch": "gpt", "n_head": 64, "seq_len": 8192}}
+    error = client.post("/v1/jobs", json=huge, headers=auth).json()["error"]
+    budget = f"{settings.worker_memory_bytes / 2**30:,.2f} GiB"
+    assert re.search(r"needs about [\d,.]+ GiB", error["message"]) and budget in error["message"]
+    every = _with("train.steps", 100_000) | {"train": {"steps": 100_000, "checkpoint_every": 10}}
+    assert (
+        "use checkpoint_every 100 or more"
+        in client.post("/v1/jobs", json=every, headers=auth).json()["error"]["message"]
+    )
+    cancel_all(client, auth)
+
+
+def test_a_job_runs_under_the_servers_time_limit_unless_its_spec_sets_a_lower_one(client, auth, settings):
+    default = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()
+    assert default["spec"]["train"]["max_minutes"] == settings.max_job_minutes
+    own = client.post("/v1/jobs", json=_with("train.max_minutes", 2.5), headers=auth).json()
+    assert own["spec"]["train"]["max_minutes"] == 2.5
+    cancel_all(client, auth)
 
 
 def test_a_422_lists_every_invalid_field(client, auth):

@@ -66,12 +66,15 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "auto"
     eval_batches: int = 8  # validation batches per evaluation (fixed, seeded)
+    max_minutes: float | None = None  # the run's wall time, attempts end to end; None: no limit
 
 
 @dataclass(frozen=True)
 class TelemetryConfig:
     every: int = 1
     sample_tokens: int = 120
+    per_head: bool = True  # attn_max_logit/l{i}h{j}
+    per_expert: bool = True  # router/load/l{i}e{j}
 
 
 @dataclass(frozen=True)

@@ -96,9 +96,12 @@ class FanOut:
 
 
 @torch.no_grad()
-def model_metrics(model: nn.Module, logits: Tensor) -> dict[str, Tensor]:
+def model_metrics(
+    model: nn.Module, logits: Tensor, per_head: bool = True, per_expert: bool = True
+) -> dict[str, Tensor]:
     """Attention, output-logit and router statistics of the latest training forward, as tensors
-    (the caller converts them all in one host transfer)."""
+    (the caller converts them all in one host transfer); the per-head and per-expert series when
+    asked."""
     out: dict[str, Tensor] = {}
     per_layer = [layer.qk_max_logits() for layer in model.attention_layers()]
     if per_layer and all(m is not None for m in per_layer):
@@ -106,7 +109,7 @@ def model_metrics(model: nn.Module, logits: Tensor) -> dict[str, Tensor]:
         out["attn_max_logit"] = heads.max()
         for i, row in enumerate(heads):
             out[f"attn_max_logit/l{i}"] = row.max()
-            for j, value in enumerate(row):
+            for j, value in enumerate(row if per_head else ()):
                 out[f"attn_max_logit/l{i}h{j}"] = value
     flat = logits.detach().float()
     out["logits/max_abs"] = flat.abs().max()
@@ -118,7 +121,7 @@ def model_metrics(model: nn.Module, logits: Tensor) -> dict[str, Tensor]:
         out["router/entropy"] = torch.stack([m.last_probs_entropy for m in moe]).mean()
         out["router/load_max"] = loads.max() * loads.shape[1]  # 1.0 = perfectly even
         out["router/load_min"] = loads.min() * loads.shape[1]
-        for i, row in enumerate(loads):
+        for i, row in enumerate(loads if per_expert else ()):
             for j, value in enumerate(row):
                 out[f"router/load/l{i}e{j}"] = value
     return out

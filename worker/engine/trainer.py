@@ -27,7 +27,16 @@ WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% 
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, bad data, ...); the message says why and where."""
+    """The run cannot go on (non-finite loss, bad data, ...); the message says why and where,
+    ``code`` what kind of stop it is (a job's error code)."""
+
+    code = "training_error"
+
+
+class TimeLimitReached(TrainingError):
+    """The run reached ``train.max_minutes``; its latest state is in a checkpoint."""
+
+    code = "time_limit"
 
 
 @dataclass
@@ -155,6 +164,12 @@ class Trainer:
             if step == cfg.steps:
                 self._report(step, values)
                 break
+            if self._past_time_limit():
+                if step > first and step % cfg.checkpoint_every:
+                    self.save_checkpoint()
+                kept = "; its state at that step is kept in a checkpoint" if step and self.checkpoint_dir else ""
+                limit = f"train.max_minutes ({cfg.max_minutes:g})"
+                raise TimeLimitReached(f"the run reached {limit} after {step:,} of {cfg.steps:,} steps{kept}")
             if self.should_cancel():
                 if step > first and step % cfg.checkpoint_every:
                     self.save_checkpoint()
@@ -171,6 +186,12 @@ class Trainer:
                     values.update(step_time_ms=dt * 1e3, tokens_per_s=n_tokens / dt)
                 self._report(step, values)
         return self._result("succeeded", tokens, step_seconds, start_wall)
+
+    def _past_time_limit(self) -> bool:
+        """Whether the run's wall time (``elapsed_s``, attempts end to end) passed ``max_minutes``."""
+        limit = self.job.train.max_minutes
+        started, before = self._clock
+        return limit is not None and before + time.perf_counter() - started >= 60.0 * limit
 
     def _report(self, step: int, values: dict[str, Any]) -> None:
         """Hand the values measured at ``step`` to the sink, with the steps completed by now."""
@@ -202,7 +223,8 @@ class Trainer:
         values: dict[str, Tensor | float] = {}
         if report:  # measured in this forward, before this step's clip
             values = {"loss": loss.detach(), "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
-            values.update(model_metrics(self.model, logits))
+            telemetry = self.job.telemetry
+            values.update(model_metrics(self.model, logits, telemetry.per_head, telemetry.per_expert))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if report and isinstance(self.optimizer, optim.Muon):
