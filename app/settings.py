@@ -86,6 +86,12 @@ class Settings(BaseSettings):
     # Leases: a running attempt renews its lease every heartbeat; an expired lease is requeued.
     lease_seconds: float = Field(30.0, description="How long a worker's claim on a job lasts without a heartbeat.")
     heartbeat_seconds: float = Field(5.0, description="How often a running attempt renews its lease.")
+    stall_seconds: float = Field(
+        1800.0,
+        gt=0,
+        description="A running attempt that completes no step for this long stops renewing its lease: "
+        "the reaper gives the job to another worker (it resumes from its checkpoint).",
+    )
     reaper_seconds: float = Field(10.0, description="How often expired leases are looked for.")
     requeue_after_seconds: float = Field(300.0, description="Re-send a queued job's task after this long.")
     cancel_poll_seconds: float = Field(1.0, description="How often a running job reads its cancel flag.")

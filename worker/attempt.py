@@ -32,11 +32,19 @@ INTERNAL_ERROR = (
 
 
 class Lease:
-    """Renews the attempt's lease from a background thread; remembers whether it was lost."""
+    """Renews the attempt's lease from a background thread while the trainer makes progress;
+    remembers whether it was lost.
+
+    The trainer ``pulse()``s before every step. An attempt with no pulse for ``stall_seconds``
+    (a hung kernel, a deadlock, a step that will never end) stops renewing: its lease lapses and
+    the reaper gives the job to another worker, which resumes it from its checkpoint. Were the
+    thread to renew regardless, a stalled trainer would hold its job for ever."""
 
     def __init__(self, settings: Settings, job_id: str, attempt: int) -> None:
         self.settings, self.job_id, self.attempt = settings, job_id, attempt
         self.lost = threading.Event()
+        self.stalled = threading.Event()
+        self._pulse = time.monotonic()  # loading the data counts as progress until the first step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
 
@@ -48,9 +56,21 @@ class Lease:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def pulse(self) -> None:
+        """The trainer is making progress (it is about to run a step)."""
+        self._pulse = time.monotonic()
+
     def _run(self) -> None:
         lease = timedelta(seconds=self.settings.lease_seconds)
         while not self._stop.wait(self.settings.heartbeat_seconds):
+            idle = time.monotonic() - self._pulse
+            if idle > self.settings.stall_seconds:
+                log.error(
+                    "job %s: attempt %d completed no step for %.0f s; its lease is left to lapse (the job resumes "
+                    "elsewhere)", self.job_id, self.attempt, idle,
+                )  # fmt: skip
+                self.stalled.set()
+                return
             try:
                 with transaction(self.settings) as session:
                     if not JobRepository(session).heartbeat(self.job_id, self.attempt, lease):
@@ -96,7 +116,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
             log.exception("job %s: attempt %d crashed", job_id, attempt)
             error = {"code": "internal", "message": INTERNAL_ERROR.format(job_id=job_id, attempt=attempt)}
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
-        if lease.lost.is_set():
+        if lease.lost.is_set() or lease.stalled.is_set():
             return "lease_lost"
     return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
 
@@ -136,11 +156,13 @@ def _finish(
 
 def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
     """should_cancel for the trainer: the job's cancel flag, read at most every cancel_poll_seconds,
-    or a lost lease."""
+    or a lost lease (LeaseLost, also once the attempt stalled and let its lease lapse); every call
+    is a pulse of the lease."""
     state = {"at": 0.0, "cancel": False}
 
     def should_cancel() -> bool:
-        if lease.lost.is_set():
+        lease.pulse()  # asked before every step: the trainer is making progress
+        if lease.lost.is_set() or lease.stalled.is_set():
             raise LeaseLost(f"job {job_id}: the lease was lost")
         now = time.monotonic()
         if now - state["at"] >= settings.cancel_poll_seconds:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ from app.db.session import transaction
 from app.repositories.jobs import JobRepository
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
+from worker.attempt import Lease
 from worker.engine.checkpoints import save_checkpoint
 from worker.engine.run import checkpoint_dir
 from worker.sink import JobSink
@@ -151,3 +153,27 @@ def test_a_checkpoint_written_but_not_recorded_is_adopted_by_the_next_attempt(se
         {"step": 20, "bytes": (directory / "step_00000020.pt").stat().st_size}
     ]
     assert not (directory / "step_00000030.pt").exists()
+
+
+def test_a_stalled_attempt_stops_renewing_its_lease_and_a_live_one_renews(client, settings, auth):
+    """The lease thread renews only while the trainer pulses (before every step): once no step has
+    begun for stall_seconds it lets the lease lapse, so the reaper can give the job to another worker."""
+    quick = settings.model_copy(update={"heartbeat_seconds": 0.1, "stall_seconds": 1.0})
+    ids = [client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"] for _ in range(2)]
+    with transaction(settings) as session:
+        attempts = [JobRepository(session).claim(job_id, "test:0:0", timedelta(seconds=30)) for job_id in ids]
+
+    def expiry(job_id):
+        with transaction(settings) as session:
+            return JobRepository(session).get(job_id).lease_expires_at
+
+    stalled_id, live_id = ids
+    with Lease(quick, stalled_id, attempts[0]) as stalled, Lease(quick, live_id, attempts[1]) as live:
+        wait_for(lambda: live.pulse() or stalled.stalled.is_set(), timeout=30)  # the live one pulses meanwhile
+        frozen = expiry(stalled_id)
+        renewed = expiry(live_id)
+        for _ in range(20):  # 2 s: about 20 heartbeats
+            live.pulse()
+            time.sleep(0.1)
+        assert expiry(stalled_id) == frozen  # no renewal after the stall
+        assert expiry(live_id) > renewed and not live.stalled.is_set() and not live.lost.is_set()
