@@ -12,11 +12,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+
 from app.db.session import is_transient, retrying, transaction
 from app.job_status import JobStatus
 from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
+from app.services.caps import gib, peak_memory_bytes, vocabulary
 from app.services.job_events import record_status
 from app.settings import Settings
 from worker.engine.run import checkpoint_dir, run_job
@@ -25,6 +28,11 @@ from worker.sink import JobSink, LeaseLost
 
 log = logging.getLogger("muonforge.worker")
 DATASET_MISSING = "the file of dataset {dataset_id} is missing from the service's storage; upload the corpus again"
+EXCEEDS_MEMORY = (
+    "this job needs about {needed} of memory at its peak; this worker gives a job {budget} "
+    "(MUONFORGE_WORKER_MEMORY_BYTES): lower train.batch_size, model.seq_len or the model's size"
+)
+OUT_OF_MEMORY = "the run ran out of the accelerator's memory: lower train.batch_size, model.seq_len or the model's size"
 INTERNAL_ERROR = (
     "the job stopped on an internal error; the service's operators can find it in the worker log "
     "(job {job_id}, attempt {attempt})"
@@ -87,11 +95,17 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     claimed = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
     if claimed is None:
         return "skipped"  # a redelivery, a finished job, or another worker's live lease
-    attempt, spec, corpus, progress, summary = claimed
+    attempt, spec, corpus, progress, summary, needed = claimed
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
     if corpus is not None and not corpus.is_file():
         error = {"code": "dataset_missing", "message": DATASET_MISSING.format(dataset_id=spec["data"]["dataset_id"])}
+        return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
+    if needed is not None and needed > settings.worker_memory_bytes:
+        # The API admitted it under its own budget; this worker is smaller. Failing with the figures
+        # beats starting a run that the kernel's OOM killer ends, again at every restart.
+        message = EXCEEDS_MEMORY.format(needed=gib(needed), budget=gib(settings.worker_memory_bytes))
+        error = {"code": "exceeds_worker_memory", "message": message}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     out_dir = settings.artifact_dir / "jobs" / job_id
     sink = JobSink(settings, job_id, attempt, progress, summary, spec["train"].get("keep_checkpoints", 3))
@@ -108,6 +122,10 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         except TrainingError as exc:
             error = {"code": exc.code, "message": str(exc)}
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
+        except torch.OutOfMemoryError:
+            log.exception("job %s: attempt %d ran out of accelerator memory", job_id, attempt)
+            error = {"code": "out_of_memory", "message": OUT_OF_MEMORY}
+            return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
         except Exception as exc:
             if is_transient(exc):  # infrastructure, not the job: it resumes from its checkpoint
                 log.warning("job %s: attempt %d hands the job back: %s", job_id, attempt, exc)
@@ -121,18 +139,27 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
 
 
-def _claim(settings: Settings, job_id: str, owner: str) -> tuple[int, dict, Path | None, int, dict] | None:
-    """The job's new attempt: (attempt, spec, corpus, progress, summary), or None if it is not
-    to be run (finished, or another attempt's live lease)."""
+def _claim(settings: Settings, job_id: str, owner: str) -> tuple[int, dict, Path | None, int, dict, int | None] | None:
+    """The job's new attempt: (attempt, spec, corpus, progress, summary, estimated peak memory of
+    a CPU run or None for a CUDA one), or None if it is not to be run (finished, or another
+    attempt's live lease)."""
     with transaction(settings) as session:
         attempt = JobRepository(session).claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
         if attempt is None:
             return None
         job = record_status(session, live_bus(settings), job_id)
-        corpus = None
-        if job.dataset_id:
-            corpus = settings.artifact_dir / DatasetRepository(session).get_any(job.dataset_id).path
-        return attempt, job.spec, corpus, job.progress_step, dict(job.summary or {})
+        dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
+        corpus = settings.artifact_dir / dataset.path if dataset else None
+        needed = None
+        if not runs_on_cuda(job.spec):  # a CUDA run that does not fit raises OutOfMemoryError instead
+            vocab = vocabulary(job.spec["data"], dataset.char_vocab if dataset else None)
+            needed = peak_memory_bytes(job.spec, vocab, dataset.bytes if dataset else 0, on_cuda=False)
+        return attempt, job.spec, corpus, job.progress_step, dict(job.summary or {}), needed
+
+
+def runs_on_cuda(spec: dict) -> bool:
+    device = spec["train"].get("device", "auto")
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def _finish(

@@ -38,6 +38,16 @@ CORPUS_BYTES_BYTE = 3  # per corpus byte while it is tokenized: the file, its te
 CORPUS_BYTES_CHAR = 24  # per corpus byte, char tokenizer: text, UTF-32 codes, 64-bit search indexes
 
 
+def vocabulary(data: dict[str, Any], dataset_char_vocab: int | None = None) -> int:
+    """The vocabulary size the engine builds for a spec's ``data`` (with an uploaded dataset's
+    distinct characters for its char tokenizer)."""
+    if data.get("builtin") == "synthetic":
+        return SYNTHETIC_VOCAB
+    if data.get("tokenizer", "byte") == "byte":
+        return 256
+    return PYSOURCE_CHAR_VOCAB if data.get("builtin") == "pysource" else int(dataset_char_vocab or 0)
+
+
 def parameter_count(model: dict[str, Any], vocab: int) -> int:
     """Exact parameter count of the engine's model for a JobSpec ``model`` section (tied head)."""
     d, L, T = model["d_model"], model["n_layer"], model["seq_len"]
@@ -53,7 +63,7 @@ def parameter_count(model: dict[str, Any], vocab: int) -> int:
     return vocab * d + T * d + L * block + 2 * d
 
 
-def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0) -> int:
+def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0, on_cuda: bool | None = None) -> int:
     """An upper estimate of the memory a training run of ``spec`` takes beyond the worker's own,
     in bytes: weights, gradients and optimizer state (4 fp32 copies of the parameters: Muon keeps
     one momentum, AdamW two moments); the Newton–Schulz work of the largest matrix; the
@@ -69,7 +79,8 @@ def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0) -
     tokens = B * T
     params = parameter_count(model, vocab)
     state = STATE_COPIES * params + NS_WORK * max_matrix(model, vocab)
-    on_cuda = train.get("device") == "cuda"
+    if on_cuda is None:  # where the run will go is not known before a worker takes it: a CPU's cost
+        on_cuda = train.get("device") == "cuda"
     if model["arch"] == "mlp":
         hidden = MLP_RATIO * d
         layer_floats = tokens * (MLP_CONTEXT * d + ACT_FLOATS_MLP * hidden * L)

@@ -43,7 +43,7 @@ from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import TenantRef
-from app.services.caps import CHAR_VOCAB_MAX, PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB, check_caps
+from app.services.caps import CHAR_VOCAB_MAX, check_caps, vocabulary
 from app.services.job_events import record_first_statuses
 from app.settings import Settings
 
@@ -131,24 +131,21 @@ def data_facts(session: Session, tenant: TenantRef, spec: JobSpec) -> tuple[int,
     """(vocabulary size, corpus bytes) of the spec's data, as the engine will see them (for the
     parameter and memory caps). A dataset with more distinct characters than the char tokenizer
     takes is refused here."""
+    data = spec.data.model_dump()
     if spec.data.path is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
-    if spec.data.builtin == "synthetic":
-        return SYNTHETIC_VOCAB, 0
-    if spec.data.builtin == "pysource":
-        return (256 if spec.data.tokenizer == "byte" else PYSOURCE_CHAR_VOCAB), 0
+    if spec.data.builtin is not None:
+        return vocabulary(data), 0
     dataset = DatasetRepository(session).get(spec.data.dataset_id, tenant.id)
     if dataset is None:
         raise no_dataset(spec.data.dataset_id)
-    if spec.data.tokenizer == "byte":
-        return 256, dataset.bytes
-    if dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1 at most (the upload)
+    if spec.data.tokenizer == "char" and dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1
         raise ValidationFailed(
             f"the dataset has more than {CHAR_VOCAB_MAX:,} distinct characters, the most the char tokenizer "
             "takes: use tokenizer byte",
             param="data.tokenizer",
         )
-    return dataset.char_vocab, dataset.bytes
+    return vocabulary(data, dataset.char_vocab), dataset.bytes
 
 
 # -- stage 2: insert -----------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def test_zoom_refetches_the_range_at_full_resolution(browser, api_url, key, work
 
 
 def test_cancel_from_the_page(browser, api_url, key, worker):
-    job = submit(api_url, key, "to-cancel", steps=200_000)
+    job = submit(api_url, key, "to-cancel", steps=200_000, checkpoint_every=200_000)
     page = browser.page(key)
     page.goto(f"{browser.url}/jobs/{job['id']}")
     page.locator("#job-status", has_text="running").wait_for(timeout=60_000)
