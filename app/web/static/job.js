@@ -121,7 +121,8 @@
       return new MF.Chart(body, spec, view(), zoomTo);
     });
     const { arch, n_layer: layers, n_head: heads } = job.spec.model;
-    if (arch !== "mlp" && layers * heads <= MAX_HEATMAP_ROWS) {
+    const perHead = (job.spec.telemetry || {}).per_head !== false; // per-head series off: no heatmap to draw
+    if (arch !== "mlp" && perHead && layers * heads <= MAX_HEATMAP_ROWS) {
       $("heatmap-card").hidden = false;
       const tau = job.spec.optimizer.qk_clip_tau;
       heatmap = new MF.Heatmap($("heatmap"), { layers, heads, totalSteps: job.progress.total_steps, reference: tau || null });
