@@ -16,9 +16,7 @@ and in summary.json. Exits 1 if any check fails (logs and artifacts are then kep
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import re
 import statistics
 import sys
 import time
@@ -27,43 +25,9 @@ from pathlib import Path
 
 import httpx
 import psycopg
-from stack import Stack
+from stack import FINISHED, Stack, check_job, job_spec, pick_victim, task_outcomes
 
 REDIS = "redis://127.0.0.1:6379/12"
-FINISHED = ("succeeded", "failed", "cancelled")
-STATUS_SEQUENCE = re.compile(r"queued( running queued)* running succeeded")
-
-
-def job_spec(steps: int, index: int) -> dict:
-    """A tiny GPT on the builtin synthetic task: about 1 s per 100 steps on one CPU thread.
-    max_restarts is the cap (10) so that a job that is killed often does not end worker_lost."""
-    every = steps // 4
-    train = {"steps": steps, "batch_size": 4, "eval_every": every, "checkpoint_every": every, "max_restarts": 10}
-    return {
-        "name": f"chaos-{index}",
-        "model": {"arch": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 16},
-        "data": {"builtin": "synthetic"},
-        "train": train | {"seed": index},
-    }
-
-
-def pick_victim(db: psycopg.Connection, cluster: Stack, killed_at: dict[str, int]) -> tuple[int, str] | None:
-    """(pid, job id) of a random live worker that holds a running job's lease, among jobs never
-    killed or with a newer checkpoint than at their last kill; None if there is none."""
-    rows = db.execute(
-        "SELECT j.id, j.lease_owner, COALESCE(MAX(c.step), 0) FROM jobs j LEFT JOIN checkpoints c"
-        " ON c.job_id = j.id WHERE j.status = 'running' AND j.lease_owner IS NOT NULL GROUP BY j.id"
-    ).fetchall()
-    candidates = []
-    for job_id, owner, checkpoint in rows:
-        pid = int(owner.split(":")[1])  # host:pid:task id
-        if pid in cluster.workers and checkpoint > killed_at.get(job_id, -1):
-            candidates.append((pid, job_id, checkpoint))
-    if not candidates:
-        return None
-    pid, job_id, checkpoint = random.choice(candidates)
-    killed_at[job_id] = checkpoint
-    return pid, job_id
 
 
 def chaos(db: psycopg.Connection, cluster: Stack, kill_every: float, kill_until: float, grace: float):
@@ -82,7 +46,7 @@ def chaos(db: psycopg.Connection, cluster: Stack, kill_every: float, kill_until:
             crashes += 1
             cluster.start_worker()
         now = time.monotonic()
-        if next_kill <= now < kill_until and (victim := pick_victim(db, cluster, killed_at)):
+        if next_kill <= now < kill_until and (victim := pick_victim(db, cluster.workers, killed_at)):
             cluster.kill_worker(victim[0])
             kills.append((victim[1], datetime.now(UTC)))
             cluster.start_worker()
@@ -111,63 +75,18 @@ def recovery(db: psycopg.Connection, kills: list[tuple[str, datetime]]) -> dict[
 
 
 def verify(db: psycopg.Connection, http: httpx.Client, jobs: dict[str, int], artifacts: Path) -> tuple[list, dict]:
-    """Check every job's invariants; returns (failures as "job: reason", counts)."""
+    """Check every job's invariants (``stack.check_job``); returns (failures as "job: reason", counts)."""
     failures: list[str] = []
     counts = {"succeeded": 0, "lost": 0, "doubly_run": 0, "interrupted": 0, "max_attempts": 0, "resumes": 0}
     for job_id, steps in jobs.items():
-        bad = []
-        api = http.get(f"/v1/jobs/{job_id}").json()
-        status, attempt, owner = db.execute(
-            "SELECT status, attempt, lease_owner FROM jobs WHERE id = %s", (job_id,)
-        ).fetchone()
-        events = db.execute(
-            "SELECT kind, payload FROM job_events WHERE job_id = %s ORDER BY id", (job_id,)
-        ).fetchall()  # fmt: skip
-        statuses = [p["status"] for kind, p in events if kind == "status"]
-        checkpoints = [p["step"] for kind, p in events if kind == "checkpoint"]
-        resumes = sum(kind == "log" and "resumed from" in p["message"] for kind, p in events)
-        if status != "succeeded" or api["status"] != "succeeded":
-            bad.append(f"ended {status} (API: {api['status']}, error {api['error']})")
-            counts["lost"] += 1
-        else:
-            counts["succeeded"] += 1
-        run_twice = [
-            f"status events {statuses}" if not STATUS_SEQUENCE.fullmatch(" ".join(statuses)) else "",
-            f"{statuses.count('running')} running events, attempt {attempt}"
-            if statuses.count("running") != attempt else "",
-            f"{statuses.count('succeeded')} succeeded events" if statuses.count("succeeded") != 1 else "",
-            f"{resumes} resumes in {attempt} attempts" if resumes > attempt - 1 else "",
-        ]  # fmt: skip
-        if any(run_twice):
-            counts["doubly_run"] += 1
-            bad += [r for r in run_twice if r]
-        if api["progress"] != {"step": steps, "total_steps": steps}:
-            bad.append(f"progress {api['progress']}")
-        if checkpoints != sorted(set(checkpoints)) or not checkpoints or checkpoints[-1] != steps:
-            bad.append(f"checkpoint events {checkpoints}")
-        if owner is not None:
-            bad.append(f"lease_owner still {owner}")
-        if api["summary"].get("loss") is None or api["summary"].get("val_loss") is None:
-            bad.append(f"summary {api['summary']}")
-        summary_file = artifacts / "jobs" / job_id / "summary.json"
-        on_disk = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-        if on_disk.get("steps") != steps or on_disk.get("loss") is None or on_disk.get("val_loss") is None:
-            bad.append(f"summary.json {on_disk or 'missing'}")
-        failures += [f"{job_id}: {reason}" for reason in bad]
-        counts["interrupted"] += attempt > 1
-        counts["max_attempts"] = max(counts["max_attempts"], attempt)
-        counts["resumes"] += resumes
+        check = check_job(db, http, job_id, steps, artifacts)
+        counts["lost" if check.lost else "succeeded"] += 1
+        counts["doubly_run"] += bool(check.run_twice)
+        failures += [f"{job_id}: {reason}" for reason in check.problems]
+        counts["interrupted"] += check.attempt > 1
+        counts["max_attempts"] = max(counts["max_attempts"], check.attempt)
+        counts["resumes"] += check.resumes
     return failures, counts
-
-
-def task_outcomes(logs: Path) -> dict[str, int]:
-    """How the workers' tasks ended, from celery's "succeeded in ...: 'outcome'" log lines:
-    'lease_lost' is an attempt that outlived its lease (fenced off), 'skipped' a delivery for a
-    job that was not queued (a duplicate send)."""
-    text = "\n".join(p.read_text(errors="replace") for p in logs.glob("worker-*.log"))
-    return {
-        outcome: len(re.findall(rf"succeeded in [0-9.]+s: '{outcome}'", text)) for outcome in ("lease_lost", "skipped")
-    }
 
 
 def main() -> int:

@@ -10,7 +10,10 @@ CPU accounting per process group, with the time the hypervisor stole from the ma
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import re
 import secrets
 import shutil
 import signal
@@ -20,8 +23,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 import psycopg
 import redis
 
@@ -41,22 +47,30 @@ class Stack:
     directory, and every process started through it (stopped on exit). Logs and artifacts are
     kept when the block raises or ``keep`` is set, and deleted otherwise."""
 
-    def __init__(self, label: str, redis_url: str, settings: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, label: str, redis_url: str, settings: dict[str, str] | None = None, db_port: int | None = None
+    ) -> None:
+        """``db_port``: where the processes started here reach Postgres (a proxy in front of it);
+        ``db_url`` (the bench's own connections) goes to the server directly."""
         self.name = f"muonforge_{label}_{secrets.token_hex(3)}"
         self.db_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{self.name}"
+        via = urlsplit(self.db_url)
+        if db_port is not None:
+            via = via._replace(netloc=f"{via.username or 'postgres'}@127.0.0.1:{db_port}")
         self.redis_url = redis_url
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{label}_"))
         self.logs = self.tmp / "logs"
         self.logs.mkdir()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
         self.env.update(
-            MUONFORGE_DATABASE_URL=self.db_url.replace("postgresql://", "postgresql+psycopg://"),
+            MUONFORGE_DATABASE_URL=urlunsplit(via).replace("postgresql://", "postgresql+psycopg://"),
             MUONFORGE_REDIS_URL=redis_url, MUONFORGE_ARTIFACT_DIR=str(self.tmp / "artifacts"), OMP_NUM_THREADS="1",
             **(settings or {}),
         )  # fmt: skip
         self.procs: list[subprocess.Popen] = []
         self.workers: dict[int, subprocess.Popen] = {}  # pid -> live worker
         self.api: subprocess.Popen | None = None
+        self.api_port: int | None = None
         self.keep = False
 
     def __enter__(self) -> Stack:
@@ -90,9 +104,10 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def start_api(self, processes: int = 1) -> str:
-        """`muonforge api` (no access log) on a free port; returns its URL once /readyz answers 200."""
-        port = free_port()
+    def start_api(self, processes: int = 1, port: int | None = None) -> str:
+        """`muonforge api` (no access log) on ``port`` (else a free one); returns its URL once /readyz
+        answers 200."""
+        port = self.api_port = port or free_port()
         args = ["api", "--port", str(port), "--processes", str(processes), "--no-access-log"]
         self.api = self._start(args, "api.log")
         url = f"http://127.0.0.1:{port}"
@@ -123,6 +138,13 @@ class Stack:
                 raise RuntimeError(f"workers did not start; see {self.logs}")
             time.sleep(0.2)
 
+    def kill_api(self) -> None:
+        """SIGKILL the API (one process: ``start_api(processes=1)``); start it again with
+        ``start_api(port=stack.api_port)``."""
+        assert self.api is not None, "start_api() first"
+        self.api.send_signal(signal.SIGKILL)
+        self.api.wait(timeout=10)
+
     def crashed_workers(self) -> list[int]:
         """Workers that exited without being killed (forgotten here; the caller replaces them)."""
         dead = [pid for pid, proc in self.workers.items() if proc.poll() is not None]
@@ -147,6 +169,115 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+# -- jobs under faults (bench/kill_chaos.py, bench/chaos.py) --------------------------------------
+FINISHED = ("succeeded", "failed", "cancelled")
+STATUS_SEQUENCE = re.compile(r"queued( running queued)* running succeeded")
+
+
+def job_spec(steps: int, index: int) -> dict:
+    """A tiny GPT on the builtin synthetic task: about 1 s per 100 steps on one CPU thread,
+    checkpoints and evals every steps / 4. max_restarts is the cap (10) so that a job that is
+    interrupted often does not end worker_lost."""
+    every = steps // 4
+    train = {"steps": steps, "batch_size": 4, "eval_every": every, "checkpoint_every": every, "max_restarts": 10}
+    return {
+        "name": f"chaos-{index}",
+        "model": {"arch": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 16},
+        "data": {"builtin": "synthetic"},
+        "train": train | {"seed": index},
+    }
+
+
+def pick_victim(
+    db: psycopg.Connection, workers: dict[int, subprocess.Popen], killed_at: dict[str, int]
+) -> tuple[int, str] | None:
+    """(pid, job id) of a random live worker that holds a running job's lease, among jobs never
+    killed or with a newer checkpoint than at their last kill; None if there is none. Without the
+    checkpoint rule a job can be killed every time before it reaches a checkpoint (a livelock)."""
+    rows = db.execute(
+        "SELECT j.id, j.lease_owner, COALESCE(MAX(c.step), 0) FROM jobs j LEFT JOIN checkpoints c"
+        " ON c.job_id = j.id WHERE j.status = 'running' AND j.lease_owner IS NOT NULL GROUP BY j.id"
+    ).fetchall()
+    candidates = []
+    for job_id, owner, checkpoint in rows:
+        pid = int(owner.split(":")[1])  # host:pid:task id
+        if pid in workers and checkpoint > killed_at.get(job_id, -1):
+            candidates.append((pid, job_id, checkpoint))
+    if not candidates:
+        return None
+    pid, job_id, checkpoint = random.choice(candidates)
+    killed_at[job_id] = checkpoint
+    return pid, job_id
+
+
+@dataclass
+class JobCheck:
+    """One finished job's checks: ``run_twice`` holds the signs that two attempts ran the same
+    steps, ``problems`` every failed check (those included)."""
+
+    status: str
+    error: dict | None
+    attempt: int
+    resumes: int  # "resumed from" log lines
+    run_twice: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def lost(self) -> bool:
+        return self.status != "succeeded"
+
+
+def check_job(db: psycopg.Connection, http: httpx.Client, job_id: str, steps: int, artifacts: Path) -> JobCheck:
+    """From the database and ``GET /v1/jobs/{id}``: the job ended succeeded at the last step with
+    no lease owner; its status events read queued (running queued)* running succeeded, with one
+    running event per attempt and no more resumes than attempts after the first; checkpoint
+    events strictly increasing up to the last step; loss and val_loss in the summary and in
+    summary.json."""
+    api = http.get(f"/v1/jobs/{job_id}").json()
+    status, attempt, owner = db.execute(
+        "SELECT status, attempt, lease_owner FROM jobs WHERE id = %s", (job_id,)
+    ).fetchone()
+    events = db.execute("SELECT kind, payload FROM job_events WHERE job_id = %s ORDER BY seq", (job_id,)).fetchall()
+    statuses = [p["status"] for kind, p in events if kind == "status"]
+    checkpoints = [p["step"] for kind, p in events if kind == "checkpoint"]
+    resumes = sum(kind == "log" and "resumed from" in p["message"] for kind, p in events)
+    check = JobCheck(status, api.get("error"), attempt, resumes)
+    if status != "succeeded" or api["status"] != "succeeded":
+        check.problems.append(f"ended {status} (API: {api['status']}, error {api['error']})")
+    check.run_twice = [
+        f"status events {statuses}" if not STATUS_SEQUENCE.fullmatch(" ".join(statuses)) else "",
+        f"{statuses.count('running')} running events, attempt {attempt}"
+        if statuses.count("running") != attempt else "",
+        f"{statuses.count('succeeded')} succeeded events" if statuses.count("succeeded") != 1 else "",
+        f"{resumes} resumes in {attempt} attempts" if resumes > attempt - 1 else "",
+    ]  # fmt: skip
+    check.run_twice = [r for r in check.run_twice if r]
+    check.problems += check.run_twice
+    if api["progress"] != {"step": steps, "total_steps": steps}:
+        check.problems.append(f"progress {api['progress']}")
+    if checkpoints != sorted(set(checkpoints)) or not checkpoints or checkpoints[-1] != steps:
+        check.problems.append(f"checkpoint events {checkpoints}")
+    if owner is not None:
+        check.problems.append(f"lease_owner still {owner}")
+    if api["summary"].get("loss") is None or api["summary"].get("val_loss") is None:
+        check.problems.append(f"summary {api['summary']}")
+    summary_file = artifacts / "jobs" / job_id / "summary.json"
+    on_disk = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    if on_disk.get("steps") != steps or on_disk.get("loss") is None or on_disk.get("val_loss") is None:
+        check.problems.append(f"summary.json {on_disk or 'missing'}")
+    return check
+
+
+def task_outcomes(logs: Path) -> dict[str, int]:
+    """How the workers' tasks ended, from celery's "succeeded in ...: 'outcome'" log lines:
+    'lease_lost' is an attempt that outlived its lease (fenced off), 'skipped' a delivery for a
+    job that was not queued (a duplicate send)."""
+    text = "\n".join(p.read_text(errors="replace") for p in logs.glob("worker-*.log"))
+    return {
+        outcome: len(re.findall(rf"succeeded in [0-9.]+s: '{outcome}'", text)) for outcome in ("lease_lost", "skipped")
+    }
 
 
 def processes() -> dict[int, tuple[str, int, float]]:

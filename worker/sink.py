@@ -62,7 +62,8 @@ class JobSink:
         self.step, self.summary = step, dict(summary)
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._buffer: list[tuple[int, dict[str, float]]] = []
-        self._mark: str | None = None
+        self._mark: str | None = None  # the bus position of the last step published
+        self._unpublished: list[tuple[int, str]] | None = []  # steps to publish, oldest first (None: no more)
         self._progress: tuple[int, dict[str, float]] | None = None
         self._flushed = threading.Event()
         self._error: BaseException | None = None  # ends the attempt
@@ -233,15 +234,31 @@ class JobSink:
         self._flushed.set()
 
     def _publish(self, reports: list[Report]) -> None:
-        """Into the buffer for the next store, and to the live bus now (if the bus is down, the
-        events stream reads the database instead: the mark stays at the last step published)."""
+        """Into the buffer for the next store, and to the live bus now. If the bus is down or does
+        not answer, the events stream reads the database instead: the mark stays at the last step
+        published, and the steps not published go out first at the next publish, so that the bus
+        never holds a step after the mark without the steps before it (a reader tailing from the
+        mark would skip them). Past ``live_stream_maxlen`` held steps the stream could not keep
+        them anyway: they are dropped and no metrics are published for the rest of the attempt
+        (readers get them from the database)."""
         self._buffer += [(r.step, r.values) for r in reports]
         self._progress = (reports[-1].completed, reports[-1].summary)
-        try:
-            marks = self.bus.publish_metrics(self.job_id, [(r.step, json.dumps(r.values)) for r in reports])
-        except Exception as exc:
-            log.warning("job %s: live publish failed: %s", self.job_id, exc)
+        if self._unpublished is None:
             return
+        self._unpublished += [(r.step, json.dumps(r.values)) for r in reports]
+        try:
+            marks = self.bus.publish_metrics(self.job_id, self._unpublished)
+        except Exception as exc:
+            if len(self._unpublished) == len(reports):  # the first failure since the bus last answered
+                log.warning("job %s: live publish failed: %s; holding the steps until it answers", self.job_id, exc)
+            if len(self._unpublished) > self.settings.live_stream_maxlen:
+                log.warning("job %s: live bus down for %d steps: no more metrics on it", self.job_id,
+                            len(self._unpublished))  # fmt: skip
+                self._unpublished = None
+            return
+        if (held := len(self._unpublished) - len(reports)) > 0:
+            log.info("job %s: live bus back; published %d held steps", self.job_id, held)
+        self._unpublished = []
         self._mark = marks[-1]
 
     def _store(self) -> None:

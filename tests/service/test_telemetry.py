@@ -273,6 +273,34 @@ def test_the_sink_stores_everything_when_the_live_bus_is_down(settings):
         assert job.progress_step == 30 and job.summary == {"loss": 3.0 - 29 / 10} and job.telemetry_mark is None
 
 
+def test_steps_the_bus_did_not_take_go_out_before_the_later_ones(settings, monkeypatch):
+    """Publishes that fail (Redis paused or restarting) leave no hole on the bus: their steps are
+    published first once it answers, so a reader tailing from the stored mark misses none. Before
+    this, the bus held steps 0-9 then 20-29 and a stream that had read 0-9 from the database
+    skipped 10-19."""
+    job_id = new_job(settings)
+    with transaction(settings) as session:
+        attempt = JobRepository(session).claim(job_id, "test", timedelta(minutes=1))
+    sink = JobSink(settings, job_id, attempt, 0, {})
+    publish, down = sink.bus.publish_metrics, [False]
+
+    def flaky(job: str, steps):
+        if down[0]:
+            raise redis.TimeoutError("Timeout reading from socket")
+        return publish(job, steps)
+
+    monkeypatch.setattr(sink.bus, "publish_metrics", flaky)
+    for first, failing in ((0, False), (10, True), (20, False)):
+        down[0] = failing
+        for step in range(first, first + 10):
+            sink.metrics(report(step, {"loss": float(step)}))
+        sink.flush()
+    sink.close()
+    entries = redis.Redis.from_url(settings.redis_url).xrange(stream_key(job_id))
+    assert [int(fields[b"step"]) for _, fields in entries] == list(range(30))
+    assert stored(settings, job_id) == {"loss": {s: float(s) for s in range(30)}}
+
+
 def test_a_stream_trimmed_past_the_stored_mark_falls_back_to_the_database(api_url, settings, auth):
     """Redis trimmed the job's stream beyond what the database holds: a client that connects then
     reads the database until it has caught up, then the stream again; it misses nothing."""
