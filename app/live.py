@@ -206,6 +206,9 @@ class LiveReader:
         reply = await self._client.xread({stream_key(job_id): after}, count=count, block=block_ms)
         return [decode_entry(entry_id, fields) for entry_id, fields in reply[0][1]] if reply else []
 
+    async def ping(self) -> bool:
+        return bool(await self._client.ping())
+
     async def holds(self, job_id: str, entry_id: str) -> bool:
         """Whether nothing after ``entry_id`` has been trimmed from the stream (its first entry is
         not after it): reading after it then misses nothing."""

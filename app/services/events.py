@@ -168,11 +168,13 @@ async def follow(
 
 async def bus_takes_over(reader: LiveReader, job_id: str, mark: str | None) -> bool:
     """Whether the bus holds everything after ``mark`` (the database's position), answered
-    within REDIS_TIMEOUT: Redis stopped or paused means no, and the stream polls the database."""
-    if not mark:
-        return True
+    within REDIS_TIMEOUT: Redis stopped or paused means no, and the stream polls the database.
+    Without a mark (nothing published yet) the bus takes over if it answers at all: a Redis that
+    refuses connections would otherwise fail every subscription at once, and the stream would
+    read the database again and again without a pause."""
     try:
-        return await asyncio.wait_for(reader.holds(job_id, mark), REDIS_TIMEOUT)
+        check = reader.holds(job_id, mark) if mark else reader.ping()
+        return await asyncio.wait_for(check, REDIS_TIMEOUT)
     except (RedisError, OSError, TimeoutError):
         return False
 

@@ -4,6 +4,7 @@ behind it, and a paused Redis under a followed job."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -142,3 +143,33 @@ def _answers(url: str) -> bool:
         return redis.Redis.from_url(url, socket_timeout=1).ping()
     except redis.RedisError:
         return False
+
+
+def test_a_stream_polls_the_database_at_a_bounded_rate_while_redis_refuses_connections(client, settings, monkeypatch):
+    """A followed job with nothing on the bus yet (queued) and a Redis that refuses connections:
+    the stream reads the database every POLL_SECONDS, not as fast as the failures come back."""
+    import asyncio
+
+    from app.live import LiveReader
+    from app.services import events
+
+    auth = {"Authorization": f"Bearer {new_key(settings)}"}
+    job_id = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"]
+    reads = []
+    original = events.read_page
+    monkeypatch.setattr(events, "read_page", lambda *args: reads.append(1) or original(*args))
+
+    async def follow_for(seconds: float) -> None:
+        reader = LiveReader(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        stream = events.follow(settings, reader, job_id, events.Cursor.parse(None))
+        try:
+            await asyncio.wait_for(anext(stream), seconds)  # the queued status
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(anext(stream), seconds)  # nothing more: the job stays queued
+        finally:
+            await stream.aclose()
+            await reader.close()
+
+    asyncio.run(follow_for(2.0))
+    # About 2 / POLL_SECONDS + 1 reads; without the pause it was hundreds.
+    assert 2 <= len(reads) <= 2 / events.POLL_SECONDS + 4, len(reads)
