@@ -114,6 +114,55 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenants_list(args: argparse.Namespace) -> int:
+    from app.db.session import transaction
+    from app.services.tenants import list_tenants
+    from app.settings import get_settings
+    from muonforge.output import console, tenants_table
+
+    settings = get_settings()
+    with transaction(settings) as session:
+        tenants = list_tenants(session)
+    console().print(tenants_table([t._asdict() for t in tenants], settings.tenant_job_cap))
+    return 0
+
+
+def cmd_tenants_set_cap(args: argparse.Namespace) -> int:
+    from app.db.session import transaction
+    from app.errors import NotFound, ValidationFailed
+    from app.services.tenants import job_cap as applied_cap
+    from app.services.tenants import parse_job_cap, set_job_cap
+    from app.settings import get_settings
+    from muonforge.output import job_cap
+
+    settings = get_settings()
+    try:
+        cap = parse_job_cap(args.cap)
+        with transaction(settings) as session:
+            tenant, previous = set_job_cap(session, args.tenant, cap)
+    except NotFound as exc:
+        raise InputError(f"{exc.message}; `muonforge tenants list` shows the tenants") from None
+    except ValidationFailed as exc:
+        raise InputError(exc.message) from None
+    default = settings.tenant_job_cap
+
+    def shown(value: int | None) -> str:
+        return f"default ({default}, MUONFORGE_TENANT_JOB_CAP)" if value is None else job_cap(value, default)
+
+    now = "suspended (job cap 0)" if cap == 0 else f"job cap {shown(cap)}"
+    was = "unchanged" if previous == cap else f"was {shown(previous)}"
+    print(f"tenant {tenant.name!r} ({tenant.id}): {now}, {was}")
+    jobs = "job goes" if tenant.active_jobs == 1 else "jobs go"
+    active = f"its {tenant.active_jobs} queued or running {jobs} on"
+    if cap == 0:
+        print(f"its submissions answer 403 tenant_suspended; {active}")
+    elif tenant.active_jobs >= (limit := applied_cap(cap, default)):
+        print(f"{active}; its submissions answer 429 until it has fewer than {limit}")
+    within = f"{settings.auth_cache_seconds:g} s (MUONFORGE_AUTH_CACHE_SECONDS)"
+    print(f"API processes apply it within {within}")
+    return 0
+
+
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -196,6 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = keys.add_parser("revoke", help="revoke an API key")
     revoke.add_argument("key", metavar="KEY", help="its id (key_…), its prefix (mf_…, as `keys list` shows) or the key")
     revoke.set_defaults(func=cmd_keys_revoke)
+
+    tenants = sub.add_parser("tenants", help="tenants and their job caps")
+    tenants = tenants.add_subparsers(dest="tenants_command", required=True)
+    listing = tenants.add_parser(
+        "list", help="tenants: name, id, job cap, queued+running jobs, dataset bytes stored, active keys"
+    )
+    listing.set_defaults(func=cmd_tenants_list)
+    set_cap = tenants.add_parser(
+        "set-cap", help="set a tenant's job cap (queued plus running jobs); 0 suspends it",
+        description="Set a tenant's job cap: the queued plus running jobs it may have. API processes"
+        " apply it within MUONFORGE_AUTH_CACHE_SECONDS (they keep a verified key's tenant, cap"
+        " included, that long).",
+    )  # fmt: skip
+    set_cap.add_argument("tenant", metavar="NAME", help="the tenant's name, as `tenants list` shows it")
+    set_cap.add_argument(
+        "cap", metavar="N", help="a whole number >= 0 (0 suspends: submissions answer 403 tenant_suspended, jobs"
+        " already queued or running go on), or 'default' for the server's MUONFORGE_TENANT_JOB_CAP",
+    )  # fmt: skip
+    set_cap.set_defaults(func=cmd_tenants_set_cap)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""What the commands print: tables of jobs, datasets, metrics and API keys, one job's details,
+"""What the commands print: tables of jobs, datasets, metrics, API keys and tenants, one job's details,
 the lines of ``muonforge logs``, and metrics as CSV."""
 
 from __future__ import annotations
@@ -97,6 +97,26 @@ def keys_table(keys: list[dict[str, Any]]) -> Table:
         table.add_row(
             Text(key["id"]), Text(key["tenant"]), Text(key["name"] or "-"), Text(key["prefix"]),
             ago(key["created_at"]), ago(key["last_used_at"]), ago(key["revoked_at"]),
+        )  # fmt: skip
+    return table
+
+
+def job_cap(cap: int | None, default: int) -> str:
+    """A tenant's job cap for people: the number, "default (8)" (the server's), or "suspended" (0)."""
+    if cap is None:
+        return f"default ({default})"
+    return "suspended" if cap == 0 else str(cap)
+
+
+def tenants_table(tenants: list[dict[str, Any]], default_cap: int) -> Table:
+    """Tenants (``TenantFigures`` fields): job cap, queued plus running jobs, bytes of datasets
+    stored, keys not revoked; ``default_cap`` is the server's cap, shown where a tenant has none."""
+    headers = ("name", "id", "job cap", "queued+running", "dataset bytes", "active keys")
+    table = Table(*headers, box=None, header_style="bold")
+    for t in tenants:
+        table.add_row(
+            Text(t["name"]), Text(t["id"]), job_cap(t["job_cap"], default_cap), str(t["active_jobs"]),
+            f"{t['dataset_bytes']:,}", str(t["active_keys"]),
         )  # fmt: skip
     return table
 

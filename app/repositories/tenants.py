@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from datetime import datetime
+from typing import NamedTuple
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import BigInteger, cast, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.db.models import ApiKey, Dataset, Tenant
+from app.db.models import ApiKey, Dataset, Job, Tenant
+from app.job_status import ACTIVE
+
+
+class TenantFigures(NamedTuple):
+    """A tenant with what it holds: queued plus running jobs, bytes of datasets, unrevoked keys."""
+
+    id: str
+    name: str
+    job_cap: int | None
+    active_jobs: int
+    dataset_bytes: int
+    active_keys: int
 
 
 class TenantRepository:
@@ -70,6 +83,33 @@ class TenantRepository:
     def revoke_key(self, key: ApiKey, now: datetime) -> None:
         key.revoked_at = now
         self.session.flush()
+
+    def figures(self, tenant_id: str | None = None) -> list[TenantFigures]:
+        """Every tenant (or the one) with its figures, by name: one query, each figure counted
+        per tenant in a grouped subquery."""
+
+        def per_tenant(model: type[Job | Dataset | ApiKey], value, *where):
+            only = (model.tenant_id == tenant_id,) if tenant_id is not None else ()
+            query = select(model.tenant_id, value.label("n")).where(*where, *only)
+            return query.group_by(model.tenant_id).subquery()
+
+        jobs = per_tenant(Job, func.count(), Job.status.in_(ACTIVE))
+        datasets = per_tenant(Dataset, cast(func.sum(Dataset.bytes), BigInteger))  # not numeric
+        keys = per_tenant(ApiKey, func.count(), ApiKey.revoked_at.is_(None))
+        figures = (func.coalesce(subquery.c.n, 0) for subquery in (jobs, datasets, keys))
+        query = (
+            select(Tenant.id, Tenant.name, Tenant.job_cap, *figures)
+            .outerjoin(jobs, jobs.c.tenant_id == Tenant.id)
+            .outerjoin(datasets, datasets.c.tenant_id == Tenant.id)
+            .outerjoin(keys, keys.c.tenant_id == Tenant.id)
+            .order_by(Tenant.name)
+        )
+        if tenant_id is not None:
+            query = query.where(Tenant.id == tenant_id)
+        return [TenantFigures(*row) for row in self.session.execute(query)]
+
+    def set_job_cap(self, tenant_id: str, job_cap: int | None) -> None:
+        self.session.execute(update(Tenant).where(Tenant.id == tenant_id).values(job_cap=job_cap))
 
 
 class DatasetRepository:

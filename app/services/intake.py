@@ -45,6 +45,7 @@ from app.services.admission import Admission
 from app.services.auth import TenantRef
 from app.services.caps import CHAR_VOCAB_MAX, check_caps, vocabulary
 from app.services.job_events import record_first_statuses
+from app.services.tenants import job_cap
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.api")
@@ -95,7 +96,7 @@ def prepare_submission(
         existing = repo.by_idempotency_key(tenant.id, idempotency_key)
         if existing is not None:
             return Submission(digest, existing=replay(existing, digest))
-    cap = settings.tenant_job_cap if tenant.job_cap is None else tenant.job_cap
+    cap = job_cap(tenant.job_cap, settings.tenant_job_cap)
     if cap <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
     check_caps(dumped, *data_facts(session, tenant, spec), settings)
