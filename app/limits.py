@@ -1,14 +1,21 @@
-"""Limits before work: a request's body is bounded, and a /v1 request is authenticated before a
-byte of its body is read.
+"""Limits before work: a request's body is bounded, a /v1 request is authenticated before a byte
+of its body is read, and a tenant over its rate or its stream cap is refused before the
+application does any work for it.
 
 FastAPI reads (and parses) a body before it resolves a route's dependencies, so without this an
-unauthenticated caller could make the API read a body of any size. ``BodyLimit`` is pure ASGI and
+unauthenticated caller could make the API read a body of any size. ``Limits`` is pure ASGI and
 sits in front of the routes:
 
 1. a declared Content-Length over the limit is answered 413 at once, nothing read;
-2. a /v1 request with a body (POST, PUT, PATCH) is authenticated from its headers alone; the
-   tenant is kept in the request's state, where the unit of work takes it (one lookup, not two).
-   The web app's sign-in, whose body is the key, is only bounded;
+2. a /v1 request is authenticated from its headers and admitted here: its key from the cache on
+   the event loop (else one lookup per key at a time, in a thread), a request-rate token taken,
+   and for a stream a slot taken and held until the stream ends; else the answer is 401 or 429
+   with no routing and no dependency (and, for a cached key, no thread and no query). Under a
+   flood of refused requests from one tenant the refusals are the only work, and they are the
+   cheapest the server can do, so other tenants keep their latency (bench/abuse.py). The tenant
+   is kept in the request's state, where the unit of work takes it (one admission, not two). A
+   request with a body is authenticated before its body is read. The web app's sign-in
+   (/v1/session), whose body is the key, is only bounded;
 3. the body is counted as it streams in, chunked uploads included: the request is refused with
    413 the moment the count passes the limit, so no more than the limit is ever read.
 
@@ -17,6 +24,9 @@ The limit is ``MUONFORGE_MAX_BODY_BYTES`` for JSON (a job spec is a few kB) and
 """
 
 from __future__ import annotations
+
+import asyncio
+import re
 
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -27,19 +37,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.db.session import open_session
 from app.deps import SESSION_COOKIE, request_key
 from app.errors import DomainError, error_response
-from app.services.auth import KeyCache, TenantRef, authenticate, cached_tenant
-from app.services.quotas import RequestRate
+from app.services.auth import KeyCache, TenantRef, authenticate, bearer_digest, cached_tenant
+from app.services.quotas import RequestRate, StreamSlots
 from app.settings import Settings
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 SIGN_IN = "/v1/session"  # its body is the key: bounded, not authenticated beforehand
 UPLOAD_PATHS = frozenset({"/v1/datasets"})
+EVENTS_PATH = re.compile(r"^/v1/jobs/[^/]+/events$")  # a stream: it takes one of the tenant's stream slots
 MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fields
 
 
-class BodyLimit:
-    def __init__(self, app: ASGIApp, settings: Settings, key_cache: KeyCache, request_rate: RequestRate) -> None:
-        self.app, self.settings, self.key_cache, self.request_rate = app, settings, key_cache, request_rate
+class Limits:
+    def __init__(
+        self, app: ASGIApp, settings: Settings, key_cache: KeyCache, request_rate: RequestRate, streams: StreamSlots
+    ) -> None:
+        self.app, self.settings, self.key_cache = app, settings, key_cache
+        self.request_rate, self.streams = request_rate, streams
+        self._lookups: dict[str, asyncio.Future[TenantRef]] = {}  # key digest -> its lookup in flight
 
     def limit_for(self, path: str) -> int:
         if path in UPLOAD_PATHS:
@@ -47,26 +62,32 @@ class BodyLimit:
         return self.settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, headers = scope["path"], Headers(scope=scope)
+        path, method, headers = scope["path"], scope["method"], Headers(scope=scope)
+        with_body = method in BODY_METHODS
         limit = self.limit_for(path)
-        declared = headers.get("content-length", "")
+        declared = headers.get("content-length", "") if with_body else ""
         if declared.isdigit() and int(declared) > limit:
             return await too_large(limit)(scope, receive, send)
         if path.startswith("/v1/") and path != SIGN_IN:
             try:
                 session_key = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE)
                 authorization = request_key(headers.get("authorization"), session_key)
-                # A key verified within the cache's time costs no thread; only a miss asks the database.
-                tenant = cached_tenant(authorization, self.key_cache) or await run_in_threadpool(
-                    self._authenticate, authorization
-                )
+                tenant = await self._tenant(authorization)
                 self.request_rate.take(tenant.id)
+                scope.setdefault("state", {})["tenant"] = tenant
+                if method == "GET" and EVENTS_PATH.match(path):
+                    # The stream's slot is taken here and held until its response ends: of a
+                    # burst of stream requests, only those that get a slot reach the routes.
+                    with self.streams.hold(tenant.id):
+                        scope["state"]["stream_slot"] = tenant.id
+                        return await self.app(scope, receive, send)
             except DomainError as exc:
                 response = error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
                 return await response(scope, receive, send)
-            scope.setdefault("state", {})["tenant"] = tenant
+        if not with_body:
+            return await self.app(scope, receive, send)
 
         seen = 0
 
@@ -82,6 +103,30 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+    async def _tenant(self, authorization: str | None) -> TenantRef:
+        """The key's tenant: from the cache on the event loop, else looked up in a thread, one
+        lookup per key at a time. When a busy key's cache entry expires, the requests in flight
+        with it wait for the first one's lookup instead of each taking a thread and a query."""
+        if (tenant := cached_tenant(authorization, self.key_cache)) is not None:
+            return tenant
+        digest = bearer_digest(authorization)
+        if digest is None:  # no key: Unauthorized, with no lookup to share
+            return await run_in_threadpool(self._authenticate, authorization)
+        if (pending := self._lookups.get(digest)) is not None:
+            return await asyncio.shield(pending)
+        pending = self._lookups[digest] = asyncio.get_running_loop().create_future()
+        try:
+            tenant = await run_in_threadpool(self._authenticate, authorization)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            pending.exception()  # retrieved: no warning when no other request waited for it
+            raise
+        else:
+            pending.set_result(tenant)
+            return tenant
+        finally:
+            del self._lookups[digest]
 
     def _authenticate(self, authorization: str | None) -> TenantRef:
         with open_session(self.settings) as session:

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app.errors import install_error_handlers
-from app.limits import BodyLimit
+from app.limits import Limits
 from app.live import LiveReader
 from app.observability import install_metrics
 from app.routes import checkpoints, datasets, health, jobs, session
@@ -43,7 +43,10 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
         app.include_router(module.router)
     install_web(app)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, settings=settings, key_cache=app.state.key_cache, request_rate=app.state.request_rate)
+    app.add_middleware(
+        Limits, settings=settings, key_cache=app.state.key_cache, request_rate=app.state.request_rate,
+        streams=app.state.streams,
+    )  # fmt: skip
     install_metrics(app, settings)
     return app
 

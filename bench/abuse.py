@@ -6,7 +6,9 @@ Postgres and Redis.
 2. streams: one tenant makes 5,000 attempts to open event streams (it holds what it may and
    retries the rest as fast as it is answered) while another tenant lists its jobs: that
    tenant's GET /v1/jobs latency, idle and under the attack, in the same run;
-3. cap: 100 parallel submissions by one tenant whose job cap is 8: how many are admitted.
+3. cap: 100 parallel submissions by one tenant whose job cap is 8: how many are admitted;
+4. memory: a spec within the parameter and batch caps built to exhaust a worker's memory
+   (attention scores of 128 x 64 x 8192^2 floats per layer): refused at intake, what it cost.
 
     python bench/abuse.py [--attempts 5000] [--json out.json]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -82,12 +85,15 @@ def body_attack(url: str, pid: int, chunked: bool) -> dict:
     }
 
 
-async def latencies(client: httpx.AsyncClient, n: int, gap: float) -> list[float]:
+async def latencies(client: httpx.AsyncClient, n: int, gap: float, at: list[float] | None = None) -> list[float]:
+    """``n`` GET /v1/jobs, ``gap`` s apart: their latencies (and their start times, into ``at``)."""
     out = []
     for _ in range(n):
         start = time.perf_counter()
         r = await client.get("/v1/jobs", params={"limit": 20})
         out.append(time.perf_counter() - start)
+        if at is not None:
+            at.append(start)
         assert r.status_code == 200, r.text
         await asyncio.sleep(gap)
     return out
@@ -97,26 +103,19 @@ def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] * 1000
 
 
-async def stream_attack(url: str, attacker: str, victim: str, attempts: int) -> dict:
-    headers_a, headers_v = {"Authorization": f"Bearer {attacker}"}, {"Authorization": f"Bearer {victim}"}
+async def attack_streams(url: str, attacker: str, job: str, attempts: int, started, out) -> None:
+    """The attacker (in a process of its own): ``attempts`` stream attempts, 400 at a time, each
+    held open when accepted; ``started`` is set once it runs, the outcome is put on ``out``."""
     limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
-    async with (
-        httpx.AsyncClient(base_url=url, headers=headers_a, timeout=60, limits=limits) as a,
-        httpx.AsyncClient(base_url=url, headers=headers_v, timeout=60) as v,
-    ):
-        job = (await a.post("/v1/jobs", json=SPEC)).json()["id"]  # no worker: queued, its stream stays open
-        for _ in range(5):
-            await v.post("/v1/jobs", json=SPEC)
-        idle = await latencies(v, 200, 0.01)
+    headers = {"Authorization": f"Bearer {attacker}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=limits) as a:
         held, codes, remaining = [], {}, attempts
-        done = asyncio.Event()
 
         async def attempt() -> None:
             nonlocal remaining
-            while remaining > 0 and not done.is_set():
+            while remaining > 0:
                 remaining -= 1
-                request = a.build_request("GET", f"/v1/jobs/{job}/events")
-                response = await a.send(request, stream=True)
+                response = await a.send(a.build_request("GET", f"/v1/jobs/{job}/events"), stream=True)
                 codes[response.status_code] = codes.get(response.status_code, 0) + 1
                 if response.status_code == 200:
                     held.append(response)  # kept open to the end
@@ -124,17 +123,74 @@ async def stream_attack(url: str, attacker: str, victim: str, attempts: int) -> 
                     await response.aclose()
 
         attackers = [asyncio.create_task(attempt()) for _ in range(400)]
-        await asyncio.sleep(1.0)
-        busy = await latencies(v, 200, 0.01)
+        started.set()
+        start = time.perf_counter()
         await asyncio.gather(*attackers)
-        done.set()
+        out.put({"answers": codes, "held_open": len(held), "attack_s": round(time.perf_counter() - start, 2)})
         for response in held:
             await response.aclose()
+
+
+def run_attacker(*args) -> None:
+    asyncio.run(attack_streams(*args))
+
+
+async def stream_attack(url: str, attacker: str, victim: str, attempts: int) -> dict:
+    """The victim's GET /v1/jobs latency, idle and while the attacker's process makes its
+    attempts. The attacker runs in a process of its own: in this process's event loop its 400
+    clients would delay the victim's own reading of its answers, and the figure would measure
+    the load generator rather than the API."""
+    headers_a, headers_v = {"Authorization": f"Bearer {attacker}"}, {"Authorization": f"Bearer {victim}"}
+    async with (
+        httpx.AsyncClient(base_url=url, headers=headers_a, timeout=60) as a,
+        httpx.AsyncClient(base_url=url, headers=headers_v, timeout=60) as v,
+    ):
+        job = (await a.post("/v1/jobs", json=SPEC)).json()["id"]  # no worker: queued, its stream stays open
+        for _ in range(5):
+            await v.post("/v1/jobs", json=SPEC)
+        idle = await latencies(v, 200, 0.01)
+        ctx = multiprocessing.get_context("spawn")
+        started, out = ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=run_attacker, args=(url, attacker, job, attempts, started, out))
+        proc.start()
+        await asyncio.to_thread(started.wait, 120)
+        attack_start = time.perf_counter()
+        await asyncio.sleep(1.0)
+        starts: list[float] = []
+        busy = await latencies(v, 200, 0.01, starts)
+        worst = sorted(range(len(busy)), key=lambda i: busy[i])[-5:]
+        outcome = await asyncio.to_thread(out.get, True, 600)
+        proc.join(timeout=60)
     return {
-        "attempts": attempts, "answers": codes, "held_open": len(held),
+        "attempts": attempts, **outcome,
         "victim_idle_p50_ms": round(p(idle, 50), 1), "victim_idle_p99_ms": round(p(idle, 99), 1),
         "victim_attacked_p50_ms": round(p(busy, 50), 1), "victim_attacked_p99_ms": round(p(busy, 99), 1),
         "victim_p99_ratio": round(p(busy, 99) / p(idle, 99), 2),
+        "victim_window_s": [round(starts[0] - attack_start, 2), round(starts[-1] + busy[-1] - attack_start, 2)],
+        "victim_worst_ms_at_s": [[round(busy[i] * 1000, 1), round(starts[i] - attack_start, 2)] for i in worst],
+    }  # fmt: skip
+
+
+def memory_attack(url: str, pid: int, key: str, n: int = 20) -> dict:
+    """``n`` submissions of a spec within the parameter and batch caps whose attention scores
+    alone (128 x 64 x 8192^2 floats per layer) would exhaust any worker: each refused at intake."""
+    spec = {
+        "model": {"arch": "gpt", "n_layer": 4, "n_head": 64, "d_model": 128, "seq_len": 8192},
+        "data": {"builtin": "synthetic"},
+        "train": {"steps": 1000, "batch_size": 128},
+    }
+    before, times, codes = rss_mb(pid), [], {}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        for _ in range(n):
+            start = time.perf_counter()
+            r = c.post("/v1/jobs", json=spec)
+            times.append((time.perf_counter() - start) * 1000)
+            codes[r.status_code] = codes.get(r.status_code, 0) + 1
+        message = r.json()["error"]["message"]
+        queued = c.get("/v1/jobs", params={"limit": 100}).json()["data"]
+    return {
+        "submissions": n, "answers": codes, "max_ms": round(max(times), 1), "jobs_stored": len(queued),
+        "rss_growth_mb": round(rss_mb(pid) - before, 2), "message": message,
     }  # fmt: skip
 
 
@@ -151,7 +207,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with Stack("abuse", REDIS) as stack:
-        attacker, victim, capped = (stack.api_key(t) for t in ("attacker", "victim", "capped"))
+        attacker, victim, capped, greedy = (stack.api_key(t) for t in ("attacker", "victim", "capped", "greedy"))
         with psycopg.connect(stack.db_url, autocommit=True) as db:
             db.execute("UPDATE tenants SET job_cap = 8 WHERE name = 'capped'")
         url = stack.start_api(processes=1)
@@ -160,9 +216,12 @@ def main() -> int:
             "body": [body_attack(url, pid, chunked=False), body_attack(url, pid, chunked=True)],
             "streams": asyncio.run(stream_attack(url, attacker, victim, args.attempts)),
             "cap": asyncio.run(cap_attack(url, capped, 100)),
+            "memory": memory_attack(url, pid, greedy),
             "cores": os.cpu_count(),
         }
     worst = max(result["body"], key=lambda b: b["ms"])
+    memory = result["memory"]
+    refused_all = memory["answers"] == {422: memory["submissions"]} and not memory["jobs_stored"]
     result["targets"] = {
         "body_ms": [worst["ms"], TARGETS["body_ms"], worst["ms"] < TARGETS["body_ms"]],
         "body_rss_mb": [
@@ -174,6 +233,7 @@ def main() -> int:
             result["streams"]["victim_p99_ratio"] < TARGETS["victim_p99_ratio"],
         ],
         "admitted": [result["cap"]["admitted"], TARGETS["admitted"], result["cap"]["admitted"] == TARGETS["admitted"]],
+        "memory_spec_refused": [memory["answers"], {422: memory["submissions"]}, refused_all],
     }  # fmt: skip
     text = json.dumps(result, indent=2)
     print(text)

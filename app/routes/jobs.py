@@ -95,12 +95,15 @@ async def job_metrics(
 
 async def followed_job(job_id: JobId, work: Work, request: Request) -> AsyncIterator[str]:
     """The job's id once it is known to be the tenant's (404 before any event is sent), holding
-    one of the tenant's stream slots while the stream lasts (429 when it has none free)."""
-    streams = request.app.state.streams
-    if (tenant := work.cached_tenant()) is not None:
-        streams.check(tenant.id)  # a tenant at its cap: 429 before any query
+    one of the tenant's stream slots while the stream lasts (429 when it has none free). A
+    request whose key was cached holds the slot that the edge (app.limits) took before routing,
+    so a burst beyond the cap never gets this far; another takes it here, once the lookup has
+    authenticated its key."""
     job = await work(service.get_job, job_id)
-    with streams.hold(job.tenant_id):
+    if getattr(request.state, "stream_slot", None):
+        yield job_id
+        return
+    with request.app.state.streams.hold(job.tenant_id):
         yield job_id
 
 
