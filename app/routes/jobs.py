@@ -93,20 +93,6 @@ async def job_metrics(
     return await work(service.metric_history, job_id, names, max_points, from_step, to_step)
 
 
-async def followed_job(job_id: JobId, work: Work, request: Request) -> AsyncIterator[str]:
-    """The job's id once it is known to be the tenant's (404 before any event is sent), holding
-    one of the tenant's stream slots while the stream lasts (429 when it has none free). A
-    request whose key was cached holds the slot that the edge (app.limits) took before routing,
-    so a burst beyond the cap never gets this far; another takes it here, once the lookup has
-    authenticated its key."""
-    job = await work(service.get_job, job_id)
-    if getattr(request.state, "stream_slot", None):
-        yield job_id
-        return
-    with request.app.state.streams.hold(job.tenant_id):
-        yield job_id
-
-
 def event_cursor(
     last_event_id: Annotated[
         str,
@@ -122,11 +108,28 @@ def event_cursor(
     return events.Cursor(next_step=from_step)
 
 
+async def followed_job(
+    job_id: JobId, work: Work, request: Request, cursor: Annotated[events.Cursor, Depends(event_cursor)]
+) -> AsyncIterator[events.Page]:
+    """The stream's first page, once the job is known to be the tenant's (404 before any event is
+    sent), holding one of the tenant's stream slots while the stream lasts (429 when it has none
+    free). A request whose key was cached holds the slot that the edge (app.limits) took before
+    routing, so a burst beyond the cap never gets this far; another takes it here, once the
+    lookup has authenticated its key. One unit of work checks the job and reads the page."""
+    page = await work(events.first_page, job_id, cursor)
+    if getattr(request.state, "stream_slot", None):
+        yield page
+        return
+    with request.app.state.streams.hold(work.cached_tenant().id):
+        yield page
+
+
 @router.get("/{job_id}/events", response_class=EventSourceResponse, responses=JSON_ERRORS)
 async def job_events(
     request: Request,
     work: Work,
-    job_id: Annotated[str, Depends(followed_job)],
+    job_id: JobId,
+    first: Annotated[events.Page, Depends(followed_job)],
     cursor: Annotated[events.Cursor, Depends(event_cursor)],
 ):
     """Server-Sent Events: `status` (the Job), `metrics` ({step, metrics}, one per telemetry
@@ -138,6 +141,6 @@ async def job_events(
     checked again every `MUONFORGE_AUTH_CACHE_SECONDS`: once it is revoked, the stream ends
     without `done` and a reconnect answers 401."""
     state = request.app.state
-    stream = events.follow(state.settings, state.live_reader, job_id, cursor)
+    stream = events.follow(state.settings, state.live_reader, job_id, cursor, first)
     async for event in events.while_key_valid(stream, work.key_still_valid, state.settings.auth_cache_seconds):
         yield event

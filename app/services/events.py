@@ -33,6 +33,7 @@ from typing import Any
 
 from fastapi.sse import ServerSentEvent
 from redis.exceptions import RedisError
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from app.db.session import open_session
@@ -40,6 +41,8 @@ from app.errors import ValidationFailed
 from app.job_status import is_finished
 from app.live import REDIS_TIMEOUT, LiveReader, Resync
 from app.repositories.jobs import JobRepository
+from app.services.auth import TenantRef
+from app.services.jobs import get_job
 from app.services.telemetry import steps_from
 from app.settings import Settings
 
@@ -103,18 +106,30 @@ class Page:
 
 
 def read_page(settings: Settings, job_id: str, cursor: Cursor) -> Page:
+    """What the database holds after ``cursor`` (``page_of``), in a session of its own."""
+    with open_session(settings) as session:
+        return page_of(session, job_id, cursor)
+
+
+def first_page(session: Session, tenant: TenantRef, job_id: str, cursor: Cursor) -> Page:
+    """A stream's first page, the job known to be the tenant's first (NotFound): one unit of
+    work, one database round of reads, before the stream starts."""
+    get_job(session, tenant, job_id)
+    return page_of(session, job_id, cursor)
+
+
+def page_of(session: Session, job_id: str, cursor: Cursor) -> Page:
     """What the database holds after ``cursor``, in order, up to PAGE_STEPS telemetry steps
     and PAGE_EVENTS job events (a page costs the same however long the job); advances the
     cursor."""
-    with open_session(settings) as session:
-        repo = JobRepository(session)
-        job = repo.get(job_id)
-        if job is None:  # deleted meanwhile
-            return Page(done=True)
-        # Read first: the rows below are at least as new.
-        mark, status, last_seq = job.telemetry_mark, job.status, job.event_seq
-        events = repo.events(job_id, after_seq=cursor.seq, limit=PAGE_EVENTS)
-        steps = steps_from(session, job_id, cursor.next_step, PAGE_STEPS)
+    repo = JobRepository(session)
+    job = repo.get(job_id)
+    if job is None:  # deleted meanwhile
+        return Page(done=True)
+    # Read first: the rows below are at least as new.
+    mark, status, last_seq = job.telemetry_mark, job.status, job.event_seq
+    events = repo.events(job_id, after_seq=cursor.seq, limit=PAGE_EVENTS)
+    steps = steps_from(session, job_id, cursor.next_step, PAGE_STEPS)
     full_steps, more_events = len(steps) == PAGE_STEPS, len(events) == PAGE_EVENTS
     page = Page(more=full_steps or more_events, mark=mark)
     pending = [(e.seq, e.kind, e.payload, step_of(e.kind, e.payload, e.step)) for e in events]
@@ -142,12 +157,13 @@ def step_of(kind: str, payload: dict[str, Any], step: int | None) -> float:
 
 
 async def follow(
-    settings: Settings, reader: LiveReader | None, job_id: str, cursor: Cursor
+    settings: Settings, reader: LiveReader | None, job_id: str, cursor: Cursor, first: Page | None = None
 ) -> AsyncIterator[ServerSentEvent]:
-    """The job's events after ``cursor``, then ``done`` once it has finished. Without the bus
-    (embedded mode, or Redis stopped or paused) the database is polled every POLL_SECONDS."""
+    """The job's events after ``cursor``, then ``done`` once it has finished (``first``: the
+    first page, read already). Without the bus (embedded mode, or Redis stopped or paused) the
+    database is polled every POLL_SECONDS."""
     while True:
-        page = await run_in_threadpool(read_page, settings, job_id, cursor)
+        page, first = first or await run_in_threadpool(read_page, settings, job_id, cursor), None
         for event in page.events:
             yield event
         if page.done:
