@@ -100,3 +100,34 @@ def test_an_upload_over_the_limit_is_refused_while_streaming(small_api, settings
     assert r.status_code == 413 and r.json()["error"]["param"] == "file"
     r = httpx.post(f"{small_api}/v1/datasets", files={"file": ("ok.txt", b"a" * UPLOAD_LIMIT)}, headers=headers)
     assert r.status_code == 201 and r.json()["bytes"] == UPLOAD_LIMIT
+
+
+def test_requests_in_flight_with_an_uncached_key_share_one_lookup(settings, monkeypatch):
+    """When a busy key is not in the cache (its entry expired), the requests in flight with it
+    wait for one lookup instead of each taking a thread and a query."""
+    import asyncio
+    import threading
+    import time
+
+    from app.limits import Limits
+    from app.main import create_app
+
+    key = new_key(settings)
+    lookups, original = [], Limits._authenticate
+
+    def counted(self, authorization):
+        lookups.append(threading.get_ident())
+        time.sleep(0.2)  # a slow database: every request arrives while the first lookup runs
+        return original(self, authorization)
+
+    monkeypatch.setattr(Limits, "_authenticate", counted)
+
+    async def burst() -> list[int]:
+        transport = httpx.ASGITransport(app=create_app(settings))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            headers = {"Authorization": f"Bearer {key}"}
+            answers = await asyncio.gather(*(client.get("/v1/jobs", headers=headers) for _ in range(20)))
+        return [r.status_code for r in answers]
+
+    assert asyncio.run(burst()) == [200] * 20
+    assert len(lookups) == 1
