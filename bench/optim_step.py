@@ -1,11 +1,12 @@
-"""One optimizer step on a GPT-shaped parameter set, CPU fp32: our Muon against the bare
-Newton–Schulz products, torch.optim.Muon and AdamW; plus singular-value bands and peak memory.
+"""One optimizer step on a GPT-shaped parameter set, CPU fp32 parameters: our Muon (its default,
+automatic Newton–Schulz dtype, and fp32) against the bare Newton–Schulz products,
+torch.optim.Muon and AdamW; plus singular-value bands and peak memory.
 
 Parameters: d_model 384, 4 layers, per layer the weights 1152x384, 384x384, 1536x384 and
 384x1536 (16 matrices). Every contender owns its copy of the seeded parameters and gradients,
 is warmed up once, then timed once per round in an interleaved order that rotates each round.
 
-    .venv/bin/python bench/optim_step.py [--rounds 7] [--threads N] [--quick] [--json PATH]
+    .venv/bin/python bench/optim_step.py [--rounds 7] [--memory-runs 3] [--threads N] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,25 +30,27 @@ LAYER_SHAPES = [(3 * D_MODEL, D_MODEL), (D_MODEL, D_MODEL), (4 * D_MODEL, D_MODE
 KELLER_ABC = (3.4445, -4.7750, 2.0315)
 
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
-    "ours": lambda ps: optim.Muon(ps, lr=LR),
-    "ours-standard": lambda ps: optim.Muon(ps, lr=LR, ns_method="standard"),
+    "ours": lambda ps: optim.Muon(ps, lr=LR),  # the default: automatic NS dtype
+    "ours-fp32": lambda ps: optim.Muon(ps, lr=LR, ns_dtype=torch.float32),
     "polar": lambda ps: optim.Muon(ps, lr=LR, ns_coefficients="polar_express"),
     "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=0.0),
     "AdamW": lambda ps: torch.optim.AdamW(ps),
 }
-RATIOS = [  # (numerator, denominator)
-    ("ours", "bare"),
-    ("ours-standard", "bare"),
-    ("polar", "bare"),
-    ("torch.optim.Muon", "bare"),
-    ("ours", "torch.optim.Muon"),
-    ("AdamW", "bare"),
-]
-NS_SETTINGS = {  # label -> (coefficients, method) for optim.orthogonalize
-    "keller auto": ("keller", "auto"),
-    "keller standard": ("keller", "standard"),
-    "polar_express auto": ("polar_express", "auto"),
+RATIOS = {  # (numerator, denominator) -> target (or None)
+    ("ours", "torch.optim.Muon"): 0.6,
+    ("ours-fp32", "torch.optim.Muon"): None,
+    ("polar", "torch.optim.Muon"): None,
+    ("ours", "bare"): 0.7,
+    ("ours-fp32", "bare"): None,
+    ("torch.optim.Muon", "bare"): None,
+    ("AdamW", "bare"): None,
 }
+NS_SETTINGS = {  # label -> (coefficients, method, dtype) for optim.orthogonalize; None: automatic
+    "keller auto": ("keller", "auto", None),
+    "keller fp32": ("keller", "auto", torch.float32),
+    "polar_express auto": ("polar_express", "auto", None),
+}
+SPEC_BANDS = {"keller": (0.68, 1.14), "polar_express": (0.855, 1.143)}  # OPTIMIZER.md T2 / T3
 
 
 def make_params(seed: int = SEED) -> list[torch.Tensor]:
@@ -86,6 +89,8 @@ def machine_facts() -> dict:
     except (OSError, StopIteration):
         pass
     facts = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu}
+    facts["auto_dtype"] = str(optim.auto_dtype(torch.device("cpu"))).split(".")[-1]
+    facts["probe_speedups"] = [optim.newton_schulz.bf16_speedup(torch.device("cpu")) for _ in range(3)]
     flops = 2 * D_MODEL * 4 * D_MODEL * D_MODEL
     for dtype in (torch.float32, torch.bfloat16):
         x, y = torch.randn(D_MODEL, 4 * D_MODEL, dtype=dtype), torch.randn(4 * D_MODEL, D_MODEL, dtype=dtype)
@@ -131,12 +136,16 @@ def accuracy() -> list[dict]:
         G = torch.randn(shape, generator=torch.Generator().manual_seed(SEED + 100 + i))
         low = float(torch.linalg.svdvals(G.double()).min() / G.double().norm())
         m, n = sorted(shape)
-        for label, (coefficients, method) in NS_SETTINGS.items():
-            s = torch.linalg.svdvals(optim.orthogonalize(G, NS_STEPS, coefficients, method).double())
+        for label, (coefficients, method, dtype) in NS_SETTINGS.items():
+            dtype = dtype or optim.newton_schulz.default_dtype(G)
+            s = torch.linalg.svdvals(optim.orthogonalize(G, NS_STEPS, coefficients, method, dtype).double())
             band = optim.singular_value_band(coefficients, NS_STEPS, low=low)
-            form = optim.choose_method(m, n, method)
+            form = f"{optim.choose_method(m, n, method, dtype)} {str(dtype).split('.')[-1]}"
+            lo, hi = SPEC_BANDS[coefficients]
+            in_spec = bool(lo <= s.min() and s.max() <= hi) if m != n else None  # square: see the docs
             rows.append({"shape": f"{shape[0]}x{shape[1]}", "setting": label, "form": form, "low": low,
-                         "sv_min": float(s.min()), "sv_max": float(s.max()), "band": band})  # fmt: skip
+                         "sv_min": float(s.min()), "sv_max": float(s.max()), "band": band,
+                         "in_spec_band": in_spec})  # fmt: skip
     return rows
 
 
@@ -175,13 +184,23 @@ def memory_child(name: str) -> None:
     }))  # fmt: skip
 
 
-def memory(threads: int) -> dict[str, dict]:
-    """memory_child for "bare" and every optimizer, each in its own subprocess."""
+def memory(threads: int, runs: int) -> dict[str, dict]:
+    """memory_child for "bare" and every optimizer, each in its own subprocess, `runs` times
+    (interleaved); the figures of the run with the median peak, plus every run's peak and the
+    transient part (peak growth minus persistent state)."""
+    names = ["bare", *OPTIMIZERS]
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(runs):
+        for name in names:
+            cmd = [sys.executable, __file__, "--memory-child", name, "--threads", str(threads)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            results[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
     out = {}
-    for name in ["bare", *OPTIMIZERS]:
-        cmd = [sys.executable, __file__, "--memory-child", name, "--threads", str(threads)]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    for name, runs_of_name in results.items():
+        ordered = sorted(runs_of_name, key=lambda r: r["rss_increase_mib"])
+        out[name] = dict(ordered[len(ordered) // 2])
+        out[name]["rss_increase_all_mib"] = [r["rss_increase_mib"] for r in runs_of_name]
+        out[name]["transient_mib"] = out[name]["rss_increase_mib"] - out[name]["state_bytes"] / 2**20
     return out
 
 
@@ -192,8 +211,9 @@ def summarize(times: dict[str, list[float]]) -> tuple[dict, dict]:
         f"{a}/{b}": {
             "median": stats[a]["median_ms"] / stats[b]["median_ms"],
             "min": stats[a]["min_ms"] / stats[b]["min_ms"],
+            "target": target,
         }
-        for a, b in RATIOS
+        for (a, b), target in RATIOS.items()
     }
     return stats, ratios
 
@@ -202,35 +222,51 @@ def report(facts: dict, rounds: int, stats: dict, ratios: dict, acc: list[dict],
     """Print the machine line and the four tables."""
     print(f"torch {facts['torch']}, {facts['threads']} threads, CPU: {facts['cpu']}")
     print(f"384x1536 @ 1536x384 GEMM: fp32 {facts['gflops_float32']:.1f} GFLOP/s, "
-          f"bf16 {facts['gflops_bfloat16']:.1f} GFLOP/s\n")  # fmt: skip
-    print(f"Step time, CPU fp32, {rounds} interleaved rounds")
+          f"bf16 {facts['gflops_bfloat16']:.1f} GFLOP/s")  # fmt: skip
+    speedups = ", ".join(f"{x:.2f}" for x in facts["probe_speedups"])
+    print(f"automatic NS dtype: {facts['auto_dtype']} (bf16 probe speedups, 3 re-runs: {speedups})\n")
+    print(f"Step time, CPU fp32 parameters, {rounds} interleaved rounds")
     print(f"{'contender':<20}{'median ms':>11}{'min ms':>10}")
     for name, s in stats.items():
         print(f"{name:<20}{s['median_ms']:>11.1f}{s['min_ms']:>10.1f}")
     print(f"\n{'ratio':<28}{'median':>8}{'min':>8}")
     for name, r in ratios.items():
-        target = "   (target <= 0.7)" if name == "ours/bare" else ""
+        target = (
+            ""
+            if r["target"] is None
+            else f"   (target <= {r['target']}: {'met' if r['median'] <= r['target'] else 'NOT met'})"
+        )
         print(f"{name:<28}{r['median']:>8.3f}{r['min']:>8.3f}{target}")
     print("\nSingular values of optim.orthogonalize (Gaussian input, float64 svdvals)")
-    print(f"{'shape':<10}{'setting':<20}{'form':<10}{'sv min':>8}{'sv max':>8}  band over [low, 1]  low")
+    print(f"{'shape':<10}{'setting':<20}{'form':<18}{'sv min':>8}{'sv max':>8}  band over [low, 1]  low"
+          "       in T2/T3 band")  # fmt: skip
     for r in acc:
         lo, hi = r["band"]
-        print(f"{r['shape']:<10}{r['setting']:<20}{r['form']:<10}{r['sv_min']:>8.4f}{r['sv_max']:>8.4f}"
-              f"  [{lo:.4f}, {hi:.4f}]    {r['low']:.2e}")  # fmt: skip
-    print("\nMemory, fresh process per optimizer, 3 steps (peak RSS: VmHWM; ru_maxrss shown for reference)")
-    print(f"{'optimizer':<20}{'peak RSS +MiB':>14}{'ru_maxrss +MiB':>15}{'state MiB':>11}{'state bytes':>13}"
-          "  tensors/param  keys")  # fmt: skip
+        verdict = {True: "yes", False: "NO", None: "n/a (square)"}[r["in_spec_band"]]
+        print(f"{r['shape']:<10}{r['setting']:<20}{r['form']:<18}{r['sv_min']:>8.4f}{r['sv_max']:>8.4f}"
+              f"  [{lo:.4f}, {hi:.4f}]    {r['low']:.2e}  {verdict}")  # fmt: skip
+    runs = len(next(iter(mem.values()))["rss_increase_all_mib"])
+    print(f"\nMemory, fresh process per optimizer, 3 steps, median of {runs} runs (peak RSS: VmHWM)")
+    print(f"{'optimizer':<20}{'peak RSS +MiB':>14}{'transient MiB':>14}{'state MiB':>11}  every run +MiB"
+          "        tensors/param  keys")  # fmt: skip
     for name, m in mem.items():
-        print(f"{name:<20}{m['rss_increase_mib']:>14.1f}{m['ru_maxrss_increase_mib']:>15.1f}"
-              f"{m['state_bytes'] / 2**20:>11.2f}{m['state_bytes']:>13}"
+        every = ", ".join(f"{x:.1f}" for x in m["rss_increase_all_mib"])
+        print(f"{name:<20}{m['rss_increase_mib']:>14.1f}{m['transient_mib']:>14.1f}"
+              f"{m['state_bytes'] / 2**20:>11.2f}  {every:<20}"
               f"  {m['state_tensors_per_param']!s:<13}  {', '.join(m['state_keys']) or '-'}")  # fmt: skip
+    ours, theirs = mem["ours"]["transient_mib"], mem["torch.optim.Muon"]["transient_mib"]
+    verdict = "met" if ours <= theirs else "NOT met"
+    print(
+        f"transient peak, ours vs torch.optim.Muon: {ours:.1f} vs {theirs:.1f} MiB (target ours <= theirs: {verdict})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="2 rounds: a smoke run")
+    parser.add_argument("--memory-runs", type=int, default=3, help="fresh processes per optimizer (default 3)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 1 memory run: a smoke run")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--memory-child", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -244,7 +280,7 @@ def main() -> None:
     facts = machine_facts()
     stats, ratios = summarize(time_contenders(build_contenders(), rounds))
     acc = accuracy()
-    mem = memory(torch.get_num_threads())
+    mem = memory(torch.get_num_threads(), 1 if args.quick else args.memory_runs)
     report(facts, rounds, stats, ratios, acc, mem)
     if args.json:
         with open(args.json, "w") as f:

@@ -5,6 +5,7 @@ from .muon import Muon, StepStats, as_matrices, update_scale
 from .newton_schulz import (
     KELLER,
     POLAR_EXPRESS,
+    auto_dtype,
     choose_method,
     orthogonalize,
     resolve_coefficients,
@@ -33,6 +34,7 @@ __all__ = [
     "StepStats",
     "adamw_update",
     "as_matrices",
+    "auto_dtype",
     "choose_method",
     "fused_qkv_targets",
     "mla_targets",

@@ -13,7 +13,9 @@ so it is computed from three of its four half-size blocks: 3/4 of the flops.
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,7 +47,17 @@ GRAM_MIN_ASPECT = 1.5
 # Low precision drifts in the gram form: rebuild R from a fresh X every 2 iterations
 # (the restart of Dao-AILab/gram-newton-schulz).
 GRAM_RESTART_EVERY_LOW_PRECISION = 2
-# Below this size a symmetric product is cheaper as one plain GEMM than as three blocks.
+# bf16 is the automatic choice only where a probe measures bf16 matrix products at least this
+# much faster than fp32 (a margin against timing noise).
+BF16_MIN_SPEEDUP = 1.25
+# The probe: PROBE_REPEATS interleaved fp32 / bf16 products of two PROBE_SIZE^2 matrices, best of each.
+PROBE_SIZE = 512
+PROBE_REPEATS = 10
+# /proc/cpuinfo flags of CPUs with native bf16 matrix instructions.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# Below this size a symmetric product is cheaper as one plain GEMM than as three blocks. In bf16
+# (CPU, AVX512-BF16) the three smaller GEMMs and the copies cost more than the flops saved:
+# 384 x 1536 standard iterations took 11.6 ms blocked against 9.1 ms plain, so bf16 stays plain.
 SYMMETRIC_BLOCK_MIN = 128
 # Clamp for the normaliser; the references' "+ 1e-7" collapses inputs with a tiny norm.
 TINY = 1e-30
@@ -96,22 +108,76 @@ def resolve_coefficients(coefficients: str | Sequence, steps: int) -> Schedule:
     return Schedule(tuple(rows))
 
 
+def cpu_has_bf16() -> bool | None:
+    """Whether /proc/cpuinfo lists a native bf16 matrix instruction set (AVX512-BF16 or AMX);
+    None where there is no /proc/cpuinfo to read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def bf16_capable(device: torch.device) -> bool:
+    """Whether the device has native bf16 matrix products: CUDA that supports bf16, or a CPU
+    with AVX512-BF16 / AMX (a CPU whose flags cannot be read is left to the probe)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return cpu_has_bf16() is not False
+    return False
+
+
+def bf16_speedup(device: torch.device) -> float:
+    """fp32 time / bf16 time of a PROBE_SIZE^3 matrix product on the device, best of
+    PROBE_REPEATS interleaved runs each (after one warm-up); > 1 means bf16 is faster."""
+    a = torch.randn(PROBE_SIZE, PROBE_SIZE, device=device)
+    operands = {dtype: a.to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    best = {dtype: math.inf for dtype in operands}
+    for repeat in range(PROBE_REPEATS + 1):
+        for dtype, x in operands.items():
+            _sync(device)
+            start = time.perf_counter()
+            torch.mm(x, x)
+            _sync(device)
+            if repeat:  # the first round warms up kernels and caches
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.cache
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """The Newton–Schulz precision for fp32/fp16/bf16 input on a device, decided once per process:
+    bf16 where the device has native bf16 products and the probe measures them at least
+    BF16_MIN_SPEEDUP faster than fp32; fp32 everywhere else."""
+    if bf16_capable(device) and bf16_speedup(device) >= BF16_MIN_SPEEDUP:
+        return torch.bfloat16
+    return torch.float32
+
+
 def default_dtype(G: Tensor) -> torch.dtype:
-    """fp64 for fp64 input; else bf16 on CUDA (fast and stable there) and fp32 elsewhere:
-    accurate to 1e-4 of a float64 reference, while bf16 GEMMs on CPUs range from 2.5x faster
-    (AVX512-BF16) to 20-90x slower than fp32."""
+    """The working precision for G when none is given: fp64 for fp64 input, else auto_dtype."""
     if G.dtype == torch.float64:
         return torch.float64
-    return torch.bfloat16 if G.device.type == "cuda" else torch.float32
+    return auto_dtype(G.device)
 
 
-def choose_method(m: int, n: int, method: str = "auto") -> str:
-    """The NS form for an m x n iterate (m <= n): ``auto`` takes gram where it needs fewer flops."""
+def choose_method(m: int, n: int, method: str = "auto", dtype: torch.dtype = torch.float32) -> str:
+    """The NS form for an m x n iterate (m <= n) in ``dtype``: ``auto`` takes gram where it needs
+    fewer flops and the precision is 32 bits or more. In bf16 the gram form (even with restarts)
+    leaves the T2/T3 bands by a few 1e-3 on every shape measured, the standard form stays inside."""
     if method not in METHODS:
         raise ValueError(f"ns_method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return "gram" if n >= GRAM_MIN_ASPECT * m else "standard"
+    wide_enough = n >= GRAM_MIN_ASPECT * m
+    return "gram" if wide_enough and torch.finfo(dtype).bits >= 32 else "standard"
 
 
 def orthogonalize(
@@ -122,16 +188,18 @@ def orthogonalize(
     dtype: torch.dtype | None = None,
     *,
     overwrite_input: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Approximate the orthogonal polar factor of G over its last two dims.
 
     G: [..., rows, cols], any leading batch dims. Returns a tensor of G's shape and dtype whose
     singular values lie in the coefficient set's band (Keller about [0.68, 1.14], Polar Express
     about [0.855, 1.143]) with G's singular vectors. Zero input gives exact zeros. Runs in
-    ``dtype`` (default: fp64 for fp64 input, else bf16 on CUDA and fp32 elsewhere); the norm
-    is always taken in fp32 or wider.
-    ``overwrite_input=True`` lets it normalise G in place (one copy less: the optimizer's own
-    stacked batch).
+    ``dtype``; None is the automatic choice (fp64 for fp64 input, else :func:`auto_dtype`: bf16
+    where the device measures faster in bf16, fp32 elsewhere). The norm is always taken in fp32
+    or wider. ``overwrite_input=True`` lets it normalise G in place (one copy less: the
+    optimizer's own stacked batch); ``out_dtype`` (default G's dtype) saves the optimizer a
+    conversion.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs at least 2 dims, got shape {tuple(G.shape)}")
@@ -143,14 +211,14 @@ def orthogonalize(
     m, n = X.shape[-2:]
     X = X.reshape(-1, m, n)  # [B, m, n], m <= n
     X = normalize(X, schedule.norm_factor, in_place=overwrite_input).to(work_dtype)
-    form = choose_method(m, n, method)
+    form = choose_method(m, n, method, work_dtype)
     if form == "gram":
         restart = GRAM_RESTART_EVERY_LOW_PRECISION if torch.finfo(work_dtype).bits < 32 else None
         X = _gram_newton_schulz(X, schedule.steps, restart)
     else:
         X = _standard_newton_schulz(X, schedule.steps)
     X = X.reshape(*G.shape[:-2], m, n)
-    return (X.mT if tall else X).to(G.dtype)
+    return (X.mT if tall else X).to(out_dtype or G.dtype)
 
 
 def normalize(X: Tensor, factor: float = 1.0, in_place: bool = False) -> Tensor:
@@ -200,10 +268,11 @@ def symmetric_matmul(A: Tensor, B: Tensor, add: Tensor | None = None, alpha: flo
     """beta * add + alpha * (A @ B) for [B, m, k] x [B, k, m] whose result is symmetric.
 
     Computes the top half-rows and the bottom-right block (3/4 of the GEMM flops) and mirrors
-    the bottom-left block, so the result is exactly symmetric.
+    the bottom-left block, so the result is exactly symmetric; small or 16-bit products are one
+    plain GEMM.
     """
     m = A.shape[-2]
-    if m < SYMMETRIC_BLOCK_MIN:
+    if m < SYMMETRIC_BLOCK_MIN or A.element_size() < 4:
         if add is None:
             return torch.bmm(A, B) if alpha == 1.0 else torch.bmm(A, B).mul_(alpha)
         return torch.baddbmm(add, A, B, beta=beta, alpha=alpha)

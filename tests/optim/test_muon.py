@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import optim.muon as muon_module
 from optim import KELLER, Muon, orthogonalize, update_scale
 
 
@@ -69,7 +70,9 @@ def test_t9_fp32_path_within_1e4_of_float64_reference(nesterov, ns_method):
     start = [p.detach().double().clone() for p in ps]
     ref = [s.clone() for s in start]
     bufs = [torch.zeros_like(r) for r in ref]
-    opt = Muon(ps, lr=0.02, momentum=0.95, nesterov=nesterov, ns_method=ns_method, weight_decay=0.1)
+    opt = Muon(
+        ps, lr=0.02, momentum=0.95, nesterov=nesterov, ns_method=ns_method, ns_dtype=torch.float32, weight_decay=0.1
+    )
     for step in range(3):
         for i, (p, r, b) in enumerate(zip(ps, ref, bufs)):
             p.grad = gaussian(*p.shape, seed=100 * step + i)
@@ -88,7 +91,7 @@ def test_float64_parameters_step_like_float32_ones():
     for p32, p64 in zip(ps32, ps64):
         p64.grad = p32.grad.double()
     start = [p.detach().clone() for p in ps64]
-    Muon(ps32, lr=0.02).step()
+    Muon(ps32, lr=0.02, ns_dtype=torch.float32).step()
     Muon(ps64, lr=0.02).step()
     for p32, p64, s0 in zip(ps32, ps64, start):
         assert p64.dtype == torch.float64
@@ -232,14 +235,40 @@ def test_large_finite_gradient_is_not_mistaken_for_nonfinite():
 
 
 def test_batches_are_capped_and_equal_to_one_big_batch(monkeypatch):
-    import optim.muon as muon_module
-
     shapes = [(48, 16)] * 5
     capped, whole = params_with_grads(shapes), params_with_grads(shapes)
-    Muon(whole, lr=0.02).step()
-    monkeypatch.setattr(muon_module, "MAX_BATCH_ELEMENTS", 2 * 48 * 16)  # batches of 2, 2, 1
-    Muon(capped, lr=0.02).step()
+    Muon(whole, lr=0.02, ns_dtype=torch.float32).step()
+    monkeypatch.setattr(muon_module, "MAX_BATCH_BYTES", 2 * 48 * 16 * 4)  # fp32: batches of 2, 2, 1
+    batches = []
+
+    def counting(X, *args, **kwargs):
+        batches.append(len(X))
+        return orthogonalize(X, *args, **kwargs)
+
+    monkeypatch.setattr(muon_module, "orthogonalize", counting)
+    Muon(capped, lr=0.02, ns_dtype=torch.float32).step()
+    assert batches == [2, 2, 1]
     assert all(torch.equal(a, b) for a, b in zip(capped, whole))
+
+
+def test_stacking_buffer_is_reused_across_steps():
+    ps = params_with_grads(GPT_SHAPES)
+    opt = Muon(ps, lr=0.02)
+    opt.step()
+    buffers = {key: t.data_ptr() for key, t in opt._workspace.items()}
+    opt.step()
+    assert buffers and {key: t.data_ptr() for key, t in opt._workspace.items()} == buffers
+    assert all(t.numel() * t.element_size() <= muon_module.MAX_BATCH_BYTES for t in opt._workspace.values())
+    assert not any("workspace" in str(k) for k in opt.state_dict())  # scratch, not state
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_explicit_ns_dtype_matches_orthogonalize_in_that_dtype(ns_dtype):
+    p = nn.Parameter(torch.zeros(96, 32))
+    p.grad = gaussian(96, 32)
+    Muon([p], lr=1.0, momentum=0.0, ns_dtype=ns_dtype).step()
+    expected = orthogonalize(p.grad, dtype=ns_dtype, out_dtype=ns_dtype).float() * math.sqrt(3)
+    assert torch.allclose(-p.detach(), expected, atol=1e-6)
 
 
 def test_nonfinite_update_from_diverging_coefficients_is_skipped():
@@ -331,6 +360,8 @@ def test_weight_decay_uses_unadjusted_lr():
         ({"ns_coefficients": "quintic"}, "quintic"),
         ({"ns_coefficients": [(1.0, 2.0, 3.0), (1.0, 2.0, 3.0)]}, "ns_steps is 5"),
         ({"ns_method": "svd"}, "ns_method"),
+        ({"ns_dtype": torch.int32}, "ns_dtype"),
+        ({"ns_dtype": "bf16"}, "ns_dtype"),
         ({"adjust_lr": "rms"}, "adjust_lr"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"adamw_lr": -3e-4}, "lr"),

@@ -5,8 +5,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optim import KELLER, POLAR_EXPRESS, orthogonalize, resolve_coefficients, scalar_map, singular_value_band
-from optim.newton_schulz import choose_method, symmetric_matmul
+import optim.newton_schulz as ns
+from optim import KELLER, POLAR_EXPRESS, Muon, orthogonalize, resolve_coefficients, scalar_map, singular_value_band
+from optim.newton_schulz import auto_dtype, choose_method, symmetric_matmul
+
+CPU = torch.device("cpu")
+FP32 = torch.float32
 
 
 def reference_ns(G: torch.Tensor, steps, norm_factor: float = 1.0) -> torch.Tensor:
@@ -46,22 +50,47 @@ def test_scalar_map_matches_one_step_by_hand():
     assert torch.allclose(scalar_map(x, "keller", 1), a * x + b * x**3 + c * x**5)
 
 
-# T2 / T3: a Gaussian 768x3072 and its transpose, both forms.
+BANDS = [("keller", 0.68, 1.14), ("polar_express", 0.855, 1.143)]  # T2, T3
+# T2's Gaussian and its transpose, and the non-square shapes of bench/optim_step.py's GPT set.
+BENCH_SHAPES = [(768, 3072), (3072, 768), (1152, 384), (1536, 384), (384, 1536)]
+
+
+# T2 / T3: fp32 in both forms.
 @pytest.mark.parametrize("method", ["standard", "gram"])
 @pytest.mark.parametrize("shape", [(768, 3072), (3072, 768)])
-@pytest.mark.parametrize(("coefficients", "lo", "hi"), [("keller", 0.68, 1.14), ("polar_express", 0.855, 1.143)])
+@pytest.mark.parametrize(("coefficients", "lo", "hi"), BANDS)
 def test_t2_t3_singular_values_in_band(shape, method, coefficients, lo, hi):
-    s = svals(orthogonalize(gaussian(*shape), coefficients=coefficients, method=method))
+    s = svals(orthogonalize(gaussian(*shape), coefficients=coefficients, method=method, dtype=FP32))
     assert lo <= s.min() and s.max() <= hi, (s.min().item(), s.max().item())
+
+
+# T2 / T3 for the bf16 path (method "auto", which is the standard form in bf16) on every benchmarked shape.
+@pytest.mark.parametrize("shape", BENCH_SHAPES)
+@pytest.mark.parametrize(("coefficients", "lo", "hi"), BANDS)
+def test_t2_t3_bf16_path_in_band(shape, coefficients, lo, hi):
+    s = svals(orthogonalize(gaussian(*shape, seed=3), coefficients=coefficients, dtype=torch.bfloat16))
+    assert lo <= s.min() and s.max() <= hi, (s.min().item(), s.max().item())
+
+
+# The square 384x384 of the benchmark: a Gaussian's smallest singular value is ~1e-4 of its norm, which five
+# steps cannot lift into T2's band, so the band is the scalar map's over that input's [low, 1], plus bf16 rounding.
+@pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
+def test_bf16_path_square_matrix_follows_the_scalar_map(coefficients):
+    G = gaussian(384, 384, seed=3)
+    low = float(torch.linalg.svdvals(G.double()).min() / G.double().norm())
+    band_lo, band_hi = singular_value_band(coefficients, low=low)
+    s = svals(orthogonalize(G, coefficients=coefficients, dtype=torch.bfloat16))
+    assert band_lo * 0.9 <= s.min() and s.max() <= band_hi + 5e-3, (s.min().item(), s.max().item(), band_lo, band_hi)
 
 
 # T4: scale invariance, including a Frobenius norm of 1e-9 (the +1e-7 eps collapses it).
 def test_t4_scale_invariance():
     G = gaussian(256, 512)
-    base = orthogonalize(G)
-    for scale in (1e-3, 1e3, 1e-9 / G.norm().item(), 1e-25 / G.norm().item(), 1e30 / G.norm().item()):
-        out = orthogonalize(G * scale)
-        assert (out - base).norm() / base.norm() < 1e-5, scale
+    for dtype, tol in ((FP32, 1e-5), (torch.bfloat16, 0.05)):
+        base = orthogonalize(G, dtype=dtype)
+        for scale in (1e-3, 1e3, 1e-9 / G.norm().item(), 1e-25 / G.norm().item(), 1e30 / G.norm().item()):
+            out = orthogonalize(G * scale, dtype=dtype)
+            assert (out - base).norm() / base.norm() < tol, (dtype, scale)
 
 
 # T5: zero input gives exact zeros; non-finite input is not silently turned into numbers.
@@ -73,16 +102,17 @@ def test_t5_zero_input_is_exact_zero():
 def test_t5_zero_matrix_in_a_batch_leaves_the_others_alone():
     G = gaussian(3, 16, 48)
     G[1] = 0
-    out = orthogonalize(G)
+    out = orthogonalize(G, dtype=FP32)
     assert torch.equal(out[1], torch.zeros(16, 48))
-    assert torch.allclose(out[0], orthogonalize(G[0]), atol=1e-6)
+    assert torch.allclose(out[0], orthogonalize(G[0], dtype=FP32), atol=1e-6)
 
 
 # T6: NS(G^T) == NS(G)^T.
 @pytest.mark.parametrize("method", ["standard", "gram"])
 def test_t6_transpose_equivariance(method):
     G = gaussian(200, 600)
-    assert torch.allclose(orthogonalize(G.mT, method=method), orthogonalize(G, method=method).mT, atol=1e-6)
+    out = orthogonalize(G, method=method, dtype=FP32)
+    assert torch.allclose(orthogonalize(G.mT, method=method, dtype=FP32), out.mT, atol=1e-6)
 
 
 @pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
@@ -97,14 +127,14 @@ def test_gram_equals_standard_in_float64(coefficients):
 def test_fp32_within_1e4_of_float64_reference(method):
     G = gaussian(384, 1536)
     ref = reference_ns(G, [KELLER] * 5)
-    out = orthogonalize(G, method=method).double()
+    out = orthogonalize(G, method=method, dtype=FP32).double()
     assert (out - ref).norm() / ref.norm() < 1e-4
 
 
 def test_polar_express_matches_reference_table():
     G = gaussian(128, 384)
     ref = reference_ns(G, POLAR_EXPRESS, norm_factor=1.02)
-    out = orthogonalize(G, coefficients="polar_express").double()
+    out = orthogonalize(G, coefficients="polar_express", dtype=FP32).double()
     assert (out - ref).norm() / ref.norm() < 2e-4
 
 
@@ -113,10 +143,81 @@ def test_gram_in_bf16_with_restart_stays_in_band():
     assert 0.6 <= s.min() and s.max() <= 1.2
 
 
-def test_auto_picks_gram_only_for_wide_shapes():
+def test_auto_picks_gram_only_for_wide_shapes_in_32_bits_or_more():
     assert choose_method(384, 1536) == "gram"
+    assert choose_method(384, 1536, dtype=torch.float64) == "gram"
     assert choose_method(384, 384) == "standard"
     assert choose_method(384, 384, "gram") == "gram"
+    assert choose_method(384, 1536, dtype=torch.bfloat16) == "standard"  # bf16 gram leaves the T2/T3 bands
+    assert choose_method(384, 1536, "gram", torch.bfloat16) == "gram"
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """Fake device facts for auto_dtype: set probe.capable and probe.speedup; counts the probes."""
+
+    class Probe:
+        capable, speedup, calls = True, 1.0, 0
+
+        def measure(self, device):
+            self.calls += 1
+            return self.speedup
+
+    fake = Probe()
+    monkeypatch.setattr(ns, "bf16_capable", lambda device: fake.capable)
+    monkeypatch.setattr(ns, "bf16_speedup", fake.measure)
+    auto_dtype.cache_clear()
+    yield fake
+    auto_dtype.cache_clear()
+
+
+def test_auto_dtype_is_fp32_where_the_probe_measures_bf16_slower(probe):
+    probe.speedup = 0.05  # bf16 20x slower: a CPU without native bf16
+    assert auto_dtype(CPU) == FP32
+    G = gaussian(96, 400)
+    assert torch.equal(orthogonalize(G), orthogonalize(G, dtype=FP32))
+
+
+def test_auto_dtype_is_bf16_where_the_probe_measures_bf16_faster(probe):
+    probe.speedup = 2.5
+    assert auto_dtype(CPU) == torch.bfloat16
+    G = gaussian(96, 400)
+    assert torch.equal(orthogonalize(G), orthogonalize(G, dtype=torch.bfloat16))
+    assert orthogonalize(G).dtype == FP32  # the output keeps the input's dtype
+    assert orthogonalize(G.double()).dtype == torch.float64  # fp64 input stays in fp64
+
+
+def test_auto_dtype_needs_a_clear_speedup_and_native_bf16(probe):
+    probe.speedup = ns.BF16_MIN_SPEEDUP * 0.9
+    assert auto_dtype(CPU) == FP32
+    auto_dtype.cache_clear()
+    probe.capable, probe.speedup = False, 10.0
+    assert auto_dtype(CPU) == FP32
+    assert probe.calls == 1  # no native bf16: no probe
+
+
+def test_auto_dtype_is_decided_once_per_process(probe):
+    probe.speedup = 2.5
+    for _ in range(3):
+        orthogonalize(gaussian(16, 32))
+    p = torch.nn.Parameter(gaussian(16, 32))
+    p.grad = gaussian(16, 32, seed=1)
+    Muon([p], lr=0.02).step()
+    assert probe.calls == 1
+
+
+def test_explicit_dtype_wins_over_the_automatic_choice(probe):
+    G = gaussian(96, 400)
+    probe.speedup = 0.05
+    fp32_auto = orthogonalize(G)
+    auto_dtype.cache_clear()
+    probe.speedup = 2.5
+    assert torch.equal(orthogonalize(G, dtype=FP32), fp32_auto)
+    assert not torch.equal(orthogonalize(G), fp32_auto)
+
+
+def test_the_probe_measures_a_positive_speedup():
+    assert ns.bf16_speedup(CPU) > 0
 
 
 def test_symmetric_matmul_equals_plain_product():
@@ -131,7 +232,7 @@ def test_explicit_coefficients_one_triple_or_one_per_step():
     G = gaussian(32, 64)
     assert torch.equal(orthogonalize(G, coefficients=[KELLER]), orthogonalize(G, coefficients="keller"))
     assert torch.equal(orthogonalize(G, coefficients=KELLER), orthogonalize(G, coefficients="keller"))
-    explicit = orthogonalize(G, coefficients=list(POLAR_EXPRESS)).double()
+    explicit = orthogonalize(G, coefficients=list(POLAR_EXPRESS), dtype=FP32).double()
     ref = reference_ns(G, POLAR_EXPRESS)  # explicit triples carry no 1.02 safety factor
     assert (explicit - ref).norm() / ref.norm() < 2e-4
 
@@ -171,7 +272,8 @@ dims = st.integers(min_value=1, max_value=48)
 )
 def test_properties_over_shapes_dtypes_and_batch_dims(rows, cols, batch, dtype, method, seed):
     G = gaussian(*batch, rows, cols, seed=seed).to(dtype)
-    out = orthogonalize(G, method=method)
+    work = torch.float64 if dtype == torch.float64 else FP32
+    out = orthogonalize(G, method=method, dtype=work)
     assert out.shape == G.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
     # Upper end of the Keller map (T1) plus rounding of the working precision.
@@ -184,9 +286,9 @@ def test_properties_over_shapes_dtypes_and_batch_dims(rows, cols, batch, dtype, 
     gram = method == "gram" or (method == "auto" and choose_method(min(rows, cols), max(rows, cols)) == "gram")
     atol = {torch.bfloat16: 0.02, torch.float32: 2e-3 if gram else 1e-4, torch.float64: 1e-8 if gram else 1e-10}[dtype]
     for i in range(flat_in.shape[0]):
-        single = orthogonalize(flat_in[i], method=method)
+        single = orthogonalize(flat_in[i], method=method, dtype=work)
         assert torch.allclose(single.double(), flat_out[i].double(), atol=atol)
-    assert torch.allclose(orthogonalize(G.mT, method=method).double(), out.mT.double(), atol=atol)
+    assert torch.allclose(orthogonalize(G.mT, method=method, dtype=work).double(), out.mT.double(), atol=atol)
 
 
 @settings(deadline=None)
