@@ -43,7 +43,7 @@ from app.live import REDIS_TIMEOUT, LiveReader, Resync
 from app.repositories.jobs import JobRepository
 from app.services.auth import TenantRef
 from app.services.jobs import get_job
-from app.services.telemetry import steps_from
+from app.services.telemetry import MAX_STEP, steps_from
 from app.settings import Settings
 
 STEP_BITS = 32  # the id packs (seq, next step) into one increasing integer
@@ -70,9 +70,10 @@ class Cursor:
             value = int(last_event_id)
         except ValueError:
             value = -1
-        if value < 0:
+        seq, next_step = value >> STEP_BITS, value & ((1 << STEP_BITS) - 1)
+        if value < 0 or seq > MAX_STEP or next_step > MAX_STEP:  # no stream sends those (int32 columns)
             raise ValidationFailed("Last-Event-ID must be an id this stream sent", param="Last-Event-ID")
-        return cls(value >> STEP_BITS, value & ((1 << STEP_BITS) - 1))
+        return cls(seq, next_step)
 
     @property
     def id(self) -> str:
