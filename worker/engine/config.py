@@ -43,6 +43,7 @@ class OptimizerConfig:
     ns_steps: int = 5
     ns_coefficients: str = "keller"
     ns_method: str = "auto"
+    ns_dtype: str = "auto"  # "auto" | "fp32" | "bf16"
     adjust_lr: str = "original"
     qk_clip_tau: float | None = None
     adamw_lr: float = 3e-3

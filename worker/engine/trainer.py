@@ -23,6 +23,7 @@ from .models import build_model
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import SUMMARY_KEYS, Report, TelemetrySink, model_metrics, to_floats
 
+NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
 
 
@@ -90,7 +91,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         )
     kwargs = dict(
         lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-        ns_coefficients=cfg.ns_coefficients, ns_method=cfg.ns_method, adjust_lr=cfg.adjust_lr,
+        ns_coefficients=cfg.ns_coefficients, ns_method=cfg.ns_method, ns_dtype=NS_DTYPES[cfg.ns_dtype],
+        adjust_lr=cfg.adjust_lr,
         weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr, adamw_betas=cfg.adamw_betas,
         adamw_eps=cfg.adamw_eps, adamw_weight_decay=cfg.adamw_weight_decay,
     )  # fmt: skip
