@@ -1,7 +1,7 @@
 """Servers a bench can break: a TCP proxy in front of Postgres that drops every connection and
 refuses new ones for a while (a restart, an outage), and a throwaway redis-server that can be
-killed, restarted on the same port, paused and resumed. TcpProxy is the one of
-tests/service/faults.py (the benches do not import the tests)."""
+killed, restarted on the same port, paused and resumed. tests/service/test_outages.py uses the
+same TcpProxy."""
 
 from __future__ import annotations
 

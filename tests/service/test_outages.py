@@ -18,8 +18,8 @@ import redis
 
 from app.db.session import transaction
 from app.repositories.jobs import JobRepository
+from bench.faults import TcpProxy
 from tests.service.conftest import Worker, free_port, new_key, running_api, tiny_spec, unavailable, wait_for
-from tests.service.faults import TcpProxy
 
 STEPS = 300
 
