@@ -62,7 +62,11 @@ def test_the_apps_pysource_vocabulary_is_the_engines(tmp_path):
         data = {"builtin": "pysource", "tokenizer": tokenizer}
         spec = JobSpec.model_validate({"model": {"arch": "gpt"}, "data": data})
         engine = engine_data.load_data(job_config_from_dict(spec.model_dump()).data, 0, tmp_path).vocab_size
-        assert intake.data_facts(None, None, spec) == (engine, 0) == (256 if tokenizer == "byte" else 128, 0)
+        assert (
+            intake.data_facts(None, None, spec.model_dump()["data"])
+            == (engine, 0)
+            == (256 if tokenizer == "byte" else 128, 0)
+        )
     assert caps.PYSOURCE_CHAR_VOCAB == len(engine_data.PYSOURCE_CHARS)
     assert caps.CHAR_VOCAB_MAX == engine_data.CHAR_VOCAB_MAX
 

@@ -23,7 +23,7 @@ from app.services.caps import gib, peak_memory_bytes, vocabulary
 from app.services.job_events import record_status
 from app.settings import Settings
 from worker.engine.run import checkpoint_dir, run_job
-from worker.engine.trainer import TrainingError
+from worker.engine.trainer import TrainingError, device_type
 from worker.sink import JobSink, LeaseLost
 
 log = logging.getLogger("muonforge.worker")
@@ -151,15 +151,11 @@ def _claim(settings: Settings, job_id: str, owner: str) -> tuple[int, dict, Path
         dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
         corpus = settings.artifact_dir / dataset.path if dataset else None
         needed = None
-        if not runs_on_cuda(job.spec):  # a CUDA run that does not fit raises OutOfMemoryError instead
+        # A CUDA run that does not fit raises OutOfMemoryError instead.
+        if device_type(job.spec["train"].get("device", "auto")) == "cpu":
             vocab = vocabulary(job.spec["data"], dataset.char_vocab if dataset else None)
             needed = peak_memory_bytes(job.spec, vocab, dataset.bytes if dataset else 0, on_cuda=False)
         return attempt, job.spec, corpus, job.progress_step, dict(job.summary or {}), needed
-
-
-def runs_on_cuda(spec: dict) -> bool:
-    device = spec["train"].get("device", "auto")
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def _finish(

@@ -147,11 +147,13 @@ def check_caps(spec: dict[str, Any], vocab: int, corpus_bytes: int, settings: Se
         )
     series = series_per_step(spec)
     if series > settings.max_series_per_step:
-        fine = "telemetry.per_expert" if spec["model"]["arch"] == "moe" and spec["telemetry"]["per_expert"] else None
-        if spec["model"]["arch"] != "mlp" and spec["telemetry"]["per_head"]:
-            heads = spec["model"]["n_layer"] * spec["model"]["n_head"]
-            experts = spec["model"]["n_layer"] * (spec["model"]["n_experts"] or 0) if fine else 0
-            fine = "telemetry.per_head" if heads >= experts else fine
+        model, telemetry = spec["model"], spec["telemetry"]
+        finest = {}  # the switched-on per-unit families, by their series per step
+        if model["arch"] != "mlp" and telemetry["per_head"]:
+            finest["telemetry.per_head"] = model["n_layer"] * model["n_head"]
+        if model["arch"] == "moe" and telemetry["per_expert"]:
+            finest["telemetry.per_expert"] = model["n_layer"] * model["n_experts"]
+        fine = max(finest, key=finest.get) if finest else None  # the larger; per_head on a tie
         advice = f": set {fine} to false" if fine else ""
         raise ValidationFailed(
             f"the run would report {series:,} telemetry series per step; this server's cap is "

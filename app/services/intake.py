@@ -99,7 +99,7 @@ def prepare_submission(
     cap = job_cap(tenant.job_cap, settings.tenant_job_cap)
     if cap <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
-    check_caps(dumped, *data_facts(session, tenant, spec), settings)
+    check_caps(dumped, *data_facts(session, tenant, dumped["data"]), settings)
     count_active = partial(repo.count_active, tenant.id)
     if not (admission.admit(tenant.id, cap, count_active) if admission else count_active() < cap):
         raise cap_reached(cap)
@@ -128,19 +128,18 @@ def replay(existing: Job, digest: str) -> Job:
     return existing
 
 
-def data_facts(session: Session, tenant: TenantRef, spec: JobSpec) -> tuple[int, int]:
-    """(vocabulary size, corpus bytes) of the spec's data, as the engine will see them (for the
-    parameter and memory caps). A dataset with more distinct characters than the char tokenizer
-    takes is refused here."""
-    data = spec.data.model_dump()
-    if spec.data.path is not None:
+def data_facts(session: Session, tenant: TenantRef, data: dict[str, Any]) -> tuple[int, int]:
+    """(vocabulary size, corpus bytes) of a validated spec's ``data``, as the engine will see them
+    (for the parameter and memory caps). A dataset with more distinct characters than the char
+    tokenizer takes is refused here."""
+    if data["path"] is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
-    if spec.data.builtin is not None:
+    if data["builtin"] is not None:
         return vocabulary(data), 0
-    dataset = DatasetRepository(session).get(spec.data.dataset_id, tenant.id)
+    dataset = DatasetRepository(session).get(data["dataset_id"], tenant.id)
     if dataset is None:
-        raise no_dataset(spec.data.dataset_id)
-    if spec.data.tokenizer == "char" and dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1
+        raise no_dataset(data["dataset_id"])
+    if data["tokenizer"] == "char" and dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1
         raise ValidationFailed(
             f"the dataset has more than {CHAR_VOCAB_MAX:,} distinct characters, the most the char tokenizer "
             "takes: use tokenizer byte",

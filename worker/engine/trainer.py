@@ -105,13 +105,16 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 
+def device_type(device: str) -> str:
+    """Where a run with ``train.device`` goes on this machine: "cuda" or "cpu"."""
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def resolve_device(cfg: TrainConfig) -> tuple[torch.device, torch.dtype | None]:
     """(device, autocast dtype or None for plain fp32)."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("train.device is 'cuda' but no CUDA device is available")
-    device = torch.device(
-        "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    )
+    device = torch.device(device_type(cfg.device))
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     return device, torch.bfloat16 if bf16 else None
 
