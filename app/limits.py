@@ -36,8 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.db.session import open_session
 from app.deps import SESSION_COOKIE, request_key
-from app.errors import DomainError, error_response
-from app.services.auth import KeyCache, TenantRef, authenticate, bearer_digest, cached_tenant
+from app.errors import DomainError, Unauthorized, error_response
+from app.services.auth import MISSING_KEY, KeyCache, TenantRef, authenticate, bearer_digest, cached_tenant
 from app.services.quotas import RequestRate, StreamSlots
 from app.settings import Settings
 
@@ -111,8 +111,8 @@ class Limits:
         if (tenant := cached_tenant(authorization, self.key_cache)) is not None:
             return tenant
         digest = bearer_digest(authorization)
-        if digest is None:  # no key: Unauthorized, with no lookup to share
-            return await run_in_threadpool(self._authenticate, authorization)
+        if digest is None:
+            raise Unauthorized(MISSING_KEY)
         if (pending := self._lookups.get(digest)) is not None:
             return await asyncio.shield(pending)
         pending = self._lookups[digest] = asyncio.get_running_loop().create_future()

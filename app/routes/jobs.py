@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -108,20 +107,12 @@ def event_cursor(
     return events.Cursor(next_step=from_step)
 
 
-async def followed_job(
-    job_id: JobId, work: Work, request: Request, cursor: Annotated[events.Cursor, Depends(event_cursor)]
-) -> AsyncIterator[events.Page]:
+async def first_page(job_id: JobId, work: Work, cursor: Annotated[events.Cursor, Depends(event_cursor)]) -> events.Page:
     """The stream's first page, once the job is known to be the tenant's (404 before any event is
-    sent), holding one of the tenant's stream slots while the stream lasts (429 when it has none
-    free). A request whose key was cached holds the slot that the edge (app.limits) took before
-    routing, so a burst beyond the cap never gets this far; another takes it here, once the
-    lookup has authenticated its key. One unit of work checks the job and reads the page."""
-    page = await work(events.first_page, job_id, cursor)
-    if getattr(request.state, "stream_slot", None):
-        yield page
-        return
-    with request.app.state.streams.hold(work.cached_tenant().id):
-        yield page
+    sent), in one unit of work. The tenant's stream slot is not taken here: the edge
+    (app.limits) takes it before routing and holds it until the stream ends, so a burst beyond
+    the cap never gets this far."""
+    return await work(events.first_page, job_id, cursor)
 
 
 @router.get("/{job_id}/events", response_class=EventSourceResponse, responses=JSON_ERRORS)
@@ -129,7 +120,7 @@ async def job_events(
     request: Request,
     work: Work,
     job_id: JobId,
-    first: Annotated[events.Page, Depends(followed_job)],
+    first: Annotated[events.Page, Depends(first_page)],
     cursor: Annotated[events.Cursor, Depends(event_cursor)],
 ):
     """Server-Sent Events: `status` (the Job), `metrics` ({step, metrics}, one per telemetry

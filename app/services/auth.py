@@ -33,6 +33,7 @@ from app.repositories.tenants import TenantRepository
 
 KEY_PREFIX = "mf_"
 PREFIX_CHARS = 10  # stored and shown: "mf_" and 7 characters, to tell keys apart
+MISSING_KEY = "send Authorization: Bearer <API key>"
 LAST_USED_EVERY = timedelta(minutes=1)  # last_used_at is written at most this often per key
 
 
@@ -117,7 +118,7 @@ def authenticate(session: Session, authorization: str | None, cache: KeyCache | 
     """The tenant of ``Authorization: Bearer <key>``, or Unauthorized."""
     digest = bearer_digest(authorization)
     if digest is None:
-        raise Unauthorized("send Authorization: Bearer <API key>")
+        raise Unauthorized(MISSING_KEY)
     if cache is not None and (tenant := cache.get(digest)) is not None:
         return tenant
     repo = TenantRepository(session)

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from app.db.models import Job
 from app.db.session import open_session
 from app.errors import ValidationFailed
 from app.job_status import is_finished
@@ -109,24 +110,22 @@ class Page:
 def read_page(settings: Settings, job_id: str, cursor: Cursor) -> Page:
     """What the database holds after ``cursor`` (``page_of``), in a session of its own."""
     with open_session(settings) as session:
-        return page_of(session, job_id, cursor)
+        return page_of(session, JobRepository(session).get(job_id), cursor)
 
 
 def first_page(session: Session, tenant: TenantRef, job_id: str, cursor: Cursor) -> Page:
     """A stream's first page, the job known to be the tenant's first (NotFound): one unit of
     work, one database round of reads, before the stream starts."""
-    get_job(session, tenant, job_id)
-    return page_of(session, job_id, cursor)
+    return page_of(session, get_job(session, tenant, job_id), cursor)
 
 
-def page_of(session: Session, job_id: str, cursor: Cursor) -> Page:
-    """What the database holds after ``cursor``, in order, up to PAGE_STEPS telemetry steps
-    and PAGE_EVENTS job events (a page costs the same however long the job); advances the
-    cursor."""
-    repo = JobRepository(session)
-    job = repo.get(job_id)
-    if job is None:  # deleted meanwhile
+def page_of(session: Session, job: Job | None, cursor: Cursor) -> Page:
+    """What the database holds of ``job`` after ``cursor``, in order, up to PAGE_STEPS telemetry
+    steps and PAGE_EVENTS job events (a page costs the same however long the job); advances the
+    cursor. ``job`` None (deleted meanwhile): the end."""
+    if job is None:
         return Page(done=True)
+    repo, job_id = JobRepository(session), job.id
     # Read first: the rows below are at least as new.
     mark, status, last_seq = job.telemetry_mark, job.status, job.event_seq
     events = repo.events(job_id, after_seq=cursor.seq, limit=PAGE_EVENTS)
