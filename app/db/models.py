@@ -18,6 +18,9 @@ class Tenant(Timestamped, Base):
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("ten"))
     name: Mapped[str] = mapped_column(String(100), unique=True)
     job_cap: Mapped[int | None] = mapped_column(Integer)  # overrides the global cap when set
+    # Its jobs in app.job_status.ACTIVE, kept by triggers on jobs (migration 0005): the job cap
+    # reads one row instead of counting them. The service's code never writes it.
+    active_jobs: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 class ApiKey(Timestamped, Base):

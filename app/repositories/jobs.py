@@ -1,14 +1,20 @@
 """All SQL about jobs. Every status change is a compare-and-set UPDATE: it names the states it
 may leave (and, for a worker, its attempt number: the fencing token), so a stale writer
-changes nothing and learns so from the row count."""
+changes nothing and learns so from the row count.
+
+A change into or out of app.job_status.ACTIVE also updates the tenant's ``active_jobs``, by
+trigger (migration 0005), in its transaction: it locks the job's row, then the tenant's. So a
+transaction changes the status of one existing job at most, and locks no tenant before it: two
+such changes in one transaction, or a tenant's lock then a change, can wait in a cycle on
+another transaction that takes the same rows in another order (Postgres then aborts one)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -46,9 +52,12 @@ class JobRepository:
         query = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)
         return self.session.scalars(query).one_or_none()
 
-    def count_active(self, tenant_id: str) -> int:
-        query = select(func.count()).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
-        return self.session.scalar(query) or 0
+    def by_idempotency_keys(self, keys: Collection[tuple[str, str]]) -> dict[tuple[str, str], Job]:
+        """The jobs that hold these (tenant, Idempotency-Key) pairs, by pair."""
+        if not keys:
+            return {}
+        query = select(Job).where(tuple_(Job.tenant_id, Job.idempotency_key).in_(list(keys)))
+        return {(job.tenant_id, job.idempotency_key): job for job in self.session.scalars(query)}
 
     def count_active_using(self, tenant_id: str, dataset_id: str) -> int:
         """The tenant's queued and running jobs that train on the dataset."""
@@ -56,14 +65,6 @@ class JobRepository:
             Job.tenant_id == tenant_id, Job.dataset_id == dataset_id, Job.status.in_(ACTIVE)
         )
         return self.session.scalar(query) or 0
-
-    def count_active_by_tenant(self, tenant_ids: Sequence[str]) -> dict[str, int]:
-        query = (
-            select(Job.tenant_id, func.count())
-            .where(Job.tenant_id.in_(tenant_ids), Job.status.in_(ACTIVE))
-            .group_by(Job.tenant_id)
-        )
-        return dict(self.session.execute(query).all())
 
     def count_by_status(self) -> dict[str, int]:
         return dict(self.session.execute(select(Job.status, func.count()).group_by(Job.status)).all())

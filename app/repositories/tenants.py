@@ -9,8 +9,7 @@ from typing import NamedTuple
 from sqlalchemy import BigInteger, cast, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.db.models import ApiKey, Dataset, Job, Tenant
-from app.job_status import ACTIVE
+from app.db.models import ApiKey, Dataset, Tenant
 
 
 class TenantFigures(NamedTuple):
@@ -39,11 +38,19 @@ class TenantRepository:
             self.session.flush()
         return tenant
 
-    def lock(self, tenant_ids: list[str]) -> None:
+    def lock(self, tenant_ids: list[str]) -> dict[str, int]:
         """Lock the tenants' rows until the transaction ends (in id order: no deadlock between two
-        lockers). SQLite has no row locks; its one writer at a time serializes instead."""
-        query = select(Tenant.id).where(Tenant.id.in_(tenant_ids)).order_by(Tenant.id).with_for_update()
-        self.session.execute(query).all()
+        lockers); returns their active jobs, exact until then. SQLite has no row locks; its one
+        writer at a time serializes instead.
+
+        A job's status change locks the job's row, then (by trigger) its tenant's: a holder of
+        tenant locks may insert jobs, but changing an existing job's status would close a cycle."""
+        query = select(Tenant.id, Tenant.active_jobs).where(Tenant.id.in_(tenant_ids)).order_by(Tenant.id)
+        return dict(self.session.execute(query.with_for_update()).all())
+
+    def active_jobs(self, tenant_id: str) -> int:
+        """The tenant's queued plus running jobs as last committed (no lock)."""
+        return self.session.scalar(select(Tenant.active_jobs).where(Tenant.id == tenant_id)) or 0
 
     def add_key(self, tenant: Tenant, key_hash: str, prefix: str, name: str | None = None) -> ApiKey:
         key = ApiKey(tenant_id=tenant.id, key_hash=key_hash, prefix=prefix, name=name)
@@ -85,21 +92,19 @@ class TenantRepository:
         self.session.flush()
 
     def figures(self, tenant_id: str | None = None) -> list[TenantFigures]:
-        """Every tenant (or the one) with its figures, by name: one query, each figure counted
-        per tenant in a grouped subquery."""
+        """Every tenant (or the one) with its figures, by name: one query, the active jobs from
+        the tenant's row, the others counted per tenant in a grouped subquery."""
 
-        def per_tenant(model: type[Job | Dataset | ApiKey], value, *where):
+        def per_tenant(model: type[Dataset | ApiKey], value, *where):
             only = (model.tenant_id == tenant_id,) if tenant_id is not None else ()
             query = select(model.tenant_id, value.label("n")).where(*where, *only)
             return query.group_by(model.tenant_id).subquery()
 
-        jobs = per_tenant(Job, func.count(), Job.status.in_(ACTIVE))
         datasets = per_tenant(Dataset, cast(func.sum(Dataset.bytes), BigInteger))  # not numeric
         keys = per_tenant(ApiKey, func.count(), ApiKey.revoked_at.is_(None))
-        figures = (func.coalesce(subquery.c.n, 0) for subquery in (jobs, datasets, keys))
+        figures = (func.coalesce(subquery.c.n, 0) for subquery in (datasets, keys))
         query = (
-            select(Tenant.id, Tenant.name, Tenant.job_cap, *figures)
-            .outerjoin(jobs, jobs.c.tenant_id == Tenant.id)
+            select(Tenant.id, Tenant.name, Tenant.job_cap, Tenant.active_jobs, *figures)
             .outerjoin(datasets, datasets.c.tenant_id == Tenant.id)
             .outerjoin(keys, keys.c.tenant_id == Tenant.id)
             .order_by(Tenant.name)

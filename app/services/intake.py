@@ -86,7 +86,7 @@ def prepare_submission(
 ) -> Submission:
     """Everything a submission needs before its insert: the replay of a known Idempotency-Key,
     the dataset, the resource caps and the tenant's job cap. ``admission`` (the API process's)
-    spares most submissions an exact count."""
+    spares most submissions the read of the tenant's active jobs (a round trip)."""
     repo = JobRepository(session)
     dumped = spec.model_dump(mode="json")
     if dumped["train"]["max_minutes"] is None:  # the server's limit, shown in the stored spec
@@ -100,8 +100,8 @@ def prepare_submission(
     if cap <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
     check_caps(dumped, *data_facts(session, tenant, dumped["data"]), settings)
-    count_active = partial(repo.count_active, tenant.id)
-    if not (admission.admit(tenant.id, cap, count_active) if admission else count_active() < cap):
+    active_jobs = partial(TenantRepository(session).active_jobs, tenant.id)
+    if not (admission.admit(tenant.id, cap, active_jobs) if admission else active_jobs() < cap):
         raise cap_reached(cap)
     now = utcnow()
     row = dict(
@@ -151,23 +151,28 @@ def data_facts(session: Session, tenant: TenantRef, data: dict[str, Any]) -> tup
 # -- stage 2: insert -----------------------------------------------------------------------------
 def insert_submissions(session: Session, submissions: list[Submission]) -> list[tuple[Job, bool] | Exception]:
     """Insert new jobs and their first status events, in one statement per table. The tenants'
-    rows are locked and their active jobs counted first, so the job cap holds exactly however many
-    API processes insert at once. A job whose Idempotency-Key another request inserted first is
-    that request's replay (or a 409); one whose dataset was deleted since it was prepared, a 422.
-    Returns, per submission, (job, created) or the error it answers with."""
+    rows are locked first and their active jobs read with the lock (``tenants.active_jobs``, one
+    row each, kept by triggers), so the job cap holds exactly however many API processes insert
+    at once. A job whose Idempotency-Key another request inserted first is that request's replay
+    (or a 409); one whose dataset was deleted since it was prepared, a 422. Returns, per
+    submission, (job, created) or the error it answers with."""
     repo = JobRepository(session)
     tenants = sorted({s.row["tenant_id"] for s in submissions})
-    TenantRepository(session).lock(tenants)
+    active = TenantRepository(session).lock(tenants)
     # A dataset deleted since its job was prepared (a delete takes the same lock): refused as then.
     named = {s.row["dataset_id"] for s in submissions if s.row["dataset_id"]}
     present = DatasetRepository(session).existing_ids(named)
     gone = {s.row["id"] for s in submissions if s.row["dataset_id"] and s.row["dataset_id"] not in present}
-    active = repo.count_active_by_tenant(tenants)
+    # Jobs that hold the batch's Idempotency-Keys already, read (no wait) and left out of the
+    # insert: an INSERT meeting one in the unique index would wait for a transaction changing
+    # that job's status, which waits for the tenant's lock held here (the job's trigger).
+    keys = {(s.row["tenant_id"], s.row["idempotency_key"]) for s in submissions if s.row["idempotency_key"]}
+    holders = repo.by_idempotency_keys(keys)
     admitted: list[Submission] = []
     for sub in submissions:
-        if sub.row["id"] in gone:
-            continue
         tenant = sub.row["tenant_id"]
+        if sub.row["id"] in gone or (tenant, sub.row["idempotency_key"]) in holders:
+            continue
         if active.get(tenant, 0) < sub.cap:
             active[tenant] = active.get(tenant, 0) + 1
             admitted.append(sub)
@@ -180,8 +185,9 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
         if sub.row["id"] in gone:
             results.append(no_dataset(sub.row["dataset_id"]))
             continue
-        key = sub.row["idempotency_key"]
-        existing = repo.by_idempotency_key(sub.row["tenant_id"], key) if key else None
+        tenant, key = sub.row["tenant_id"], sub.row["idempotency_key"]
+        # Else an earlier submission of the batch with the same key.
+        existing = holders.get((tenant, key)) or (repo.by_idempotency_key(tenant, key) if key else None)
         if existing is None:
             results.append(cap_reached(sub.cap))  # only the cap (or a concurrent insert of the same key) skips a row
             continue

@@ -10,10 +10,9 @@ import threading
 import time
 from datetime import datetime, timedelta
 
-from sqlalchemy.orm import Session
-
 from app.broker import send_train_tasks
 from app.db.base import utcnow
+from app.db.models import Job
 from app.db.session import transaction
 from app.job_status import JobStatus
 from app.live import live_bus
@@ -26,35 +25,41 @@ log = logging.getLogger("muonforge.reaper")
 SWEEP_SECONDS = 600.0  # how often the dataset files are swept (a directory listing per tenant)
 
 
-def reap(session: Session, settings: Settings, now: datetime) -> list[tuple[str, str]]:
-    """Release expired leases; returns the (job id, queue) pairs whose task must be sent."""
-    repo = JobRepository(session)
-    resend: list[tuple[str, str]] = []
-    for job in repo.expired_leases(now):
-        error = None
-        if job.cancel_requested:
-            status = JobStatus.CANCELLED
-        elif job.attempt > job.max_restarts:
-            status = JobStatus.FAILED
-            error = {
-                "code": "worker_lost",
-                "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
-                f"max_restarts ({job.max_restarts}) used up",
-            }
-        else:
-            status = JobStatus.QUEUED
-        if repo.release_expired(job, now, status, error):
-            log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
-            record_status(session, live_bus(settings), job.id)
-            if status == JobStatus.QUEUED:
-                resend.append((job.id, job.queue))
-    resend += repo.stale_queued(now - timedelta(seconds=settings.requeue_after_seconds))
-    return resend
+def release(settings: Settings, job: Job, now: datetime) -> tuple[str, str] | None:
+    """Release the expired lease of ``job`` in a transaction of its own: back to the queue, or
+    to its final state. Returns (job id, queue) where its task must be sent again, else None."""
+    error = None
+    if job.cancel_requested:
+        status = JobStatus.CANCELLED
+    elif job.attempt > job.max_restarts:
+        status = JobStatus.FAILED
+        error = {
+            "code": "worker_lost",
+            "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
+            f"max_restarts ({job.max_restarts}) used up",
+        }
+    else:
+        status = JobStatus.QUEUED
+    with transaction(settings) as session:
+        if not JobRepository(session).release_expired(job, now, status, error):
+            return None  # another reaper, or the attempt itself, changed it first
+        log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
+        record_status(session, live_bus(settings), job.id)
+    return (job.id, job.queue) if status == JobStatus.QUEUED else None
 
 
 def reap_once(settings: Settings) -> int:
+    """Release expired leases, then re-send the tasks of stale queued jobs; returns how many
+    tasks were sent. One job per transaction: a final status locks the job's row and then, by
+    trigger, its tenant's (the tenant's active jobs), as a worker's finish and a cancel do.
+    Releasing several jobs in one transaction would lock job, tenant, job, tenant, and could
+    wait in a cycle on another reaper (API and workers each run one) or on a worker."""
+    now = utcnow()
     with transaction(settings) as session:
-        resend = reap(session, settings, utcnow())
+        expired = JobRepository(session).expired_leases(now)
+    resend = [task for job in expired if (task := release(settings, job, now))]
+    with transaction(settings) as session:  # no status change: locks queued jobs' rows only
+        resend += JobRepository(session).stale_queued(now - timedelta(seconds=settings.requeue_after_seconds))
     if resend:  # after commit
         send_train_tasks(settings, resend)
     return len(resend)

@@ -10,18 +10,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
-from sqlalchemy import update
+from sqlalchemy import text, update
 from sqlalchemy.exc import IntegrityError
 
 from app.db.base import utcnow
 from app.db.models import ApiKey
 from app.db.session import transaction
 from app.errors import Conflict, Unauthorized
+from app.repositories.jobs import JobRepository
+from app.repositories.tenants import TenantRepository
 from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import KeyCache, authenticate, hash_key
 from app.services.intake import JobWriter, TaskPublisher, insert_submissions, prepare_submission
-from tests.service.conftest import new_key, tiny_spec
+from tests.service.conftest import new_key, tiny_spec, wait_for
 
 QUEUE = "intake-test"  # no worker listens here
 
@@ -165,3 +167,26 @@ def test_admission_refreshes_its_count():
     time.sleep(0.06)
     assert admission.admit("t", 100, count)
     assert count.calls == 2
+
+
+def test_a_replayed_key_does_not_wait_for_its_job_while_holding_the_tenant_lock(settings):
+    """A batch holds its tenants' locks; a job's status change locks the job, then (its trigger)
+    the tenant. Were the batch to INSERT a key that job holds, the unique index would make it
+    wait for that change, which waits for the batch: a deadlock. The key's holder is read first."""
+    key = new_key(settings)
+    first, again = prepared(settings, key, "k"), prepared(settings, key, "k")
+    with transaction(settings) as session:
+        [(job, created)] = insert_submissions(session, [first])
+    assert created
+    tenant_id = job.tenant_id
+    with transaction(settings) as batch:
+        TenantRepository(batch).lock([tenant_id])  # as insert_submissions does, before the cancel waits
+        with ThreadPoolExecutor(1) as pool, transaction(settings) as cancel:
+            pid = cancel.scalar(text("SELECT pg_backend_pid()"))
+            cancelled = pool.submit(JobRepository(cancel).cancel_queued, job.id, utcnow())
+            waiting = text("SELECT count(*) FROM pg_locks WHERE pid = :pid AND NOT granted")
+            wait_for(lambda: batch.scalar(waiting, {"pid": pid}) > 0, timeout=10)
+            [(replayed, created)] = insert_submissions(batch, [again])
+            batch.commit()
+            assert cancelled.result(timeout=10)
+    assert replayed.id == job.id and not created
