@@ -14,7 +14,7 @@ batch mode recreates ``jobs`` must create them again.
 
 Revision ID: 0005
 Revises: 0004
-Create Date: 2026-12-03 09:00:00.000000
+Create Date: 2026-11-23 16:00:00.000000
 """
 
 from collections.abc import Sequence
