@@ -145,3 +145,39 @@ def test_up_with_nothing_configured_runs_a_job_end_to_end(tmp_path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_sqlite_migrations_keep_every_row(tmp_path):
+    """SQLite alters a table by copying it: the old table's drop must not cascade to the rows
+    that reference it (a job's events and checkpoints), as it would with foreign keys on."""
+    import sqlite3
+
+    s = Settings(database_url=f"sqlite:///{tmp_path / 'muonforge.db'}")
+    upgrade(s, "0001")
+    with sqlite3.connect(tmp_path / "muonforge.db") as conn:
+        conn.execute("INSERT INTO tenants (id, name, created_at) VALUES ('ten_1', 't', CURRENT_TIMESTAMP)")
+        for job, status in (("job_a", "queued"), ("job_b", "succeeded")):
+            conn.execute(
+                "INSERT INTO jobs (id, tenant_id, status, spec, queue, attempt, max_restarts, cancel_requested,"
+                " progress_step, total_steps, summary, created_at) VALUES (?, 'ten_1', ?, '{}', 'cpu',"
+                " 0, 3, 0, 0, 10, '{}', CURRENT_TIMESTAMP)",
+                (job, status),
+            )
+        for job in ("job_a", "job_b", "job_a"):
+            conn.execute(
+                "INSERT INTO job_events (job_id, kind, payload, created_at) VALUES (?, 'log', '{}', CURRENT_TIMESTAMP)",
+                (job,),
+            )
+        conn.execute(
+            "INSERT INTO checkpoints (id, job_id, step, path, bytes, attempt, created_at)"
+            " VALUES ('ckpt_1', 'job_b', 10, 'x.pt', 1, 1, CURRENT_TIMESTAMP)"
+        )
+    upgrade(s)
+    with sqlite3.connect(tmp_path / "muonforge.db") as conn:
+        events = conn.execute("SELECT job_id, seq FROM job_events ORDER BY id").fetchall()
+        checkpoints = conn.execute("SELECT id, job_id, step FROM checkpoints").fetchall()
+        active = conn.execute("SELECT active_jobs FROM tenants").fetchall()
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    assert events == [("job_a", 1), ("job_b", 1), ("job_a", 2)]
+    assert checkpoints == [("ckpt_1", "job_b", 10)]
+    assert active == [(1,)]
