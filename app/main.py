@@ -1,5 +1,5 @@
 """The FastAPI application: routers, error handlers, metrics, and the parts that live as long as
-the process (job intake, the live reader, the reaper)."""
+the process (job intake, the live reader, the reaper, webhook delivery)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from app.errors import install_error_handlers
 from app.limits import Limits
 from app.live import LiveReader
 from app.observability import install_metrics
-from app.routes import checkpoints, datasets, health, jobs, session
+from app.routes import checkpoints, datasets, health, jobs, session, webhooks
 from app.services.auth import KeyCache
 from app.services.intake import Intake
 from app.services.quotas import RequestRate, StreamSlots
 from app.services.reaper import run_reaper
+from app.services.webhook_delivery import run_deliveries
 from app.settings import Settings, get_settings
 from app.web.pages import install_web
 
@@ -39,7 +40,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     app.state.live_reader = None
     app.state.streams = StreamSlots(settings.tenant_stream_cap)
     app.state.request_rate = RequestRate(settings.tenant_rate_per_second, settings.tenant_burst)
-    for module in (jobs, checkpoints, datasets, session, health):
+    for module in (jobs, checkpoints, datasets, webhooks, session, health):
         app.include_router(module.router)
     install_web(app)
     install_error_handlers(app)
@@ -54,9 +55,13 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
 @asynccontextmanager
 async def _lifespan(app: FastAPI, reaper: bool):
     state, stop = app.state, threading.Event()
-    thread = threading.Thread(target=run_reaper, args=(state.settings, stop), name="reaper", daemon=True)
-    if reaper:
-        thread.start()
+    threads = [
+        threading.Thread(target=run, args=(state.settings, stop), name=name, daemon=True)
+        for run, name in ((run_reaper, "reaper"), (run_deliveries, "webhooks"))
+    ]
+    if reaper:  # the background work: leases, dataset files, webhook deliveries
+        for thread in threads:
+            thread.start()
     state.intake.start()
     state.live_reader = LiveReader(state.settings.redis_url) if state.settings.redis_url else None
     # Everything built so far lives as long as the process: keep it out of the cyclic collector's
@@ -71,4 +76,5 @@ async def _lifespan(app: FastAPI, reaper: bool):
         await state.live_reader.close()
     stop.set()
     if reaper:
-        thread.join(timeout=5)
+        for thread in threads:
+            thread.join(timeout=5)

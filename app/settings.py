@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.destinations import AllowList
+
 VAR = Path("var")
 MEMORY_SHARE = 0.8  # of the machine's (or container's) memory, a job's by default; the rest: the worker, the OS
 
@@ -107,6 +109,27 @@ class Settings(BaseSettings):
     )
     live_stream_maxlen: int = Field(10_000, description="Entries each job's Redis Stream keeps (about).")
 
+    # Webhooks (app.services.webhooks, app.services.webhook_delivery, app.destinations).
+    webhook_allow: str = Field(
+        "",
+        description="Where webhooks may be delivered: comma-separated networks (10.0.0.0/8), addresses, host "
+        "names, and `public` (every globally routable address). Empty: nowhere (creating an endpoint answers 422).",
+    )
+    webhook_require_https: bool = Field(False, description="Refuse http:// endpoint URLs.")
+    webhook_tenant_cap: int = Field(20, ge=0, description="Webhook endpoints per tenant; more answers 409.")
+    webhook_timeout_seconds: float = Field(
+        10.0, gt=0, description="A delivery attempt's limit to connect, to send, and to wait for the answer."
+    )
+    webhook_retry_base_seconds: float = Field(
+        5.0, gt=0, description="The wait after a failed attempt; each next wait is 6 times longer (with jitter)."
+    )
+    webhook_retry_max_seconds: float = Field(7200.0, gt=0, description="The longest wait between two attempts.")
+    webhook_retry_window_seconds: float = Field(
+        86400.0, gt=0, description="How long after its event a delivery is retried before it is marked failed."
+    )
+    webhook_poll_seconds: float = Field(1.0, gt=0, description="How often an API process looks for due deliveries.")
+    webhook_concurrency: int = Field(8, ge=1, description="Deliveries an API process sends at once.")
+
     worker_alive_file: Path | None = Field(
         None, description="A worker touches this file while it reaches the broker and the database (a healthcheck)."
     )
@@ -115,6 +138,16 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _allow_list(cls, v: str) -> str:
+        AllowList.parse(v)  # a typo stops the process at start, not every delivery later
+        return v
+
+    @property
+    def webhook_allow_list(self) -> AllowList:
+        return AllowList.parse(self.webhook_allow)
 
     @property
     def embedded(self) -> bool:

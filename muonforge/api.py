@@ -134,6 +134,30 @@ def delete_dataset(dataset_id: str) -> Call:
     return Call("DELETE", f"/v1/datasets/{_id(dataset_id)}", repeat=Repeat.UNSENT)
 
 
+# -- webhooks -------------------------------------------------------------------------------------
+def create_webhook(url: str, events: Iterable[str]) -> Call:
+    # Not repeated after an unanswered attempt: had it created the endpoint, a repeat would make a
+    # second one (with another secret).
+    return Call("POST", "/v1/webhooks", json={"url": url, "events": list(events)}, repeat=Repeat.UNSENT)
+
+
+def webhooks_page(limit: int, after: str | None) -> Call:
+    return Call("GET", "/v1/webhooks", params=_query(limit=limit, after=after))
+
+
+def get_webhook(webhook_id: str) -> Call:
+    return Call("GET", f"/v1/webhooks/{_id(webhook_id)}")
+
+
+def delete_webhook(webhook_id: str) -> Call:
+    # Not repeated after an unanswered attempt: had it deleted the endpoint, the repeat would answer 404.
+    return Call("DELETE", f"/v1/webhooks/{_id(webhook_id)}", repeat=Repeat.UNSENT)
+
+
+def deliveries_page(webhook_id: str, limit: int, after: str | None) -> Call:
+    return Call("GET", f"/v1/webhooks/{_id(webhook_id)}/deliveries", params=_query(limit=limit, after=after))
+
+
 # -- health ---------------------------------------------------------------------------------------
 def healthz() -> Call:
     return Call("GET", "/healthz")

@@ -186,6 +186,30 @@ class Client(_ClientBase):
         job trains on it, NotFound for an unknown one."""
         self._call(api.delete_dataset(dataset_id))
 
+    # -- webhooks ---------------------------------------------------------------------------------
+    def create_webhook(self, url: str, events: Iterable[str]) -> Json:
+        """An endpoint that receives the given event types (``job.succeeded``, ``job.failed``,
+        ``job.cancelled``, ``sweep.completed``) as signed POSTs. The answer's ``secret`` is shown
+        this once: keep it to verify the signatures. ValidationError (``url``) for a destination
+        the server does not deliver to."""
+        return self._call(api.create_webhook(url, events))
+
+    def list_webhooks(self, page_size: int = PAGE_SIZE) -> Iterator[Json]:
+        return self._each(lambda after: api.webhooks_page(page_size, after))
+
+    def get_webhook(self, webhook_id: str) -> Json:
+        return self._call(api.get_webhook(webhook_id))
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self._call(api.delete_webhook(webhook_id))
+
+    def webhook_deliveries(self, webhook_id: str, page_size: int = PAGE_SIZE) -> Iterator[Json]:
+        """The endpoint's deliveries, newest first, each with its attempts."""
+        return self._each(lambda after: api.deliveries_page(webhook_id, page_size, after))
+
+    def webhook_deliveries_page(self, webhook_id: str, limit: int = 20, after: str | None = None) -> Json:
+        return self._call(api.deliveries_page(webhook_id, limit, after))
+
     # -- health -----------------------------------------------------------------------------------
     def healthz(self) -> Json:
         """Liveness: ``{"status": "ok"}``."""
@@ -230,7 +254,7 @@ class Client(_ClientBase):
 
 class AsyncClient(_ClientBase):
     """Client's twin on httpx.AsyncClient: the same methods, awaited; ``list_jobs``,
-    ``list_datasets`` and ``events`` are async iterators."""
+    ``list_datasets``, ``list_webhooks``, ``webhook_deliveries`` and ``events`` are async iterators."""
 
     def __init__(
         self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0, *,
@@ -336,6 +360,25 @@ class AsyncClient(_ClientBase):
 
     async def delete_dataset(self, dataset_id: str) -> None:
         await self._call(api.delete_dataset(dataset_id))
+
+    # -- webhooks ---------------------------------------------------------------------------------
+    async def create_webhook(self, url: str, events: Iterable[str]) -> Json:
+        return await self._call(api.create_webhook(url, events))
+
+    def list_webhooks(self, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.webhooks_page(page_size, after))
+
+    async def get_webhook(self, webhook_id: str) -> Json:
+        return await self._call(api.get_webhook(webhook_id))
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        await self._call(api.delete_webhook(webhook_id))
+
+    def webhook_deliveries(self, webhook_id: str, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.deliveries_page(webhook_id, page_size, after))
+
+    async def webhook_deliveries_page(self, webhook_id: str, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.deliveries_page(webhook_id, limit, after))
 
     # -- health -----------------------------------------------------------------------------------
     async def healthz(self) -> Json:

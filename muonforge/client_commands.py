@@ -14,12 +14,14 @@ from muonforge.client import FINISHED, PAGE_SIZE, STATUSES, Client, Event, Retry
 from muonforge.output import (
     console,
     datasets_table,
+    deliveries_table,
     event_line,
     job_details,
     jobs_table,
     metric_rows,
     metrics_csv,
     metrics_table,
+    webhooks_table,
 )
 from muonforge.progress import follow, transfer_bar
 from muonforge.specs import InputError, read_spec, with_source
@@ -200,6 +202,51 @@ def cmd_datasets_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+JOB_EVENTS = "job.succeeded,job.failed,job.cancelled"
+
+
+def cmd_webhooks_create(args: argparse.Namespace) -> int:
+    events = [e.strip() for e in args.events.split(",") if e.strip()]
+    with connect(args) as client:
+        webhook = client.create_webhook(args.endpoint_url, events)
+    print(f"webhook {webhook['id']} for {webhook['url']}: {', '.join(webhook['events'])}")
+    print("signing secret (shown once; verify the webhook-signature header with it):")
+    print(webhook["secret"])
+    return 0
+
+
+def cmd_webhooks_list(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        webhooks = list(client.list_webhooks())
+    if args.json:
+        print_json(webhooks)
+    elif webhooks:
+        console().print(webhooks_table(webhooks))
+    else:
+        print("no webhooks", file=sys.stderr)
+    return 0
+
+
+def cmd_webhooks_delete(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.delete_webhook(args.webhook_id)
+    print(f"{args.webhook_id}: deleted")
+    return 0
+
+
+def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        pages = client.webhook_deliveries(args.webhook_id, page_size=min(args.limit, PAGE_SIZE))
+        deliveries = list(islice(pages, args.limit))
+    if args.json:
+        print_json(deliveries)
+    elif deliveries:
+        console().print(deliveries_table(deliveries))
+    else:
+        print("no deliveries", file=sys.stderr)
+    return 0
+
+
 def add_client_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """The client commands, each taking the ``common`` options (--url, --api-key, --debug)."""
 
@@ -251,3 +298,20 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     listing.add_argument("--json", action="store_true", help="the Dataset objects as JSON")
     delete = command(datasets, "delete", cmd_datasets_delete, "delete a corpus (refused while a job uses it)")
     delete.add_argument("dataset_id")
+
+    webhooks = sub.add_parser("webhooks", help="signed callbacks when jobs end").add_subparsers(
+        dest="webhooks_command", required=True
+    )
+    create = command(webhooks, "create", cmd_webhooks_create, "add an endpoint; prints its signing secret, once")
+    create.add_argument("endpoint_url", metavar="URL", help="where the events are POSTed (http or https)")
+    create.add_argument("--events", default=JOB_EVENTS, help=f"comma-separated event types (default {JOB_EVENTS})")
+    listing = command(webhooks, "list", cmd_webhooks_list, "list endpoints, newest first")
+    listing.add_argument("--json", action="store_true", help="the Webhook objects as JSON")
+    delete = command(webhooks, "delete", cmd_webhooks_delete, "delete an endpoint and its delivery log")
+    delete.add_argument("webhook_id")
+    deliveries = command(
+        webhooks, "deliveries", cmd_webhooks_deliveries, "an endpoint's deliveries, newest first, with their attempts"
+    )
+    deliveries.add_argument("webhook_id")
+    deliveries.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
+    deliveries.add_argument("--json", action="store_true", help="the deliveries as JSON, attempts included")

@@ -1,5 +1,5 @@
-"""What the commands print: tables of jobs, datasets, metrics, API keys and tenants, one job's details,
-the lines of ``muonforge logs``, and metrics as CSV."""
+"""What the commands print: tables of jobs, datasets, webhooks and their deliveries, metrics, API keys
+and tenants, one job's details, the lines of ``muonforge logs``, and metrics as CSV."""
 
 from __future__ import annotations
 
@@ -82,6 +82,29 @@ def datasets_table(datasets: list[dict[str, Any]]) -> Table:
     table = Table("id", "name", "bytes", "sha256", "age", box=None, header_style="bold")
     for d in datasets:
         table.add_row(Text(d["id"]), Text(d["name"]), f"{d['bytes']:,}", d["sha256"][:12], age(d["created_at"]))
+    return table
+
+
+def webhooks_table(webhooks: list[dict[str, Any]]) -> Table:
+    table = Table("id", "url", "events", "age", box=None, header_style="bold")
+    for w in webhooks:
+        table.add_row(Text(w["id"]), Text(w["url"]), Text(",".join(w["events"])), age(w["created_at"]))
+    return table
+
+
+DELIVERY_STYLE = {"delivered": "green", "failed": "red"}
+
+
+def deliveries_table(deliveries: list[dict[str, Any]]) -> Table:
+    """Deliveries with their attempts so far and the latest one's answer (a status code or an error)."""
+    table = Table("id", "event", "status", "attempts", "last answer", "age", box=None, header_style="bold")
+    for d in deliveries:
+        last = d["attempts"][-1] if d["attempts"] else None
+        answer = "-" if last is None else str(last["status_code"] or last["error"])
+        table.add_row(
+            Text(d["id"]), Text(d["event_type"]), Text(d["status"], style=DELIVERY_STYLE.get(d["status"], "")),
+            str(len(d["attempts"])), Text(answer), age(d["created_at"]),
+        )  # fmt: skip
     return table
 
 

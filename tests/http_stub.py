@@ -1,5 +1,5 @@
-"""A real HTTP server on 127.0.0.1 whose answers a test scripts: the outer boundary of the
-clients' retry tests (503s, 429s, answers lost on the way back)."""
+"""A real HTTP server on a loopback address whose answers a test scripts: the outer boundary of the
+clients' retry tests (503s, 429s, answers lost on the way back) and a webhook receiver."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ class StubServer:
     DROP, or byte chunks sent as a stream (a list, or an iterator whose chunks are sent as they
     come); the connection then closes."""
 
-    def __init__(self, handler: Callable[[Request], Reply | str | list[bytes] | Iterator[bytes]]) -> None:
+    def __init__(
+        self, handler: Callable[[Request], Reply | str | list[bytes] | Iterator[bytes]], host: str = "127.0.0.1"
+    ) -> None:
         self.requests: list[Request] = []
         stub = self
 
@@ -86,9 +88,9 @@ class StubServer:
 
             do_GET = do_POST = do_DELETE = answer
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((host, 0), Handler)
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.url = f"http://{host}:{self._server.server_address[1]}"
 
     def __enter__(self) -> StubServer:
         threading.Thread(target=self._server.serve_forever, args=(0.01,), daemon=True).start()

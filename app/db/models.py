@@ -1,4 +1,5 @@
-"""Tables of the service: tenants, API keys, datasets, jobs, job events, checkpoints and metrics."""
+"""Tables of the service: tenants, API keys, datasets, jobs, job events, checkpoints, metrics and
+webhooks."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Boolean, Double, ForeignKey, Index, Integer, LargeBinary, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.types import Text
 
 from app.job_status import JobStatus
+from app.webhook_events import DeliveryStatus
 
 from .base import Base, IdColumn, JSONDoc, Timestamped, UTCDateTime, new_id
 
@@ -158,3 +161,54 @@ class MetricChunk(Base):
     max_step: Mapped[int] = mapped_column(Integer)
     max_value: Mapped[float] = mapped_column(Double)
     last_value: Mapped[float] = mapped_column(Double)
+
+
+class WebhookEndpoint(Timestamped, Base):
+    """A tenant's webhook endpoint: the URL its events are POSTed to, the event types it takes,
+    and the secret that signs them. The secret is kept as it is (signing needs it, unlike an API
+    key, which is only compared) and is shown once, when the endpoint is created."""
+
+    __tablename__ = "webhook_endpoints"
+    id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("wh"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(String(2000))
+    events: Mapped[list[str]] = mapped_column(JSONDoc)
+    secret: Mapped[str] = mapped_column(String(100))
+
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_id_id", "tenant_id", "id"),)
+
+
+class WebhookDelivery(Timestamped, Base):
+    """One event for one endpoint (the outbox): inserted in the transaction of the change it
+    reports, then sent until a 2xx answer or the end of the retry window. Its id is the
+    ``webhook-id`` header, the same on every attempt, so a receiver can drop repeats."""
+
+    __tablename__ = "webhook_deliveries"
+    id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("msg"))
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    event_type: Mapped[str] = mapped_column(String(32))
+    body: Mapped[str] = mapped_column(Text)  # the JSON sent, the same bytes on every attempt (they are signed)
+    status: Mapped[str] = mapped_column(String(16), default=DeliveryStatus.PENDING)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # claimed so far: the fencing token of the latest
+    # When it is due (pending), or the end of the lease of the attempt that claimed it; null once it
+    # is delivered or failed, so the due-delivery index holds pending ones only.
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_error: Mapped[str | None] = mapped_column(String(500))
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (
+        Index("ix_webhook_deliveries_endpoint_id_id", "endpoint_id", "id"),
+        Index("ix_webhook_deliveries_next_attempt_at", "next_attempt_at"),
+    )
+
+
+class WebhookAttempt(Base):
+    """One try at a delivery: when, how long, and the answer's status code or the error."""
+
+    __tablename__ = "webhook_attempts"
+    delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), primary_key=True)
+    number: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1, 2, ... per delivery
+    at: Mapped[datetime] = mapped_column(UTCDateTime)
+    duration_ms: Mapped[int] = mapped_column(Integer)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(String(500))

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.job_status import JobStatus
 from app.services.caps import CHAR_VOCAB_MAX
+from app.webhook_events import DeliveryStatus, WebhookEventType
 
 
 class FieldError(BaseModel):
@@ -170,3 +171,89 @@ class SignIn(BaseModel):
 
 class Session(BaseModel):
     tenant: str = Field(description="The tenant the key belongs to.")
+
+
+class WebhookCreate(BaseModel):
+    url: str = Field(
+        max_length=2000,
+        pattern=r"^https?://",
+        description="Where the events are POSTed: http(s), to a destination the server's operator allows "
+        "(MUONFORGE_WEBHOOK_ALLOW); one outside answers 422.",
+        examples=["https://hooks.example.com/muonforge"],
+    )
+    events: list[WebhookEventType] = Field(
+        min_length=1, max_length=len(WebhookEventType), description="The event types to send (repeats count once)."
+    )
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Webhook(BaseModel):
+    id: str
+    url: str
+    events: list[WebhookEventType]
+    created_at: datetime
+
+    model_config = ConfigDict(from_attributes=True)
+
+
+class WebhookCreated(Webhook):
+    secret: str = Field(
+        description="`whsec_` and the base64 of the signing key: shown this once. Every request carries "
+        '`webhook-signature: v1,<base64 HMAC-SHA256 of "{webhook-id}.{webhook-timestamp}.{body}">`.'
+    )
+
+
+class WebhookList(BaseModel):
+    data: list[Webhook]
+    has_more: bool
+    next_after: str | None
+
+
+class WebhookAttempt(BaseModel):
+    at: datetime
+    duration_ms: int
+    status_code: int | None = Field(description="The receiver's answer; null when none came (see `error`).")
+    error: str | None
+
+    model_config = ConfigDict(from_attributes=True)
+
+
+class WebhookMessage(BaseModel):
+    """The body of every webhook request."""
+
+    type: WebhookEventType
+    timestamp: datetime = Field(description="When the event happened.")
+    data: dict[str, Any] = Field(description="For job.* events: the Job, as GET /v1/jobs/{id} returns it.")
+
+
+class WebhookDelivery(BaseModel):
+    id: str = Field(description="The `webhook-id` header, the same on every attempt: a receiver drops repeats by it.")
+    event_type: WebhookEventType
+    status: DeliveryStatus
+    payload: WebhookMessage = Field(description="The body sent.")
+    created_at: datetime
+    next_attempt_at: datetime | None = Field(description="When it is tried next (pending only).")
+    finished_at: datetime | None
+    last_error: str | None
+    attempts: list[WebhookAttempt] = Field(description="Oldest first.")
+
+    @classmethod
+    def of(cls, delivery: Any, attempts: list[Any]) -> WebhookDelivery:
+        return cls(
+            id=delivery.id,
+            event_type=delivery.event_type,
+            status=delivery.status,
+            payload=WebhookMessage.model_validate_json(delivery.body),
+            created_at=delivery.created_at,
+            next_attempt_at=delivery.next_attempt_at,
+            finished_at=delivery.finished_at,
+            last_error=delivery.last_error,
+            attempts=[WebhookAttempt.model_validate(a) for a in attempts],
+        )
+
+
+class WebhookDeliveryList(BaseModel):
+    data: list[WebhookDelivery]
+    has_more: bool
+    next_after: str | None

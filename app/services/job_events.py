@@ -6,7 +6,8 @@ Every writer of a job event goes through here: the API (cancel), the job intake 
 first status), a worker attempt (claim, finish), its telemetry sink (checkpoints, logs,
 samples) and the reaper. The event's seq comes from the job's row (locked until commit), so a
 job's events commit in seq order; the events stream (app.services.events) replays them from the
-database and tails them from the bus.
+database and tails them from the bus. A final status also queues the job's webhook deliveries
+(app.services.webhooks) in its transaction: the one place every job's end passes.
 """
 
 from __future__ import annotations
@@ -18,16 +19,24 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job
 from app.db.session import on_commit
+from app.job_status import is_finished
 from app.live import LiveBus
 from app.repositories.jobs import JobRepository
 from app.schemas import api as schemas
+from app.services import webhooks
+from app.webhook_events import job_event_type
 
 
 def record_status(session: Session, bus: LiveBus, job_id: str) -> Job:
-    """Record the job's current state as a ``status`` event (the Job as the API shows it); returns
-    the job. The row is read again first: a compare-and-set UPDATE bypasses loaded objects."""
+    """Record the job's current state as a ``status`` event (the Job as the API shows it), and for
+    a final state its webhook deliveries (``job.succeeded`` ...); returns the job. Called once per
+    change (after a compare-and-set that changed the row), so an event is queued once. The row is
+    read again first: a compare-and-set UPDATE bypasses loaded objects."""
     job = JobRepository(session).fresh(job_id)
-    _record(session, bus, job_id, "status", status_payload(job), step=job.progress_step)
+    payload = status_payload(job)
+    _record(session, bus, job_id, "status", payload, step=job.progress_step)
+    if is_finished(job.status):
+        webhooks.enqueue(session, job.tenant_id, job_event_type(job.status), payload)
     return job
 
 

@@ -120,6 +120,10 @@ def settings(database_url, redis_url, tmp_path_factory) -> Settings:
         reaper_seconds=0.5,
         requeue_after_seconds=30.0,
         cancel_poll_seconds=0.1,
+        # One loopback address only: a receiver on 127.0.0.2 is reachable but outside (test_webhooks).
+        webhook_allow="127.0.0.1",
+        webhook_retry_base_seconds=0.2,
+        webhook_poll_seconds=0.2,
     )
     upgrade(s)
     return s
@@ -137,6 +141,9 @@ def service_env(settings: Settings) -> dict[str, str]:
         MUONFORGE_CANCEL_POLL_SECONDS=str(settings.cancel_poll_seconds),
         MUONFORGE_TENANT_JOB_CAP=str(settings.tenant_job_cap),
         MUONFORGE_TELEMETRY_FLUSH_SECONDS=str(settings.telemetry_flush_seconds),
+        MUONFORGE_WEBHOOK_ALLOW=settings.webhook_allow,
+        MUONFORGE_WEBHOOK_RETRY_BASE_SECONDS=str(settings.webhook_retry_base_seconds),
+        MUONFORGE_WEBHOOK_POLL_SECONDS=str(settings.webhook_poll_seconds),
         OMP_NUM_THREADS="1",
     )
     return env
