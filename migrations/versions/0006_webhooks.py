@@ -1,8 +1,8 @@
 """webhooks: endpoints, their deliveries (the outbox) and each delivery's attempts
 
 Revision ID: 0006
-Revises: 0004
-Create Date: 2026-12-03 09:00:00.000000
+Revises: 0005
+Create Date: 2026-11-23 16:30:00.000000
 """
 
 from collections.abc import Sequence
@@ -14,7 +14,7 @@ from sqlalchemy.dialects import postgresql
 import app.db.base
 
 revision: str = "0006"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
