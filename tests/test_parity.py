@@ -15,10 +15,18 @@ import optim
 from app.job_status import FINISHED, JobStatus
 from app.schemas import JobSpec
 from app.schemas.api import Job
+from app.schemas.job_spec import EarlyStopSpec
 from app.services import caps, intake
 from muonforge import client
 from worker.engine import data as engine_data
-from worker.engine.config import ModelConfig, OptimizerConfig, TelemetryConfig, TrainConfig, job_config_from_dict
+from worker.engine.config import (
+    EarlyStopConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TelemetryConfig,
+    TrainConfig,
+    job_config_from_dict,
+)
 from worker.engine.models import attention as engine_attention
 from worker.engine.models import build_model
 from worker.engine.models import gpt as engine_gpt
@@ -145,3 +153,8 @@ def test_the_series_count_of_the_caps_is_what_the_engine_reports(tmp_path, arch,
 
 def test_the_memory_caps_max_logit_block_is_the_engines():
     assert caps.MAX_LOGIT_BLOCK == engine_attention.MAX_LOGIT_BLOCK
+
+
+def test_early_stop_defaults_are_the_engines():
+    engine = {f.name: f.default for f in dataclasses.fields(EarlyStopConfig)}
+    assert EarlyStopSpec().model_dump() == engine

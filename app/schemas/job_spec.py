@@ -126,6 +126,19 @@ class OptimizerSpec(_Strict):
         return v
 
 
+class EarlyStopSpec(_Strict):
+    """Ends a run whose evaluations stopped improving, judged at every evaluation (``train.eval_every``)."""
+
+    metric: Literal["val_loss"] = Field("val_loss", description="The evaluation's metric that is judged.")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better; max: higher is better.")
+    patience: int = Field(
+        5, ge=1, le=100_000, description="Evaluations in a row without an improvement that end the run."
+    )
+    min_delta: float = Field(
+        0.0, ge=0.0, description="An improvement betters the best value so far by more than this (the metric's units)."
+    )
+
+
 class TrainSpec(_Strict):
     """The loop. A run of ``steps`` optimizer steps; evals and checkpoints every N steps and at the end."""
 
@@ -151,6 +164,12 @@ class TrainSpec(_Strict):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA if present, else CPU.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on CUDA, fp32 on CPU.")
+    early_stop: EarlyStopSpec | None = Field(
+        None,
+        description="Early stopping: the run ends once `patience` evaluations in a row have not improved "
+        "`metric`; it ends succeeded, with a checkpoint at that step and summary.stopped_at and "
+        "summary.stop_reason. null: off.",
+    )
 
     @field_validator("warmup_steps")
     @classmethod
@@ -158,6 +177,19 @@ class TrainSpec(_Strict):
         steps = info.data.get("steps")
         if steps is not None and v >= steps:
             raise ValueError(f"warmup_steps ({v}) must be below steps ({steps})")
+        return v
+
+    @field_validator("early_stop")
+    @classmethod
+    def _evaluations_to_judge(cls, v: EarlyStopSpec | None, info: ValidationInfo) -> EarlyStopSpec | None:
+        # The first evaluation (step 0) sets the best value; `patience` more must fit before the last step.
+        steps, every = info.data.get("steps"), info.data.get("eval_every")
+        if v is not None and steps and every and v.patience * every >= steps:
+            raise ValueError(
+                f"early_stop needs evaluations to judge: {v.patience} evaluations every {every:,} steps "
+                f"(eval_every) take {v.patience * every:,} steps, and the run has {steps:,}; "
+                "lower eval_every or patience"
+            )
         return v
 
 

@@ -174,6 +174,9 @@ INVALID = [
     (_with("train.steps", 100_000) | {"train": {"steps": 100_000, "checkpoint_every": 10}}, "train.checkpoint_every"),
     (_with("train.max_minutes", 100_000), "train.max_minutes"),  # over the server's 1,440
     (_with("train.max_minutes", 0), "train.max_minutes"),
+    (_with("train.early_stop", {"patience": 2}), "train.early_stop"),  # 2 x eval_every 10 is all of the 20 steps
+    (_with("train.early_stop", {"mode": "median"}), "train.early_stop.mode"),
+    (_with("train.early_stop", {"metric": "accuracy"}), "train.early_stop.metric"),
 ]
 
 

@@ -54,6 +54,21 @@ def test_submit_run_succeed_with_summary(client, settings, auth, start_worker):
         assert client.get(path, headers=other).status_code == 404
 
 
+def test_a_job_that_stops_early_succeeds_with_where_and_why(client, settings, auth, start_worker):
+    start_worker()
+    # No evaluation betters the first by 10 nats: two more evaluations end the run at step 8 of 40.
+    spec = tiny_spec(steps=40, eval_every=4, early_stop={"patience": 2, "min_delta": 10.0})
+    created = client.post("/v1/jobs", json=spec, headers=auth).json()
+    done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=120)
+    assert done["progress"] == {"step": 8, "total_steps": 40} and done["summary"]["stopped_at"] == 8
+    reason = done["summary"]["stop_reason"]
+    assert reason.startswith("val_loss did not improve by more than 10 for 2 evaluations (best ")
+    assert reason.endswith(" at step 0)")
+    history = events(settings, created["id"])
+    assert [p["step"] for kind, p in history if kind == "checkpoint"] == [8]
+    assert ("log", {"level": "info", "message": f"stopped early at step 8: {reason}"}) in history
+
+
 def test_cancel_while_running(client, settings, auth, start_worker):
     start_worker()
     created = client.post("/v1/jobs", json=tiny_spec(steps=100_000, checkpoint_every=100_000), headers=auth).json()

@@ -53,6 +53,14 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class EarlyStopConfig:
+    metric: str = "val_loss"
+    mode: str = "min"  # "min" | "max"
+    patience: int = 5  # evaluations in a row without an improvement
+    min_delta: float = 0.0
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
     batch_size: int = 32
@@ -68,6 +76,7 @@ class TrainConfig:
     precision: str = "auto"
     eval_batches: int = 8  # validation batches per evaluation (fixed, seeded)
     max_minutes: float | None = None  # the run's wall time, attempts end to end; None: no limit
+    early_stop: EarlyStopConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -96,11 +105,16 @@ def _build(cls: type, values: dict[str, Any] | None) -> Any:
         raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
     if "adamw_betas" in values:
         values["adamw_betas"] = tuple(values["adamw_betas"])
+    for name, section in _NESTED.get(cls, {}).items():
+        if name in values:
+            values[name] = _build(section, values[name])
     return cls(**values)
 
 
 # Fields whose explicit None means something (grad_clip: None turns clipping off).
 _NULLABLE = {TrainConfig: ("grad_clip",)}
+# Sections within sections, built as their own dataclass.
+_NESTED = {TrainConfig: {"early_stop": EarlyStopConfig}}
 
 
 def job_config_from_dict(spec: dict[str, Any]) -> JobConfig:

@@ -22,7 +22,7 @@ class Report:
     step: int  # optimizer steps completed before this forward pass: the step the values belong to
     values: dict[str, float]
     completed: int  # optimizer steps completed once this report is made: the run's progress
-    summary: dict[str, float]  # the run's summary so far (SUMMARY_KEYS)
+    summary: dict[str, Any]  # the run's summary so far (SUMMARY_KEYS; stopped_at and stop_reason once it stopped early)
 
 
 class TelemetrySink(Protocol):

@@ -19,9 +19,12 @@ import optim
 from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import JobConfig, OptimizerConfig, TrainConfig
 from .data import TokenData
+from .early_stop import EarlyStop
 from .models import build_model
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import SUMMARY_KEYS, Report, TelemetrySink, model_metrics, to_floats
+
+STOP_KEYS = ("stopped_at", "stop_reason")  # in the summary of a run that stopped early
 
 NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
@@ -44,7 +47,7 @@ class TimeLimitReached(TrainingError):
 class RunResult:
     status: str  # "succeeded" | "cancelled"
     steps: int  # optimizer steps completed
-    summary: dict[str, float]  # the latest value of each SUMMARY_KEYS metric
+    summary: dict[str, Any]  # the latest value of each SUMMARY_KEYS metric (and STOP_KEYS, if it stopped early)
     tokens_per_s: float | None  # over the run's training steps (the summary's is the last step's)
     wall_s: float
 
@@ -65,6 +68,7 @@ class RunResult:
         return {
             "status": self.status, "steps": self.steps, "loss": self.loss, "val_loss": self.val_loss,
             "attn_max_logit": self.attn_max_logit, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
+            **{k: self.summary[k] for k in STOP_KEYS if k in self.summary},
         }  # fmt: skip
 
 
@@ -142,11 +146,17 @@ class Trainer:
         self.step = 0
         self.last: dict[str, float] = {}  # latest value of every metric (kept in checkpoints)
         self._clock = (time.perf_counter(), 0.0)  # (when this attempt's run started, elapsed_s before it)
+        self.early_stop = EarlyStop.of(job.train.early_stop) if job.train.early_stop else None
+        self.stopped_at: int | None = None  # the step the run stopped at, early (before train.steps)
 
     @property
-    def summary(self) -> dict[str, float]:
-        """The run's summary so far: the latest value of each SUMMARY_KEYS metric."""
-        return {k: self.last[k] for k in SUMMARY_KEYS if k in self.last}
+    def summary(self) -> dict[str, Any]:
+        """The run's summary so far: the latest value of each SUMMARY_KEYS metric, and, once it
+        stopped early, where and why."""
+        summary: dict[str, Any] = {k: self.last[k] for k in SUMMARY_KEYS if k in self.last}
+        if self.stopped_at is not None:
+            summary.update(stopped_at=self.stopped_at, stop_reason=self.early_stop.reason())
+        return summary
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, resume: bool = True) -> RunResult:
@@ -164,9 +174,10 @@ class Trainer:
                 values["val_loss"] = self.evaluate()
                 self.last["val_loss"] = float(values["val_loss"])  # in the checkpoint written next
                 self.write_sample()
-            if step > first and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                self._judge(step, values)
+            if step > first and (step % cfg.checkpoint_every == 0 or step in (cfg.steps, self.stopped_at)):
                 self.save_checkpoint()
-            if step == cfg.steps:
+            if step in (cfg.steps, self.stopped_at):
                 self._report(step, values)
                 break
             if self._past_time_limit():
@@ -191,6 +202,14 @@ class Trainer:
                     values.update(step_time_ms=dt * 1e3, tokens_per_s=n_tokens / dt)
                 self._report(step, values)
         return self._result("succeeded", tokens, step_seconds, start_wall)
+
+    def _judge(self, step: int, values: dict[str, Any]) -> None:
+        """Early stopping (``train.early_stop``) on the evaluation at ``step``: the run stops here
+        if it is to stop before its last step (at the last step it simply ends)."""
+        stop = self.early_stop
+        if stop is not None and stop.judge(step, float(values[stop.metric])) and step < self.job.train.steps:
+            self.stopped_at = step
+            self.sink.log("info", f"stopped early at step {step}: {stop.reason()}")
 
     def _past_time_limit(self) -> bool:
         """Whether the run's wall time (``elapsed_s``, attempts end to end) passed ``max_minutes``."""
@@ -277,6 +296,7 @@ class Trainer:
             "last_metrics": dict(self.last),
             "config": asdict(self.job),
             "tokenizer": self.data.tokenizer.to_dict() if self.data.tokenizer else None,
+            "early_stop": self.early_stop.state_dict() if self.early_stop else None,
         }
         path, nbytes = save_checkpoint(self.checkpoint_dir, self.step, payload)
         self.sink.checkpoint(self.step, path, nbytes, dict(self.last))
@@ -291,6 +311,8 @@ class Trainer:
         restore_rng(state["rng"])
         self.step = state["step"]
         self.last.update(state.get("last_metrics", {}))
+        if self.early_stop is not None and state.get("early_stop"):
+            self.early_stop.load_state_dict(state["early_stop"])
         self.sink.log("info", f"resumed from {path.name} at step {self.step}")
 
     # -- helpers --------------------------------------------------------------------------------

@@ -63,6 +63,10 @@
     const error = $("job-error");
     error.hidden = !job.error;
     if (job.error) error.textContent = `${job.error.code}: ${job.error.message}`;
+    const stopped = $("job-stopped"); // early stopping (train.early_stop): where and why
+    const summary = job.summary || {};
+    stopped.hidden = summary.stopped_at === undefined;
+    if (!stopped.hidden) stopped.textContent = `Stopped early at step ${summary.stopped_at}: ${summary.stop_reason}`;
   }
 
   let headPending = null;
