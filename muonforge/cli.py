@@ -42,6 +42,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, args.data)
     if spec["data"].get("dataset_id"):
         raise SpecError("data.dataset_id names an uploaded dataset: run it on a server, or give --data FILE")
+    if spec.get("init_from"):
+        raise SpecError("init_from names a checkpoint of a server's job: submit the spec to that server")
     with ProgressSink(spec["train"]["steps"]) as progress:
         try:
             result = run_job(spec, args.out, sink=progress, resume=args.resume)

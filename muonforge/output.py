@@ -64,6 +64,7 @@ def job_details(job: dict[str, Any]) -> Table:
         ("created", f"{job['created_at']} ({age(job['created_at'])} ago)"),
         ("started", job["started_at"] or "-"),
         ("finished", job["finished_at"] or "-"),
+        *((("started from", f"{p['job_id']} at step {p['step']}"),) if (p := job.get("parent")) else ()),
         *((part, settings(spec[part])) for part in ("model", "data", "optimizer", "train") if part in spec),
         *((name, f"{value:.6g}" if isinstance(value, float) else str(value)) for name, value in job["summary"].items()),
     ]

@@ -22,6 +22,7 @@ from app.repositories.tenants import DatasetRepository
 from app.services.caps import gib, peak_memory_bytes, vocabulary
 from app.services.job_events import record_status
 from app.settings import Settings
+from worker.engine.checkpoints import checkpoint_path
 from worker.engine.run import checkpoint_dir, run_job
 from worker.engine.trainer import TrainingError, device_type
 from worker.sink import JobSink, LeaseLost
@@ -33,6 +34,10 @@ EXCEEDS_MEMORY = (
     "(MUONFORGE_WORKER_MEMORY_BYTES): lower train.batch_size, model.seq_len or the model's size"
 )
 OUT_OF_MEMORY = "the run ran out of the accelerator's memory: lower train.batch_size, model.seq_len or the model's size"
+INIT_MISSING = (
+    "the checkpoint this job starts from (init_from: job {job_id}, step {step}) is missing from the service's "
+    "storage; submit the job again from another checkpoint"
+)
 INTERNAL_ERROR = (
     "the job stopped on an internal error; the service's operators can find it in the worker log "
     "(job {job_id}, attempt {attempt})"
@@ -107,6 +112,10 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         message = EXCEEDS_MEMORY.format(needed=gib(needed), budget=gib(settings.worker_memory_bytes))
         error = {"code": "exceeds_worker_memory", "message": message}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
+    init_from = warm_start_file(settings, spec)
+    if init_from is not None and not init_from.is_file():
+        error = {"code": "init_checkpoint_missing", "message": INIT_MISSING.format(**spec["init_from"])}
+        return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     out_dir = settings.artifact_dir / "jobs" / job_id
     sink = JobSink(settings, job_id, attempt, progress, summary, spec["train"].get("keep_checkpoints", 3))
     with Lease(settings, job_id, attempt) as lease:
@@ -114,7 +123,9 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         try:
             try:
                 sink.adopt_checkpoints(checkpoint_dir(out_dir))
-                result = run_job(spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel)
+                result = run_job(
+                    spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel, init_from=init_from
+                )
             finally:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
@@ -137,6 +148,15 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         if lease.lost.is_set() or lease.stalled.is_set():
             return "lease_lost"
     return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
+
+
+def warm_start_file(settings: Settings, spec: dict) -> Path | None:
+    """The checkpoint file a warm-started job loads: its parent's at the step resolved at intake
+    (where the parent's attempts wrote it), or None without ``init_from``."""
+    init = spec.get("init_from")
+    if not init:
+        return None
+    return checkpoint_path(checkpoint_dir(settings.artifact_dir / "jobs" / init["job_id"]), init["step"])
 
 
 def _claim(settings: Settings, job_id: str, owner: str) -> tuple[int, dict, Path | None, int, dict, int | None] | None:

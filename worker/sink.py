@@ -91,10 +91,13 @@ class JobSink:
         self._retrying(record, f"recording checkpoint {step}")
 
     def _prune(self, session) -> None:
-        """The retention policy (``train.keep_checkpoints``): rows now, files once committed."""
+        """The retention policy (``train.keep_checkpoints``, and every checkpoint a warm start
+        names): rows now, files once committed."""
         repo = JobRepository(session)
         rows = {c.step: c for c in repo.checkpoints(self.job_id)}
         steps = to_prune([(s, c.metrics.get("val_loss")) for s, c in rows.items()], self.keep_checkpoints)
+        started_from = repo.warm_start_steps(self.job_id)  # other jobs start (and restart) from these
+        steps = [s for s in steps if s not in started_from]
         if not steps:
             return
         repo.delete_checkpoints(self.job_id, steps)

@@ -90,12 +90,18 @@ class Job(Timestamped, Base):
     # metrics are stored (the events stream tails the bus from there).
     event_seq: Mapped[int] = mapped_column(Integer, default=0)
     telemetry_mark: Mapped[str | None] = mapped_column(String(40))
+    # A warm start (init_from): the tenant's job and the step of its checkpoint this one started
+    # from, resolved at intake. The retention policy keeps that checkpoint. No foreign key: SQLite
+    # adds one only by copying the table, which would drop its triggers (migration 0005).
+    parent_job_id: Mapped[str | None] = mapped_column(IdColumn)
+    parent_step: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
         Index("ix_jobs_tenant_id_status_id", "tenant_id", "status", "id"),
         Index("ix_jobs_status_lease_expires_at", "status", "lease_expires_at"),
         Index("ix_jobs_dataset_id", "dataset_id"),  # a dataset's delete and its foreign key's check
+        Index("ix_jobs_parent_job_id", "parent_job_id"),  # the checkpoints a job's retention keeps for others
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_id_idempotency_key"),
     )
 

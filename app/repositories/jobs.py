@@ -226,6 +226,10 @@ class JobRepository:
         query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
         return list(self.session.scalars(query))
 
+    def warm_start_steps(self, job_id: str) -> set[int]:
+        """The steps of the job's checkpoints that other jobs start from (their ``init_from``)."""
+        return set(self.session.scalars(select(Job.parent_step).where(Job.parent_job_id == job_id)))
+
     # -- helpers ------------------------------------------------------------------------------------
     def _cas(self, job_id: str, states: Sequence[str], attempt: int | None = None, **values: Any) -> bool:
         stmt = update(Job).where(Job.id == job_id, Job.status.in_(states))

@@ -67,6 +67,11 @@ class JobError(BaseModel):
     message: str
 
 
+class JobParent(BaseModel):
+    job_id: str
+    step: int = Field(description="The step of the checkpoint it started from.")
+
+
 class Job(BaseModel):
     id: str
     name: str | None
@@ -79,6 +84,9 @@ class Job(BaseModel):
     progress: Progress
     summary: dict[str, Any] = Field(description="Latest loss, val_loss, attn_max_logit, ...")
     error: JobError | None
+    parent: JobParent | None = Field(
+        description="A warm start (`init_from`): the job and checkpoint step it started from; else null."
+    )
 
     @classmethod
     def of(cls, job: Any) -> Job:
@@ -94,6 +102,7 @@ class Job(BaseModel):
             progress=Progress(step=job.progress_step, total_steps=job.total_steps),
             summary=job.summary or {},
             error=job.error,
+            parent=JobParent(job_id=job.parent_job_id, step=job.parent_step) if job.parent_job_id else None,
         )
 
 

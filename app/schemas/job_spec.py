@@ -205,6 +205,22 @@ class TelemetrySpec(_Strict):
     per_expert: bool = Field(True, description="Report router/load/l{i}e{j}, one series per MoE expert.")
 
 
+class InitFromSpec(_Strict):
+    """Warm start: a checkpoint of one of the tenant's own jobs, whose weights the run starts from."""
+
+    job_id: str = Field(
+        min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="The job to start from (yours)."
+    )
+    step: int | None = Field(
+        None, ge=0, le=10_000_000, description="Its checkpoint's step; omitted: its latest (the stored spec names it)."
+    )
+    optimizer_state: bool = Field(
+        False,
+        description="Also load its optimizer state (momentum, AdamW moments); needs the same optimizer.name. "
+        "The hyperparameters stay this spec's.",
+    )
+
+
 class JobSpec(_Strict):
     """A training job: what to train, on what, with which optimizer, for how long."""
 
@@ -214,6 +230,12 @@ class JobSpec(_Strict):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    init_from: InitFromSpec | None = Field(
+        None,
+        description="Warm start from a checkpoint of the tenant's own job: its weights (strictly: the same "
+        "model and vocabulary), to continue or fine-tune on other data. The run is a new one: its steps, "
+        "schedule, evaluations and checkpoints count from 0. null: a freshly initialised model.",
+    )
 
     model_config = ConfigDict(
         extra="forbid",

@@ -46,6 +46,7 @@ from app.services.auth import TenantRef
 from app.services.caps import CHAR_VOCAB_MAX, check_caps, vocabulary
 from app.services.job_events import record_first_statuses
 from app.services.tenants import job_cap
+from app.services.warm_start import parent_columns
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.api")
@@ -85,8 +86,9 @@ def prepare_submission(
     admission: Admission | None = None,
 ) -> Submission:
     """Everything a submission needs before its insert: the replay of a known Idempotency-Key,
-    the dataset, the resource caps and the tenant's job cap. ``admission`` (the API process's)
-    spares most submissions the read of the tenant's active jobs (a round trip)."""
+    the dataset, the resource caps, the warm start's checkpoint and the tenant's job cap.
+    ``admission`` (the API process's) spares most submissions the read of the tenant's active
+    jobs (a round trip)."""
     repo = JobRepository(session)
     dumped = spec.model_dump(mode="json")
     if dumped["train"]["max_minutes"] is None:  # the server's limit, shown in the stored spec
@@ -99,7 +101,9 @@ def prepare_submission(
     cap = job_cap(tenant.job_cap, settings.tenant_job_cap)
     if cap <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
-    check_caps(dumped, *data_facts(session, tenant, dumped["data"]), settings)
+    vocab, corpus_bytes = data_facts(session, tenant, dumped["data"])
+    check_caps(dumped, vocab, corpus_bytes, settings)
+    parent = parent_columns(session, tenant, dumped, vocab)  # resolves init_from.step in the stored spec
     active_jobs = partial(TenantRepository(session).active_jobs, tenant.id)
     if not (admission.admit(tenant.id, cap, active_jobs) if admission else active_jobs() < cap):
         raise cap_reached(cap)
@@ -108,7 +112,7 @@ def prepare_submission(
         id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=JobStatus.QUEUED, spec=dumped,
         queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
         request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
-        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1,
+        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1, **parent,
     )  # fmt: skip
     return Submission(digest, row=row, cap=cap)
 

@@ -62,6 +62,7 @@ def test_data_flag_names_the_corpus(tmp_path):
         ({"model": {"arch": "gpt", "depth": 2}, "data": {"builtin": "synthetic"}}, "model.depth"),
         ({"model": {"arch": "gpt"}}, "data"),
         ([1, 2, 3], "mapping"),
+        ({"model": {"arch": "gpt"}, "data": {"builtin": "synthetic"}, "init_from": {"job_id": "job_x"}}, "server"),
     ],
 )
 def test_bad_spec_exits_2_naming_the_field(tmp_path, spec, needle):

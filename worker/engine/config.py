@@ -88,6 +88,13 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class InitFromConfig:
+    job_id: str
+    step: int | None = None  # resolved by the service before the run
+    optimizer_state: bool = False
+
+
+@dataclass(frozen=True)
 class JobConfig:
     model: ModelConfig
     data: DataConfig
@@ -95,6 +102,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     name: str | None = None
+    init_from: InitFromConfig | None = None  # the caller hands the engine the checkpoint's file
 
 
 def _build(cls: type, values: dict[str, Any] | None) -> Any:
@@ -126,4 +134,5 @@ def job_config_from_dict(spec: dict[str, Any]) -> JobConfig:
         train=_build(TrainConfig, spec.get("train")),
         telemetry=_build(TelemetryConfig, spec.get("telemetry")),
         name=spec.get("name"),
+        init_from=_build(InitFromConfig, spec["init_from"]) if spec.get("init_from") else None,
     )

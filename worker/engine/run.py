@@ -25,10 +25,12 @@ def run_job(
     sink: TelemetrySink | None = None,
     should_cancel: Callable[[], bool] | None = None,
     resume: bool = True,
+    init_from: Path | None = None,
 ) -> RunResult:
     """Train ``spec`` (a JobSpec's ``model_dump()``) with artifacts under ``out_dir``:
     ``metrics.jsonl``, ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and the tokenized
-    corpus cache."""
+    corpus cache. ``init_from``: the checkpoint file of the spec's ``init_from`` (a warm start,
+    unless the run resumes from a checkpoint of its own)."""
     job = job_config_from_dict(spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = load_data(job.data, job.train.seed, out_dir / "data", corpus)
@@ -36,7 +38,7 @@ def run_job(
     jsonl = JsonlSink(out_dir, append=resume and checkpoints.exists())
     try:
         trainer = Trainer(job, data, checkpoints, FanOut(jsonl, sink), should_cancel)
-        result = trainer.run(resume=resume)
+        result = trainer.run(resume=resume, init_from=init_from)
     finally:
         jsonl.close()
     (out_dir / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")

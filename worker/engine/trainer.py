@@ -159,10 +159,12 @@ class Trainer:
         return summary
 
     # -- the loop -------------------------------------------------------------------------------
-    def run(self, resume: bool = True) -> RunResult:
+    def run(self, resume: bool = True, init_from: Path | None = None) -> RunResult:
+        """Train to the end (or a stop); resume from the latest checkpoint in ``checkpoint_dir``
+        if ``resume``, else (nothing to resume) start from the weights in ``init_from``."""
         cfg, start_wall = self.job.train, time.perf_counter()
-        if resume:
-            self._resume()
+        if not (resume and self._resume()) and init_from is not None:
+            self._warm_start(init_from)
         first = self.step
         # elapsed_s continues from the checkpoint: the run's wall time, attempts end to end.
         self._clock = (start_wall, self.last.get("elapsed_s", 0.0))
@@ -301,10 +303,11 @@ class Trainer:
         path, nbytes = save_checkpoint(self.checkpoint_dir, self.step, payload)
         self.sink.checkpoint(self.step, path, nbytes, dict(self.last))
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
+        """Continue from the latest checkpoint in ``checkpoint_dir``; whether there was one."""
         path = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
         if path is None:
-            return
+            return False
         state = load_checkpoint(path)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -314,6 +317,26 @@ class Trainer:
         if self.early_stop is not None and state.get("early_stop"):
             self.early_stop.load_state_dict(state["early_stop"])
         self.sink.log("info", f"resumed from {path.name} at step {self.step}")
+        return True
+
+    def _warm_start(self, path: Path) -> None:
+        """Start from another run's checkpoint (``init_from``): its weights, strictly, and its
+        optimizer state if ``init_from.optimizer_state``. What makes this run its own stays so:
+        its hyperparameters (a fine-tune may change them), step counter (0), RNG and metrics."""
+        state = load_checkpoint(path)
+        with_optimizer = self.job.init_from is not None and self.job.init_from.optimizer_state
+        try:
+            self.model.load_state_dict(state["model"])
+            if with_optimizer:
+                ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+                self.optimizer.load_state_dict(state["optimizer"])
+                for group, hyperparameters in zip(self.optimizer.param_groups, ours):
+                    group.update(hyperparameters)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            detail = " ".join(str(exc).split())[:400] or type(exc).__name__
+            raise TrainingError(f"the warm start's checkpoint does not fit this model: {detail}") from None
+        loaded = "weights and optimizer state" if with_optimizer else "weights"
+        self.sink.log("info", f"warm start: the {loaded} of {path.name} (step {state['step']}); this run counts from 0")
 
     # -- helpers --------------------------------------------------------------------------------
     def _batch(self, split: str, index: int) -> tuple[Tensor, Tensor]:

@@ -58,6 +58,12 @@
       fact("started", fmt.time(job.started_at)),
       fact("duration", fmt.duration(jobDuration(job)))
     );
+    if (job.parent) {
+      // A warm start (init_from): the job and checkpoint it started from.
+      const { job_id: parent, step } = job.parent;
+      const link = el("a", { href: `/jobs/${encodeURIComponent(parent)}` }, `${parent} at step ${step}`);
+      $("facts").append(fact("started from", link));
+    }
     $("cancel").hidden = FINISHED.has(job.status) || job.status === "cancelling";
     $("compare-link").href = `/compare?jobs=${job.id}`;
     const error = $("job-error");

@@ -1,0 +1,91 @@
+"""Warm start (``init_from``): the checkpoint a new job starts from, resolved and checked at intake,
+so that a job that cannot load it is refused with the field to change instead of failing later."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app.db.models import Job
+from app.errors import ValidationFailed
+from app.repositories.jobs import JobRepository
+from app.repositories.tenants import DatasetRepository
+from app.schemas.job_spec import ModelSpec
+from app.services.auth import TenantRef
+from app.services.caps import vocabulary
+
+MODEL_FIELDS = tuple(ModelSpec.model_fields)  # compared in the order people write them
+
+
+def parent_columns(session: Session, tenant: TenantRef, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """The new job's ``parent_job_id`` and ``parent_step`` for a validated spec's ``init_from``
+    (both None without one). The parent must be the tenant's own job (another tenant's answers as
+    a missing one), have a checkpoint at ``init_from.step`` (omitted: its latest, which is then
+    written into the spec, so the stored spec names the file the worker loads), and train the
+    same model on a vocabulary of the same size; loading its optimizer state needs the same
+    optimizer. ``vocab``: the new job's vocabulary size."""
+    init = spec.get("init_from")
+    if init is None:
+        return {"parent_job_id": None, "parent_step": None}
+    repo = JobRepository(session)
+    parent = repo.get(init["job_id"], tenant.id)
+    if parent is None:
+        raise ValidationFailed(f"no job {init['job_id']!r} for this tenant", param="init_from.job_id")
+    init["step"] = checkpoint_step(parent.id, [c.step for c in repo.checkpoints(parent.id)], init["step"])
+    if difference := first_difference(spec["model"], parent.spec["model"]):
+        name, ours, theirs = difference
+        raise ValidationFailed(
+            f"model.{name} is {json.dumps(ours)} here and {json.dumps(theirs)} in job {parent.id}: a warm start "
+            "loads its weights into the same model",
+            param=f"model.{name}",
+        )
+    theirs = parent_vocabulary(session, parent)
+    if theirs is not None and theirs != vocab:
+        raise ValidationFailed(
+            f"this job's data has a vocabulary of {vocab:,} tokens and job {parent.id}'s had {theirs:,}: a warm "
+            "start needs the same tokenizer on a vocabulary of the same size",
+            param="data.tokenizer",
+        )
+    ours, theirs = spec["optimizer"]["name"], parent.spec["optimizer"]["name"]
+    if init["optimizer_state"] and ours != theirs:
+        raise ValidationFailed(
+            f"job {parent.id} trained with optimizer {theirs!r}, this job with {ours!r}: its optimizer state "
+            f"loads into the same optimizer (set optimizer.name to {theirs!r}, or optimizer_state to false)",
+            param="init_from.optimizer_state",
+        )
+    return {"parent_job_id": parent.id, "parent_step": init["step"]}
+
+
+def checkpoint_step(job_id: str, steps: list[int], wanted: int | None) -> int:
+    """``wanted``, if the job has a checkpoint there; its latest if None. ``steps``: its checkpoints'."""
+    if not steps:
+        raise ValidationFailed(f"job {job_id} has no checkpoint yet", param="init_from.step")
+    if wanted is None:
+        return max(steps)
+    if wanted not in steps:
+        listed = ", ".join(str(s) for s in sorted(steps))
+        raise ValidationFailed(
+            f"job {job_id} has no checkpoint at step {wanted}; it has checkpoints at steps {listed}",
+            param="init_from.step",
+        )
+    return wanted
+
+
+def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first model field (in ModelSpec's order) whose values differ: (name, ours, theirs)."""
+    for name in MODEL_FIELDS:
+        if ours.get(name) != theirs.get(name):
+            return name, ours.get(name), theirs.get(name)
+    return None
+
+
+def parent_vocabulary(session: Session, parent: Job) -> int | None:
+    """The vocabulary size the parent's model was built for; None where it cannot be known any
+    more (a char tokenizer on a dataset deleted since: the worker's strict load decides)."""
+    data = parent.spec["data"]
+    if data.get("tokenizer") != "char" or not data.get("dataset_id"):
+        return vocabulary(data)
+    dataset = DatasetRepository(session).get_any(data["dataset_id"])
+    return vocabulary(data, dataset.char_vocab) if dataset else None
