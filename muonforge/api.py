@@ -108,8 +108,9 @@ def checkpoints_page(job_id: str, after: str | None) -> Call:
     return Call("GET", f"/v1/jobs/{_id(job_id)}/checkpoints", params=_query(limit=100, after=after))
 
 
-def checkpoint_file(job_id: str, step: int) -> Call:
-    return Call("GET", f"/v1/jobs/{_id(job_id)}/checkpoints/{int(step)}")
+def checkpoint_file(job_id: str, step: int, file_format: str = "pt") -> Call:
+    params = {"format": file_format} if file_format != "pt" else None
+    return Call("GET", f"/v1/jobs/{_id(job_id)}/checkpoints/{int(step)}", params=params)
 
 
 # -- datasets -------------------------------------------------------------------------------------

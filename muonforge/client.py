@@ -29,7 +29,7 @@ from muonforge import api
 from muonforge.api import ACTIVE, FINISHED, STATUSES, Call, Event, SseParser
 from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError
 from muonforge.retry import NO_RETRY, Attempts, Retry
-from muonforge.transfer import Download, Progress, open_upload
+from muonforge.transfer import EXPORT_FILE, Download, Progress, open_upload, write_export_config
 
 __all__ = [
     "ACTIVE", "FINISHED", "STATUSES", "ApiError", "AsyncClient", "Client", "ConfigError", "ConnectionFailed", "Event",
@@ -151,9 +151,11 @@ class Client(_ClientBase):
         """The job's checkpoints, newest first, each with the metrics of its step."""
         return list(self._each(lambda after: api.checkpoints_page(job_id, after)))
 
-    def download_checkpoint(self, job_id: str, step: int, path: str | Path, progress: Progress | None = None) -> Path:
-        """Stream the checkpoint written after ``step`` steps to ``path``; ``progress(done, total)``
-        is called in bytes as it arrives. Returns the path."""
+    def download_checkpoint(
+        self, job_id: str, step: int, path: str | Path, progress: Progress | None = None, format: str = "pt"
+    ) -> Path:
+        """Stream the checkpoint written after ``step`` steps to ``path`` (``format="safetensors"``:
+        its weights only); ``progress(done, total)`` is called in bytes as it arrives. Returns the path."""
 
         def save(response: httpx.Response) -> Path:
             with Download(path, response.headers, progress) as out:
@@ -161,7 +163,17 @@ class Client(_ClientBase):
                     out.write(chunk)
             return out.path
 
-        return self._run(api.checkpoint_file(job_id, step), save)
+        return self._run(api.checkpoint_file(job_id, step, format), save)
+
+    def export_checkpoint(
+        self, job_id: str, step: int, directory: str | Path, progress: Progress | None = None
+    ) -> Path:
+        """The weights of the checkpoint written after ``step`` steps, for use without the service:
+        ``model.safetensors`` and ``config.json`` (the model's config) in ``directory``. Returns the
+        directory."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        weights = self.download_checkpoint(job_id, step, Path(directory) / EXPORT_FILE, progress, "safetensors")
+        return write_export_config(weights).parent
 
     # -- datasets ---------------------------------------------------------------------------------
     def upload_dataset(
@@ -332,7 +344,7 @@ class AsyncClient(_ClientBase):
         return [c async for c in self._each(lambda after: api.checkpoints_page(job_id, after))]
 
     async def download_checkpoint(
-        self, job_id: str, step: int, path: str | Path, progress: Progress | None = None
+        self, job_id: str, step: int, path: str | Path, progress: Progress | None = None, format: str = "pt"
     ) -> Path:
         async def save(response: httpx.Response) -> Path:
             with Download(path, response.headers, progress) as out:
@@ -340,7 +352,14 @@ class AsyncClient(_ClientBase):
                     out.write(chunk)
             return out.path
 
-        return await self._run(api.checkpoint_file(job_id, step), save)
+        return await self._run(api.checkpoint_file(job_id, step, format), save)
+
+    async def export_checkpoint(
+        self, job_id: str, step: int, directory: str | Path, progress: Progress | None = None
+    ) -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        weights = await self.download_checkpoint(job_id, step, Path(directory) / EXPORT_FILE, progress, "safetensors")
+        return write_export_config(weights).parent
 
     # -- datasets ---------------------------------------------------------------------------------
     async def upload_dataset(

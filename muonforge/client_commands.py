@@ -25,6 +25,7 @@ from muonforge.output import (
 )
 from muonforge.progress import follow, transfer_bar
 from muonforge.specs import InputError, read_spec, with_source
+from muonforge.transfer import CONFIG_FILE, EXPORT_FILE
 
 # Someone is waiting at the terminal: give up after two quick retries; wait as a 429 asks (each
 # wait is shown as a note), up to a minute.
@@ -154,19 +155,34 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_step(client: Client, job_id: str, step: int | None) -> int:
+    """``step``, or (None) the step of the job's latest checkpoint."""
+    if step is not None:
+        return step
+    checkpoints = client.checkpoints(job_id)
+    if not checkpoints:
+        raise InputError(f"{job_id} has no checkpoint yet")
+    return checkpoints[0]["step"]  # newest first
+
+
 def cmd_download(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        step = args.step
-        if step is None:
-            checkpoints = client.checkpoints(args.job_id)
-            if not checkpoints:
-                raise InputError(f"{args.job_id} has no checkpoint yet")
-            step = checkpoints[0]["step"]  # newest first
+        step = checkpoint_step(client, args.job_id, args.step)
         name = f"{args.job_id}-step{step:08d}.pt"  # the server's file name
         out = args.out / name if args.out and args.out.is_dir() else args.out or Path(name)
         with transfer_bar(f"step {step}") as progress:
             path = client.download_checkpoint(args.job_id, step, out, progress)
     print(path)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        step = checkpoint_step(client, args.job_id, args.step)
+        with transfer_bar(f"step {step}") as progress:
+            directory = client.export_checkpoint(args.job_id, step, args.out, progress)
+    print(directory / EXPORT_FILE)
+    print(directory / CONFIG_FILE)
     return 0
 
 
@@ -286,6 +302,13 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     download.add_argument("job_id")
     download.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     download.add_argument("--out", type=Path, help="file or directory (default: ./<job>-step<N>.pt)")
+
+    export = command(
+        sub, "export", cmd_export, "a checkpoint's weights for use without the service: model.safetensors, config.json"
+    )
+    export.add_argument("job_id")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    export.add_argument("--out", type=Path, required=True, help="the directory to write them in (created if need be)")
 
     datasets = sub.add_parser("datasets", help="upload, list and delete corpora").add_subparsers(
         dest="datasets_command", required=True

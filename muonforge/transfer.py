@@ -1,9 +1,10 @@
-"""Files going up (dataset uploads) and down (checkpoint downloads), with progress reports
-``progress(done_bytes, total_bytes_or_None)``; shared by Client and AsyncClient."""
+"""Files going up (dataset uploads) and down (checkpoint downloads and exports), with progress
+reports ``progress(done_bytes, total_bytes_or_None)``; shared by Client and AsyncClient."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 Progress = Callable[[int, "int | None"], None]
+EXPORT_FILE, CONFIG_FILE = "model.safetensors", "config.json"  # what an export writes
+EXPORT_KEY = "muonforge.model"  # the metadata key of the model's config (the server's app.services.export)
 
 
 class ProgressReader:
@@ -88,3 +91,15 @@ class Download:
             self._part.replace(self.path)
         else:
             self._part.unlink(missing_ok=True)
+
+
+def write_export_config(weights: Path) -> Path:
+    """Write the model's config held in an exported safetensors file's metadata beside it, as
+    ``config.json``; returns its path. Reads the file's header only (no tensor, no torch)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="numpy") as f:
+        config = json.loads(f.metadata()[EXPORT_KEY])
+    path = weights.with_name(CONFIG_FILE)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path

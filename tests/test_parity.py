@@ -16,9 +16,10 @@ from app.job_status import FINISHED, JobStatus
 from app.schemas import JobSpec
 from app.schemas.api import Job
 from app.schemas.job_spec import EarlyStopSpec
-from app.services import caps, intake
-from muonforge import client
+from app.services import caps, export, intake
+from muonforge import client, transfer
 from worker.engine import data as engine_data
+from worker.engine import export as engine_export
 from worker.engine.config import (
     EarlyStopConfig,
     ModelConfig,
@@ -158,3 +159,7 @@ def test_the_memory_caps_max_logit_block_is_the_engines():
 def test_early_stop_defaults_are_the_engines():
     engine = {f.name: f.default for f in dataclasses.fields(EarlyStopConfig)}
     assert EarlyStopSpec().model_dump() == engine
+
+
+def test_the_export_metadata_key_is_the_engines_and_the_clients():
+    assert export.EXPORT_KEY == engine_export.EXPORT_KEY == transfer.EXPORT_KEY

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
-from fastapi.responses import FileResponse
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, StreamingResponse
 
 from app.deps import JobId, Work
 from app.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.services import checkpoints as service
+from app.services import export
 from app.services.telemetry import MAX_STEP
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"])
@@ -27,13 +29,34 @@ async def list_checkpoints(
     return await work(service.list_checkpoints, job_id, limit, after)
 
 
-@router.get(
-    "/{step}",
-    response_class=FileResponse,
-    responses={**ERRORS, 200: {"content": {"application/octet-stream": {}}, "description": "The checkpoint file."}},
-)
-async def download_checkpoint(job_id: JobId, step: Annotated[int, Path(ge=0, le=MAX_STEP)], work: Work):
-    """The checkpoint written after `step` optimizer steps (a torch.save file: model, optimizer,
-    RNG states, step), streamed."""
+FILE = {
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    "description": "The checkpoint file (`format=pt`), or its weights as a safetensors file (`format=safetensors`).",
+}
+
+
+@router.get("/{step}", response_class=FileResponse, responses={**ERRORS, 200: FILE})
+async def download_checkpoint(
+    job_id: JobId,
+    step: Annotated[int, Path(ge=0, le=MAX_STEP)],
+    work: Work,
+    file_format: Annotated[
+        Literal["pt", "safetensors"],
+        Query(
+            alias="format",
+            description="pt: the checkpoint as the worker wrote it (torch.save: model, optimizer, RNG states, "
+            "step). safetensors: the model's weights only, every tensor under its own name, with the model's "
+            "config (the spec's model section, vocab_size, tokenizer) as JSON in the metadata key "
+            f"`{export.EXPORT_KEY}`.",
+        ),
+    ] = "pt",
+):
+    """The checkpoint written after `step` optimizer steps, streamed: the file itself, or its
+    weights as safetensors (converted on request)."""
     path = await work(service.checkpoint_file, job_id, step, work.settings)
-    return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}-step{step:08d}.pt")
+    name = f"{job_id}-step{step:08d}"
+    if file_format == "pt":
+        return FileResponse(path, media_type="application/octet-stream", filename=f"{name}.pt")
+    chunks, size = await run_in_threadpool(export.exported, path, work.settings.artifact_dir / "exports")
+    headers = {"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{name}.safetensors"'}
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)

@@ -14,10 +14,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from muonforge import Client
+from tests.engine.test_export import logits
 from tests.service.conftest import ROOT, Worker, new_key, tiny_spec, wait_for
 from tests.service.test_client import stored_checkpoint
+from tests.service.test_export import checkpoint_logits, exported_logits
+from worker.engine.export import model_from_config
 
 
 def muonforge(*args, url: str, key: str | None, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -134,6 +139,29 @@ def test_download_writes_the_servers_checkpoint(finished, tenant, api_url, setti
     assert missing.returncode == 2
     assert one_error_line(missing) == f"error: job {job_id} has no checkpoint at step 15 (404 not_found)"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ten.pt", f"{job_id}-step00000020.pt"])
+
+
+def test_export_writes_weights_that_reload_to_the_checkpoints_logits(finished, tenant, api_url, settings, tmp_path):
+    job_id = finished["id"]
+    latest = muonforge("export", job_id, "--out", tmp_path / "latest", url=api_url, key=tenant)
+    assert latest.returncode == 0, latest.stderr
+    directory = tmp_path / "latest"
+    assert latest.stdout.splitlines() == [str(directory / "model.safetensors"), str(directory / "config.json")]
+    config = json.loads((directory / "config.json").read_text())
+    assert config["arch"] == "gpt" and config["vocab_size"] == 64 and config["tokenizer"] is None
+    # As the docs load it: the model built from config.json, the weights from model.safetensors.
+    model = model_from_config(config)
+    model.load_state_dict(load_file(directory / "model.safetensors"))
+    expected = checkpoint_logits(stored_checkpoint(settings, job_id, 20))  # the latest
+    assert torch.allclose(logits(model.eval(), 64, 16), expected, rtol=0, atol=1e-6)
+    ten = muonforge("export", job_id, "--step", "10", "--out", tmp_path / "ten", url=api_url, key=tenant)
+    assert ten.returncode == 0, ten.stderr
+    expected = checkpoint_logits(stored_checkpoint(settings, job_id, 10))
+    assert torch.allclose(exported_logits(tmp_path / "ten" / "model.safetensors"), expected, rtol=0, atol=1e-6)
+    missing = muonforge("export", job_id, "--step", "15", "--out", tmp_path / "none", url=api_url, key=tenant)
+    assert missing.returncode == 2
+    assert one_error_line(missing) == f"error: job {job_id} has no checkpoint at step 15 (404 not_found)"
+    assert not list((tmp_path / "none").glob("*.safetensors"))
 
 
 def test_datasets_upload_and_list(settings, api_url, tmp_path):
