@@ -1,7 +1,8 @@
 """muonforge's optimizer core: Muon, MuonClip/QK-Clip and the Newton–Schulz family (torch only)."""
 
 from .adamw import adamw_update
-from .muon import Muon, StepStats, as_matrices, update_scale
+from .distributed import assign_owners, ns_flops
+from .muon import Muon, StepStats, as_matrices, matrix_shape, update_scale
 from .newton_schulz import (
     KELLER,
     POLAR_EXPRESS,
@@ -34,10 +35,13 @@ __all__ = [
     "StepStats",
     "adamw_update",
     "as_matrices",
+    "assign_owners",
     "auto_dtype",
     "choose_method",
     "fused_qkv_targets",
+    "matrix_shape",
     "mla_targets",
+    "ns_flops",
     "orthogonalize",
     "qk_clip",
     "qk_clip_sources",

@@ -1,21 +1,25 @@
 """Muon: momentum orthogonalized by Newton–Schulz, with AdamW for the non-matrix parameters.
 
 One optimizer following the torch.optim contract. Its step reads as phases:
-finite check -> momentum -> orthogonalize (same-shape matrices batched) -> scale and apply.
+finite check -> momentum -> orthogonalize (same-shape matrices batched) -> scale and apply;
+under data parallelism (``distributed=True``) each rank orthogonalizes and applies only the
+matrices it owns, then the owners' parameters are all-gathered (optim/distributed.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .adamw import adamw_update
+from .distributed import all_gather_from_owners, assign_owners, ns_flops
 from .newton_schulz import METHODS, default_dtype, orthogonalize, resolve_coefficients
 from .timing import PhaseTimer
 
@@ -39,17 +43,25 @@ def update_scale(rows: int, cols: int, adjust_lr: str) -> float:
     raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
 
 
-def as_matrices(t: Tensor, experts: bool) -> Tensor:
-    """View a Muon parameter (or its gradient) as a batch of matrices [k, rows, cols].
+def matrix_shape(shape: Sequence[int], experts: bool) -> tuple[int, int, int]:
+    """The batch of matrices [k, rows, cols] a Muon parameter of this shape is orthogonalized as.
 
     2D -> [1, out, in]; experts [E, out, in] -> itself (one matrix per expert);
     any other >2D weight (conv) -> [1, out, prod(rest)].
     """
     if experts:
+        k, rows, cols = shape
+        return k, rows, cols
+    return 1, shape[0], math.prod(shape[1:])
+
+
+def as_matrices(t: Tensor, experts: bool) -> Tensor:
+    """View a Muon parameter (or its gradient) as its batch of matrices (:func:`matrix_shape`)."""
+    if experts:
         return t
     if t.ndim == 2:
-        return t.unsqueeze(0)
-    return t.reshape(1, t.shape[0], -1)
+        return t.unsqueeze(0)  # the same view as the reshape below, at half its cost (twice per matrix per step)
+    return t.reshape(matrix_shape(t.shape, experts))
 
 
 def _check(name: str, value: Any, ok: bool, rule: str) -> None:
@@ -86,8 +98,8 @@ class StepStats:
     """What one step did, for telemetry; tensors are read (and synced) only when asked for."""
 
     update_sq_sum: Tensor | float = 0.0
-    update_numel: int = 0
-    nonfinite_skipped: int = 0
+    update_numel: Tensor | int = 0
+    nonfinite_skipped: Tensor | int = 0
     ns_timer: PhaseTimer | None = None
     extra: dict[str, Tensor | float] = field(default_factory=dict)
 
@@ -95,7 +107,8 @@ class StepStats:
         """update_rms: RMS of the applied Muon updates (parameter change, decay excluded);
         ns_time_ms: wall time of the orthogonalization phase; nonfinite_skipped: parameters
         whose gradient or update was not finite, so they were left unchanged this step."""
-        rms = math.sqrt(float(self.update_sq_sum) / self.update_numel) if self.update_numel else 0.0
+        numel = float(self.update_numel)
+        rms = math.sqrt(float(self.update_sq_sum) / numel) if numel else 0.0
         out = {
             "update_rms": rms,
             "ns_time_ms": self.ns_timer.elapsed_ms() if self.ns_timer else 0.0,
@@ -103,6 +116,19 @@ class StepStats:
         }
         out.update({k: float(v) for k, v in self.extra.items()})
         return out
+
+
+@dataclass
+class _Ownership:
+    """Each Muon parameter's owning rank, and per rank the parameters it owns (in param order)."""
+
+    rank_of: dict[Tensor, int]
+    shards: list[list[Tensor]]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the collectives' small tensors live: nccl takes CUDA tensors only."""
+        return next(iter(self.rank_of)).device
 
 
 @dataclass
@@ -130,6 +156,16 @@ class Muon(torch.optim.Optimizer):
 
     Persistent state: ``momentum_buffer`` per Muon parameter; ``exp_avg``, ``exp_avg_sq`` and
     ``step`` per AdamW parameter.
+
+    Data parallelism (``distributed=True``, torch.distributed initialised first): the gradients
+    must already be averaged across the ranks of ``process_group`` (DDP does that; the optimizer
+    does not reduce them) and every rank steps every time. Each Muon parameter has one owner
+    (:func:`optim.distributed.assign_owners` on Newton–Schulz flops, from the shapes alone), which
+    alone orthogonalizes and applies its update; an all-gather per step then gives every rank
+    the owners' parameters. AdamW parameters are stepped on every rank. ``shard_momentum=True``
+    keeps each momentum buffer on its owner only (ZeRO-1); ``state_dict()`` then gathers them
+    and must be called on every rank. Either way ``state_dict()`` has the single-process
+    layout, so a checkpoint loads at any world size. World size 1 is the plain optimizer.
     """
 
     def __init__(
@@ -148,7 +184,11 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
+        distributed: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        shard_momentum: bool = False,
     ) -> None:
+        self._init_distributed(distributed, process_group, shard_momentum)
         self._adamw_defaults = {
             "lr": adamw_lr,
             "betas": adamw_betas,
@@ -166,7 +206,28 @@ class Muon(torch.optim.Optimizer):
         self._workspace: dict[tuple, Tensor] = {}  # (dtype, device) -> flat buffer the batches are stacked in
         super().__init__(params, defaults)
 
+    def _init_distributed(self, distributed: bool, process_group: Any, shard_momentum: bool) -> None:
+        _check("distributed", distributed, isinstance(distributed, bool), "must be a bool")
+        _check("shard_momentum", shard_momentum, isinstance(shard_momentum, bool), "must be a bool")
+        self._group, self._rank, self._world, self._shard = None, 0, 1, False
+        self._owners: _Ownership | None = None  # computed on first use, from the param groups
+        if not distributed:
+            if shard_momentum or process_group is not None:
+                raise ValueError("shard_momentum and process_group apply only with distributed=True")
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("Muon(distributed=True) needs torch.distributed initialised first (init_process_group)")
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise ValueError("this process is not a member of process_group")
+        self._group, self._rank, self._world = process_group, rank, dist.get_world_size(process_group)
+        self._shard = shard_momentum and self._world > 1  # one rank owns everything: nothing to shard
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._shard and any("momentum_buffer" in s for s in self.state.values()):
+            # A new group re-deals the owners: buffers would be left on ranks that no longer own them.
+            raise RuntimeError("with shard_momentum=True, add every param group before the first step")
+        self._owners = None
         group = dict(param_group)
         if not group.get("use_muon", True):
             for key, value in self._adamw_defaults.items():
@@ -195,6 +256,9 @@ class Muon(torch.optim.Optimizer):
         self.__dict__.setdefault("_last_stats", StepStats())
         self.__dict__.setdefault("_workspace", {})
         self.__dict__.setdefault("_adamw_defaults", {})
+        # A copy or unpickled optimizer has no process group: it is a single-process one.
+        for key, value in {"_group": None, "_rank": 0, "_world": 1, "_shard": False, "_owners": None}.items():
+            self.__dict__.setdefault(key, value)
 
     def last_step_stats(self) -> dict[str, float]:
         """Statistics of the latest step: update_rms, ns_time_ms, nonfinite_skipped (+ subclass keys)."""
@@ -208,15 +272,55 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         stats = StepStats()
         finite = self._finite_grads()
+        owners = self._ownership()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None and finite[p]]
-            if group["use_muon"]:
-                self._muon_step(group, params, stats)
-            else:
+            if not group["use_muon"]:
                 self._adamw_step(group, params)
-        stats.nonfinite_skipped += sum(1 for ok in finite.values() if not ok)
+            elif owners is None:
+                self._muon_step(group, params, stats)
+            else:  # momentum for all (replicated state) or for the owned only (sharded); NS for the owned
+                mine = [p for p in params if owners.rank_of[p] == self._rank]
+                self._muon_step(group, mine if self._shard else params, stats, update=mine)
+        if owners is not None:
+            self._share_updates(owners, stats)
+        stats.nonfinite_skipped += sum(1 for ok in finite.values() if not ok)  # grads are alike on every rank
         self._last_stats = stats
         return loss
+
+    def _ownership(self) -> _Ownership | None:
+        """Who owns each Muon parameter, or None when there is nothing to split (one rank, or no
+        Muon parameters). Dealt from the shapes in param-group order, not from which gradients a
+        step has, so it is the same on every rank and every step."""
+        if self._world == 1:
+            return None
+        if self._owners is None:
+            params = [(p, g["experts"]) for g in self.param_groups if g["use_muon"] for p in g["params"]]
+            costs = [ns_flops(matrix_shape(p.shape, experts)) for p, experts in params]
+            ranks = assign_owners(costs, self._world)
+            shards: list[list[Tensor]] = [[] for _ in range(self._world)]
+            for (p, _), r in zip(params, ranks):
+                shards[r].append(p)
+            self._owners = _Ownership(dict(zip((p for p, _ in params), ranks)), shards)
+        return self._owners if self._owners.rank_of else None
+
+    def _share_updates(self, owners: _Ownership, stats: StepStats) -> None:
+        """Give every rank the owners' parameters and make the step's statistics global.
+
+        Every Muon parameter is sent by its owner whether or not it had a gradient, so the
+        collective's shape never depends on the step: a gradient missing on one rank cannot hang
+        it (the owner's value wins). Two collectives per step (one more per extra parameter dtype).
+        """
+        received = all_gather_from_owners(owners.shards, owners.shards[self._rank], self._group)
+        for r, (params, values) in enumerate(zip(owners.shards, received)):
+            if r != self._rank and params:
+                torch._foreach_copy_(params, values)
+        totals = torch.zeros(3, dtype=torch.float64, device=owners.device)  # filled from scalars: no copy, no sync
+        totals[0] += stats.update_sq_sum  # a tensor where this rank applied updates, else 0.0
+        totals[1] = stats.update_numel
+        totals[2] = stats.nonfinite_skipped  # so far: updates that were not finite
+        dist.all_reduce(totals, group=self._group)
+        stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped = totals.unbind()
 
     def _finite_grads(self) -> dict[Tensor, bool]:
         """Whether each gradient is finite: one fused max-abs (which, unlike the L2 norm, cannot
@@ -238,7 +342,11 @@ class Muon(torch.optim.Optimizer):
             finite.update(zip(group, torch.stack([n.float() for n in peaks]).isfinite().tolist()))
         return finite
 
-    def _muon_step(self, group: dict[str, Any], params: list[Tensor], stats: StepStats) -> None:
+    def _muon_step(
+        self, group: dict[str, Any], params: list[Tensor], stats: StepStats, update: list[Tensor] | None = None
+    ) -> None:
+        """Momentum for ``params``; orthogonalize and apply for ``update`` (default: the same
+        parameters; under data parallelism the ones this rank owns)."""
         if not params:
             return
         beta, lr = group["momentum"], group["lr"]
@@ -248,15 +356,17 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
-        grads = [p.grad for p in params]
-        torch._foreach_lerp_(bufs, grads, 1.0 - beta)  # EMA momentum; p.grad is only read
+        torch._foreach_lerp_(bufs, [p.grad for p in params], 1.0 - beta)  # EMA momentum; p.grad is only read
 
         buckets: dict[tuple, list[_Entry]] = defaultdict(list)  # same oriented shape -> one batch
-        for p, g, buf in zip(params, grads, bufs):
+        for p in params if update is None else update:
+            g, buf = p.grad, self.state[p]["momentum_buffer"]
             g3, buf3 = as_matrices(g, group["experts"]), as_matrices(buf, group["experts"])
             rows, cols = g3.shape[-2:]
             entry = _Entry(p, g3, buf3, update_scale(rows, cols, group["adjust_lr"]))
             buckets[(min(rows, cols), max(rows, cols), g.dtype, g.device)].append(entry)
+        if not buckets:
+            return
 
         timer = stats.ns_timer = stats.ns_timer or PhaseTimer(params[0].device)
         for entries in (chunk for bucket in buckets.values() for chunk in _batches(bucket)):
@@ -269,6 +379,44 @@ class Muon(torch.optim.Optimizer):
                 )  # fmt: skip
             del X
             _apply_updates(entries, O, lr, group["weight_decay"], stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch.optim state dict, complete at any world size: with ``shard_momentum`` the
+        buffers are gathered from their owners (a collective: every rank must call it, like a
+        full state dict under FSDP), so every rank returns the same, single-process layout."""
+        state_dict = super().state_dict()
+        owners = self._ownership() if self._shard else None
+        if owners is None:
+            return state_dict
+        params = list(owners.rank_of)
+        held = torch.tensor(
+            [owners.rank_of[p] == self._rank and "momentum_buffer" in self.state.get(p, ()) for p in params],
+            dtype=torch.float32, device=owners.device,
+        )  # fmt: skip
+        dist.all_reduce(held, group=self._group)  # which owners have a buffer (none before a first gradient)
+        has = dict(zip(params, held.tolist()))
+        layout = [[p for p in shard if has[p]] for shard in owners.shards]
+        mine = [self.state[p]["momentum_buffer"] for p in layout[self._rank]]
+        index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        for r, (shard, buffers) in enumerate(zip(layout, all_gather_from_owners(layout, mine, self._group))):
+            for p, buf in zip(shard, buffers):
+                if r != self._rank:  # a clone, not a view: saving a view would save the whole gathered buffer
+                    state_dict["state"].setdefault(index[p], {})["momentum_buffer"] = buf.clone()
+        state_dict["state"] = dict(sorted(state_dict["state"].items()))
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a complete state dict (from any world size); with ``shard_momentum`` each rank
+        then keeps the momentum buffers of the parameters it owns only."""
+        super().load_state_dict(state_dict)
+        owners = self._ownership() if self._shard else None
+        if owners is None:
+            return
+        for p, r in owners.rank_of.items():
+            if r != self._rank and p in self.state:
+                self.state[p].pop("momentum_buffer", None)
+                if not self.state[p]:
+                    del self.state[p]
 
     def _stacking_buffer(self, entries: list[_Entry]) -> Tensor:
         """A flat buffer, reused across batches and steps, for stacking a batch's NS inputs."""

@@ -168,7 +168,8 @@ class MuonClip(Muon):
     """Muon followed, after every step, by QK-Clip of the given attention modules.
 
     ``attention``: a model (its QKClipSource modules are found) or the modules themselves.
-    ``last_step_stats()`` adds ``qk_clip/heads_clipped`` and ``qk_clip/min_gamma``.
+    ``last_step_stats()`` adds ``qk_clip/heads_clipped`` and ``qk_clip/min_gamma``. Every Muon
+    keyword passes through (``distributed``, ``process_group``, ``shard_momentum`` included).
     """
 
     def __init__(self, params, attention: nn.Module | Iterable[Any], qk_clip_tau: float = 100.0, **kwargs) -> None:

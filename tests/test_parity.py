@@ -106,6 +106,9 @@ def test_job_spec_defaults_are_the_engines(section, config, filled_by_the_spec):
 
 def test_job_spec_optimizer_defaults_are_optims():
     muon = {k: p.default for k, p in inspect.signature(optim.Muon).parameters.items() if k != "params"}
+    # Data parallelism is how a process runs the optimizer, not a job's hyper-parameter (a job trains in one process).
+    process = {k: muon.pop(k) for k in ("distributed", "process_group", "shard_momentum")}
+    assert process == {"distributed": False, "process_group": None, "shard_momentum": False}
     spec = spec_defaults("optimizer")
     for name, default in muon.items():
         if name == "ns_dtype":  # the spec names the dtype ("auto" for the device's choice, None)
