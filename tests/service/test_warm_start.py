@@ -111,8 +111,12 @@ def test_the_retention_policy_keeps_a_checkpoint_that_a_job_starts_from(client, 
     start_worker()
     spec = tiny_spec(steps=5000, checkpoint_every=10, keep_checkpoints=1) | {"telemetry": {"sample_tokens": 0}}
     parent = client.post("/v1/jobs", json=spec, headers=auth).json()["id"]
-    wait_for(lambda: job(client, auth, parent)["progress"]["step"] >= 10, timeout=120)
-    steps = [c["step"] for c in client.get(f"/v1/jobs/{parent}/checkpoints", headers=auth).json()["data"]]
+
+    def checkpoint_steps() -> list[int]:
+        return [c["step"] for c in client.get(f"/v1/jobs/{parent}/checkpoints", headers=auth).json()["data"]]
+
+    # The checkpoint's row, not the progress: a step is reported before its checkpoint is recorded.
+    steps = wait_for(checkpoint_steps, timeout=120)
     child = submit(client, auth, {"job_id": parent, "step": max(steps)}).json()  # queued behind the parent
     pinned = child["parent"]["step"]
     wait_for(lambda: job(client, auth, parent)["progress"]["step"] >= pinned + 40, timeout=120)
