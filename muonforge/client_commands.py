@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,16 @@ def detached(job_id: str, fresh_line: bool = False) -> int:
     return 130
 
 
+def show_list(args: argparse.Namespace, items: list, table: Callable[[list], Any], empty: str) -> None:
+    """A list command's output: JSON with --json, else a table, or ``empty`` on stderr."""
+    if args.json:
+        print_json(items)
+    elif items:
+        console().print(table(items))
+    else:
+        print(empty, file=sys.stderr)
+
+
 def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2))
 
@@ -86,12 +97,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     with connect(args) as client:
         jobs = list(islice(client.list_jobs(args.status, page_size=min(args.limit, PAGE_SIZE)), args.limit))
-    if args.json:
-        print_json(jobs)
-    elif jobs:
-        console().print(jobs_table(jobs))
-    else:
-        print("no jobs", file=sys.stderr)
+    show_list(args, jobs, jobs_table, "no jobs")
     return 0
 
 
@@ -202,12 +208,7 @@ def cmd_datasets_upload(args: argparse.Namespace) -> int:
 def cmd_datasets_list(args: argparse.Namespace) -> int:
     with connect(args) as client:
         datasets = list(islice(client.list_datasets(page_size=min(args.limit, PAGE_SIZE)), args.limit))
-    if args.json:
-        print_json(datasets)
-    elif datasets:
-        console().print(datasets_table(datasets))
-    else:
-        print("no datasets", file=sys.stderr)
+    show_list(args, datasets, datasets_table, "no datasets")
     return 0
 
 
@@ -234,12 +235,7 @@ def cmd_webhooks_create(args: argparse.Namespace) -> int:
 def cmd_webhooks_list(args: argparse.Namespace) -> int:
     with connect(args) as client:
         webhooks = list(client.list_webhooks())
-    if args.json:
-        print_json(webhooks)
-    elif webhooks:
-        console().print(webhooks_table(webhooks))
-    else:
-        print("no webhooks", file=sys.stderr)
+    show_list(args, webhooks, webhooks_table, "no webhooks")
     return 0
 
 
@@ -254,12 +250,7 @@ def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
     with connect(args) as client:
         pages = client.webhook_deliveries(args.webhook_id, page_size=min(args.limit, PAGE_SIZE))
         deliveries = list(islice(pages, args.limit))
-    if args.json:
-        print_json(deliveries)
-    elif deliveries:
-        console().print(deliveries_table(deliveries))
-    else:
-        print("no deliveries", file=sys.stderr)
+    show_list(args, deliveries, deliveries_table, "no deliveries")
     return 0
 
 
