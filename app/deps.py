@@ -8,12 +8,11 @@ thread waits for a connection that a request parked between hops is holding.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Cookie, Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.concurrency import run_in_threadpool
 
 from app.db.session import open_session
 from app.errors import Unauthorized
@@ -59,7 +58,13 @@ class UnitOfWork:
         # over its rate costs no thread and no query (429s stay cheap under a flood).
         if self._tenant is None and (tenant := self.cached_tenant()) is not None:
             self._admit(tenant)
-        return await run_in_threadpool(self._run, fn, args)
+        return await self.in_thread(self._run, fn, args)
+
+    def in_thread(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """``fn(*args)`` in the thread pool, within the share of its threads the request's tenant
+        may use (app.services.quotas.TenantThreads; not counted while the tenant is unknown)."""
+        tenant_id = self._tenant.id if self._tenant is not None else None
+        return self.request.app.state.tenant_threads.run(tenant_id, fn, *args)
 
     def _run(self, fn: Callable[..., T], args: tuple) -> T:
         with open_session(self.settings) as session:
@@ -75,7 +80,7 @@ class UnitOfWork:
     async def key_still_valid(self) -> bool:
         """Whether the request's key is still known and not revoked, asked of the database (not
         the cache): what an open events stream checks every ``auth_cache_seconds``."""
-        return await run_in_threadpool(self._verify)
+        return await self.in_thread(self._verify)
 
     def _verify(self) -> bool:
         with open_session(self.settings) as session:

@@ -16,7 +16,7 @@ from app.observability import install_metrics
 from app.routes import checkpoints, datasets, health, jobs, session, webhooks
 from app.services.auth import KeyCache
 from app.services.intake import Intake
-from app.services.quotas import RequestRate, StreamSlots
+from app.services.quotas import RequestRate, StreamSlots, TenantThreads
 from app.services.reaper import run_reaper
 from app.services.webhook_delivery import run_deliveries
 from app.settings import Settings, get_settings
@@ -39,6 +39,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     app.state.intake = Intake(settings)
     app.state.live_reader = None
     app.state.streams = StreamSlots(settings.tenant_stream_cap)
+    app.state.tenant_threads = TenantThreads(settings.tenant_threads)
     app.state.request_rate = RequestRate(settings.tenant_rate_per_second, settings.tenant_burst)
     for module in (jobs, checkpoints, datasets, webhooks, session, health):
         app.include_router(module.router)

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
         1 << 20, description="Largest request body other than an upload (a job spec is a few kB); more answers 413."
     )
     tenant_stream_cap: int = Field(100, description="Open event streams per tenant and API process; more answers 429.")
+    tenant_threads: int = Field(
+        8, description="Threads of an API process's pool (40) one tenant's requests may use at once (0: no limit)."
+    )
     tenant_rate_per_second: float = Field(
         200.0, description="Requests a second per tenant and API process, on average (0: no limit); more answers 429."
     )

@@ -132,6 +132,6 @@ async def job_events(
     checked again every `MUONFORGE_AUTH_CACHE_SECONDS`: once it is revoked, the stream ends
     without `done` and a reconnect answers 401."""
     state = request.app.state
-    stream = events.follow(state.settings, state.live_reader, job_id, cursor, first)
+    stream = events.follow(state.settings, state.live_reader, job_id, cursor, first, work.in_thread)
     async for event in events.while_key_valid(stream, work.key_still_valid, state.settings.auth_cache_seconds):
         yield event

@@ -157,13 +157,19 @@ def step_of(kind: str, payload: dict[str, Any], step: int | None) -> float:
 
 
 async def follow(
-    settings: Settings, reader: LiveReader | None, job_id: str, cursor: Cursor, first: Page | None = None
+    settings: Settings,
+    reader: LiveReader | None,
+    job_id: str,
+    cursor: Cursor,
+    first: Page | None = None,
+    in_thread: Callable[..., Awaitable[Page]] = run_in_threadpool,
 ) -> AsyncIterator[ServerSentEvent]:
     """The job's events after ``cursor``, then ``done`` once it has finished (``first``: the
-    first page, read already). Without the bus (embedded mode, or Redis stopped or paused) the
+    first page, read already; ``in_thread`` runs each later page's reads in the thread pool,
+    within the tenant's share of it). Without the bus (embedded mode, or Redis stopped or paused) the
     database is polled every POLL_SECONDS."""
     while True:
-        page, first = first or await run_in_threadpool(read_page, settings, job_id, cursor), None
+        page, first = first or await in_thread(read_page, settings, job_id, cursor), None
         for event in page.events:
             yield event
         if page.done:

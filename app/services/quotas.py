@@ -1,4 +1,5 @@
-"""Per-tenant limits an API process enforces on its own: open event streams and request rate.
+"""Per-tenant limits an API process enforces on its own: open event streams, request rate and
+threads of the thread pool.
 
 Both are counted per process (no round trip per request): with P API processes a tenant may hold
 up to P x the stream cap and make up to P x the rate. That bounds what one tenant can take of a
@@ -12,9 +13,12 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import anyio
+from starlette.concurrency import run_in_threadpool
 
 from app.errors import RateLimited
 
@@ -85,3 +89,34 @@ class RequestRate:
                 raise RateLimited(f"this tenant is over {self.rate:g} requests a second; slow down", retry_after=wait)
             self._buckets[tenant_id] = (tokens - 1.0, now)
             forget_oldest_half(self._buckets, at=lambda entry: entry[1])
+
+
+class TenantThreads:
+    """At most ``cap`` of the thread pool's threads per tenant at a time (used from the event loop
+    only). The pool (40 threads) is shared by every request of the process: without this, one
+    tenant's burst (a hundred streams opening, each reading its first page) fills it, and another
+    tenant's request waits behind the whole burst. With it, a tenant's work beyond ``cap`` waits
+    for that tenant's own threads; other tenants' requests go straight to a free one."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._held: dict[str, tuple[anyio.Semaphore, int]] = {}  # tenant -> (its semaphore, users)
+
+    def run(self, tenant_id: str | None, fn: Callable[..., V], *args: Any) -> Awaitable[V]:
+        """``fn(*args)`` in the thread pool, within ``tenant_id``'s share (None: not counted)."""
+        if tenant_id is None or self.cap <= 0:
+            return run_in_threadpool(fn, *args)
+        return self._run(tenant_id, fn, args)
+
+    async def _run(self, tenant_id: str, fn: Callable[..., V], args: tuple) -> V:
+        semaphore, users = self._held.get(tenant_id) or (anyio.Semaphore(self.cap), 0)
+        self._held[tenant_id] = (semaphore, users + 1)
+        try:
+            async with semaphore:
+                return await run_in_threadpool(fn, *args)
+        finally:
+            semaphore, users = self._held[tenant_id]
+            if users == 1:
+                del self._held[tenant_id]
+            else:
+                self._held[tenant_id] = (semaphore, users - 1)

@@ -1,13 +1,17 @@
-"""Per-tenant limits of an API process: open event streams and request rate. One tenant at
-its limit gets 429 with Retry-After; another tenant is not affected."""
+"""Per-tenant limits of an API process: open event streams, request rate and threads. One tenant
+at its limit gets 429 with Retry-After (or, for threads, waits for its own); another tenant is not
+affected."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
+import anyio
 import httpx
 import pytest
 
+from app.services.quotas import TenantThreads
 from tests.service.conftest import new_key, running_api, tiny_spec, wait_for
 
 
@@ -62,3 +66,41 @@ def test_a_tenant_over_its_request_rate_is_told_when_to_come_back(slow_rate_api,
         r = client.post("/v1/jobs", json=tiny_spec(), headers=mine)  # a body's request is counted too
         assert r.status_code == 429 and r.headers["retry-after"]
         assert client.get("/v1/jobs", headers=theirs).status_code == 200
+
+
+def test_a_tenant_uses_at_most_its_share_of_the_thread_pool():
+    """Two threads for tenant a: its third and fourth calls wait for its own threads while
+    tenant b's call runs at once; the waiting ones run as a's first ones finish."""
+    threads, release = TenantThreads(2), threading.Event()
+    running, most, order, lock = [0], [0], [], threading.Lock()
+
+    def blocked(name: str) -> str:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(10)
+        with lock:
+            running[0] -= 1
+            order.append(name)
+        return name
+
+    async def scenario() -> list[str]:
+        results: list[str] = []
+
+        async def call(tenant: str, name: str, fn) -> None:
+            results.append(await threads.run(tenant, fn, name))
+
+        async with anyio.create_task_group() as group:
+            for i in range(4):
+                group.start_soon(call, "a", f"a{i}", blocked)
+            await anyio.sleep(0.2)
+            assert running[0] == 2  # a's share is taken; its other two calls wait
+            with anyio.fail_after(5):
+                await call("b", "b", lambda name: name)  # b is not behind a's queue
+            assert results == ["b"] and running[0] == 2
+            release.set()
+        return results
+
+    results = anyio.run(scenario)
+    assert sorted(results) == ["a0", "a1", "a2", "a3", "b"] and most[0] == 2
+    assert not threads._held  # nothing kept for tenants with no call in flight
