@@ -39,6 +39,12 @@ class JobRepository:
         compare-and-set UPDATE bypasses loaded objects)."""
         return self.session.scalars(select(Job).where(Job.id == job_id).execution_options(populate_existing=True)).one()
 
+    def locked(self, job_id: str) -> Job | None:
+        """The job's row as committed now, locked until the transaction ends (Postgres; SQLite
+        serialises writers)."""
+        query = select(Job).where(Job.id == job_id).with_for_update().execution_options(populate_existing=True)
+        return self.session.scalars(query).one_or_none()
+
     def page(self, tenant_id: str, limit: int, after: str | None, status: str | None) -> list[Job]:
         """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
         query = select(Job).where(Job.tenant_id == tenant_id)

@@ -27,25 +27,34 @@ SWEEP_SECONDS = 600.0  # how often the dataset files are swept (a directory list
 
 def release(settings: Settings, job: Job, now: datetime) -> tuple[str, str] | None:
     """Release the expired lease of ``job`` in a transaction of its own: back to the queue, or
-    to its final state. Returns (job id, queue) where its task must be sent again, else None."""
-    error = None
-    if job.cancel_requested:
-        status = JobStatus.CANCELLED
-    elif job.attempt > job.max_restarts:
-        status = JobStatus.FAILED
-        error = {
-            "code": "worker_lost",
-            "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
-            f"max_restarts ({job.max_restarts}) used up",
-        }
-    else:
-        status = JobStatus.QUEUED
+    to its final state. Returns (job id, queue) where its task must be sent again, else None.
+    The outcome is decided on the job's row as locked in that transaction, not on ``job`` (read
+    earlier): a cancel requested in between ends the job cancelled instead of queuing it again."""
     with transaction(settings) as session:
-        if not JobRepository(session).release_expired(job, now, status, error):
+        repo = JobRepository(session)
+        current = repo.locked(job.id)
+        if current is None or current.attempt != job.attempt:
+            return None  # deleted, or another reaper released it and a new attempt began
+        status, error = released_status(current)
+        if not repo.release_expired(current, now, status, error):
             return None  # another reaper, or the attempt itself, changed it first
         log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
         record_status(session, live_bus(settings), job.id)
     return (job.id, job.queue) if status == JobStatus.QUEUED else None
+
+
+def released_status(job: Job) -> tuple[JobStatus, dict | None]:
+    """Where a job whose attempt was lost goes: cancelled if a cancel was requested, failed once
+    its restarts are used up (with the error), else back to the queue."""
+    if job.cancel_requested:
+        return JobStatus.CANCELLED, None
+    if job.attempt > job.max_restarts:
+        return JobStatus.FAILED, {
+            "code": "worker_lost",
+            "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
+            f"max_restarts ({job.max_restarts}) used up",
+        }
+    return JobStatus.QUEUED, None
 
 
 def reap_once(settings: Settings) -> int:
