@@ -130,6 +130,9 @@ class Settings(BaseSettings):
     webhook_retry_window_seconds: float = Field(
         86400.0, gt=0, description="How long after its event a delivery is retried before it is marked failed."
     )
+    webhook_log_days: float = Field(
+        30.0, gt=0, description="How long a delivered or failed delivery (and its attempts) stays in the delivery log."
+    )
     webhook_poll_seconds: float = Field(1.0, gt=0, description="How often an API process looks for due deliveries.")
     webhook_concurrency: int = Field(8, ge=1, description="Deliveries an API process sends at once.")
 

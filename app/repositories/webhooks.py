@@ -69,6 +69,12 @@ class WebhookRepository:
         if rows:
             self.session.execute(insert(WebhookDelivery.__table__), rows)
 
+    def prune_finished(self, before: datetime, limit: int) -> int:
+        """Delete up to ``limit`` deliveries that ended (delivered or failed) before ``before``,
+        with their attempts (the foreign key cascades); returns how many."""
+        oldest = select(WebhookDelivery.id).where(WebhookDelivery.finished_at < before).limit(limit)
+        return self.session.execute(delete(WebhookDelivery).where(WebhookDelivery.id.in_(oldest))).rowcount
+
     def deliveries_page(self, endpoint_id: str, limit: int, after: str | None) -> list[WebhookDelivery]:
         """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
         query = select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id)

@@ -39,6 +39,8 @@ GROWTH = 6.0
 JITTER = 0.2  # waits vary by +-20%, so receivers that failed together are not all tried again together
 USER_AGENT = "muonforge-webhooks"
 ERROR_CHARS = 500  # the width of the error columns
+PRUNE_SECONDS = 600.0  # how often an API process removes deliveries older than webhook_log_days
+PRUNE_BATCH = 1000  # deliveries deleted per transaction (short row locks on a long log)
 RECORD_PATIENCE = 30.0  # seconds an outcome is retried through a database outage (then the claim lapses)
 
 
@@ -150,11 +152,24 @@ def claim_due(settings: Settings, limit: int) -> list[Claimed]:
         return WebhookRepository(session).claim_due(now, now + lease(settings), limit)
 
 
+def prune_log(settings: Settings) -> int:
+    """Remove the deliveries that ended more than ``webhook_log_days`` ago, a batch per
+    transaction; returns how many. Pending ones are never removed, however old."""
+    before, removed = utcnow() - timedelta(days=settings.webhook_log_days), 0
+    while True:
+        with transaction(settings) as session:
+            count = WebhookRepository(session).prune_finished(before, PRUNE_BATCH)
+        removed += count
+        if count < PRUNE_BATCH:
+            return removed
+
+
 def run_deliveries(settings: Settings, stop: threading.Event) -> None:
     """Send the due deliveries, up to ``webhook_concurrency`` at once, each in a thread of a pool,
     until ``stop`` is set; look for more every ``webhook_poll_seconds``, and as soon as an
-    attempt ends (a backlog drains at the pace of the receivers, not of the poll)."""
-    wake = threading.Event()
+    attempt ends (a backlog drains at the pace of the receivers, not of the poll). Every
+    PRUNE_SECONDS, the delivery log is pruned (``prune_log``)."""
+    wake, next_prune = threading.Event(), time.monotonic() + PRUNE_SECONDS
     in_flight: set[Future] = set()
     client = httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False, trust_env=False)
     # trust_env=False: a proxy from the environment would resolve the host again itself.
@@ -171,6 +186,12 @@ def run_deliveries(settings: Settings, stop: threading.Event) -> None:
                 future = pool.submit(_deliver_logged, settings, http, delivery)
                 future.add_done_callback(lambda _: wake.set())
                 in_flight.add(future)
+            if time.monotonic() >= next_prune:
+                next_prune = time.monotonic() + PRUNE_SECONDS
+                try:
+                    prune_log(settings)
+                except Exception:
+                    log.exception("pruning the webhook delivery log failed")
             wake.wait(settings.webhook_poll_seconds)
             wake.clear()
 

@@ -15,11 +15,16 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
+from app.db.models import WebhookAttempt, WebhookDelivery
+from app.db.session import transaction
 from app.destinations import AllowList, NotAllowed, Unresolved, resolve
 from app.main import create_app
-from app.services.webhook_delivery import next_attempt_at, retry_delay, signature
+from app.repositories.webhooks import WebhookRepository
+from app.services.webhook_delivery import next_attempt_at, prune_log, retry_delay, signature
 from app.settings import Settings
+from app.webhook_events import DeliveryStatus
 from muonforge import Client
 from tests.http_stub import Reply, StubServer, scripted
 from tests.service.conftest import new_key, tiny_spec, wait_for
@@ -200,6 +205,39 @@ def test_another_tenants_endpoint_is_not_found_and_deliveries_paginate(client, s
     assert client.delete(f"/v1/webhooks/{hook['id']}", headers=auth).status_code == 204
     assert client.get(f"/v1/webhooks/{hook['id']}/deliveries", headers=auth).status_code == 404
     assert client.get("/v1/webhooks", headers=auth).json()["data"] == []
+
+
+def test_the_delivery_log_keeps_finished_deliveries_for_webhook_log_days(client, settings, auth):
+    with StubServer(scripted(OK)) as receiver:
+        hook = create(client, auth, receiver.url, ["job.cancelled"])
+    now = datetime.now(UTC)
+    rows = {
+        "old": (DeliveryStatus.DELIVERED, now - timedelta(days=31), None),
+        "old_failed": (DeliveryStatus.FAILED, now - timedelta(days=40), None),
+        "recent": (DeliveryStatus.DELIVERED, now - timedelta(days=29), None),
+        "pending": (DeliveryStatus.PENDING, None, now + timedelta(days=1)),  # never pruned, however old
+    }
+    ids = {name: f"msg_prune_{name}_{hook['id'][-8:]}" for name in rows}
+    body = json.dumps({"type": "job.cancelled", "timestamp": now.isoformat(), "data": {}})
+    with transaction(settings) as session:
+        WebhookRepository(session).add_deliveries([
+            {"id": ids[name], "endpoint_id": hook["id"], "event_type": "job.cancelled", "body": body,
+             "status": status, "attempts": 1, "next_attempt_at": due, "finished_at": finished,
+             "created_at": now - timedelta(days=60)}
+            for name, (status, finished, due) in rows.items()
+        ])  # fmt: skip
+        session.add_all(
+            WebhookAttempt(delivery_id=i, number=1, at=now - timedelta(days=41), duration_ms=5, status_code=200)
+            for i in ids.values()
+        )
+    assert prune_log(settings) >= 2
+    with transaction(settings) as session:
+        kept = set(session.scalars(select(WebhookDelivery.id).where(WebhookDelivery.id.in_(ids.values()))))
+        of = WebhookAttempt.delivery_id
+        attempts = set(session.scalars(select(of).where(of.in_(ids.values()))))
+    assert kept == attempts == {ids["recent"], ids["pending"]}
+    listed = {d["id"] for d in deliveries(client, auth, hook["id"])["data"]}
+    assert listed == kept
 
 
 def test_the_endpoint_cap(client, auth, monkeypatch, settings):
