@@ -165,9 +165,16 @@ class JobRepository:
     def stale_queued(self, before: datetime) -> list[tuple[str, str]]:
         """(id, queue) of queued jobs whose task was sent before ``before`` (lost, or not yet
         taken): their send time is reset, the caller re-sends."""
+        # SKIP LOCKED: two reapers split the stale jobs instead of locking them in scan orders
+        # that could cross (Postgres; SQLite serialises writers and has no row locks).
+        stale = (
+            select(Job.id)
+            .where(Job.status == JobStatus.QUEUED, func.coalesce(Job.enqueued_at, Job.created_at) < before)
+            .with_for_update(skip_locked=True)
+        )
         result = self.session.execute(
             update(Job)
-            .where(Job.status == JobStatus.QUEUED, func.coalesce(Job.enqueued_at, Job.created_at) < before)
+            .where(Job.id.in_(stale), Job.status == JobStatus.QUEUED)
             .values(enqueued_at=utcnow())
             .returning(Job.id, Job.queue)
         )

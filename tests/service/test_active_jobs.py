@@ -228,3 +228,30 @@ def test_the_migration_back_fills_the_counter_and_downgrades(dialect, tmp_path):
         if engine is not None:
             engine.dispose()
         drop()
+
+
+def test_stale_queued_jobs_are_sent_again_once_and_one_locked_elsewhere_is_skipped(db):
+    """The reaper's re-send of queued jobs whose task was lost: each once per stale period; on
+    Postgres a job whose row another transaction holds is skipped, not waited for (two reapers
+    split the work instead of locking rows in crossing orders)."""
+    tenant, long_ago = new_tenant(db).id, utcnow() - timedelta(days=2)
+    rows = [job_row(tenant, JobStatus.QUEUED) | {"enqueued_at": long_ago} for _ in range(3)]
+    ids, held = {r["id"] for r in rows}, rows[0]["id"]
+    with transaction(db) as session:
+        session.execute(insert(Job.__table__), rows)
+    before = utcnow() - timedelta(days=1)  # other tests' queued jobs are newer
+
+    def stale() -> set[str]:
+        with transaction(db) as session:
+            if db.sqlalchemy_url.startswith("postgresql"):
+                session.execute(text("SET LOCAL lock_timeout = '5s'"))  # a wait fails instead of hanging
+            return {job_id for job_id, _ in JobRepository(session).stale_queued(before)} & ids
+
+    if db.sqlalchemy_url.startswith("postgresql"):
+        with transaction(db) as other:
+            other.execute(select(Job.id).where(Job.id == held).with_for_update())
+            assert stale() == ids - {held}
+        assert stale() == {held}
+    else:
+        assert stale() == ids
+    assert stale() == set()  # sent: not stale again until requeue_after has passed
