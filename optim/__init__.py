@@ -2,7 +2,8 @@
 
 from .adamw import adamw_update
 from .distributed import assign_owners, ns_flops
-from .muon import Muon, StepStats, as_matrices, matrix_shape, update_scale
+from .hyperparams import update_scale
+from .muon import Muon, as_matrices, matrix_shape
 from .newton_schulz import (
     KELLER,
     POLAR_EXPRESS,
@@ -24,6 +25,7 @@ from .qk_clip import (
     separate_qk_targets,
 )
 from .routing import split_params
+from .stats import StepStats
 
 __all__ = [
     "KELLER",

@@ -1,5 +1,5 @@
-"""Data-parallel Muon's two pieces that are not the optimizer: who orthogonalizes which matrix,
-and how every rank gets what the owners computed.
+"""Data-parallel Muon's pieces that are not the optimizer: who orthogonalizes which matrix, how
+every rank gets what the owners computed, and how sharded momentum is gathered and dropped.
 
 Under data parallelism every rank holds the same gradients (DDP averaged them), so running
 Newton–Schulz on every matrix on every rank repeats the same work world-size times. Instead each
@@ -9,7 +9,9 @@ results are then all-gathered so every rank ends the step with the same paramete
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,3 +80,73 @@ def all_gather_from_owners(
                 out[r][i] = received[r][offset : offset + template.numel()].view(template.shape)
                 offset += template.numel()
     return out
+
+
+@dataclass
+class Ownership:
+    """Each Muon parameter's owning rank, and per rank the parameters it owns (in param order)."""
+
+    rank_of: dict[Tensor, int]
+    shards: list[list[Tensor]]
+
+    @classmethod
+    def deal(cls, params: Sequence[tuple[Tensor, Any]], costs: Sequence[int | float], world_size: int) -> Ownership:
+        """Owners for ``params`` (each with anything beside it, e.g. its group's experts flag)
+        by :func:`assign_owners` on ``costs``."""
+        ranks = assign_owners(costs, world_size)
+        shards: list[list[Tensor]] = [[] for _ in range(world_size)]
+        for (p, _), r in zip(params, ranks):
+            shards[r].append(p)
+        return cls(dict(zip((p for p, _ in params), ranks)), shards)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the collectives' small tensors live: nccl takes CUDA tensors only."""
+        return next(iter(self.rank_of)).device
+
+    @torch.no_grad()
+    def share_parameters(self, rank: int, group: dist.ProcessGroup | None) -> None:
+        """Copy every owner's parameters into the other ranks' (one all-gather per dtype).
+        Every Muon parameter is sent by its owner whether or not it had a gradient, so the
+        collective's shape never depends on the step: a gradient missing on one rank cannot
+        hang it (the owner's value wins)."""
+        received = all_gather_from_owners(self.shards, self.shards[rank], group)
+        for r, (params, values) in enumerate(zip(self.shards, received)):
+            if r != rank and params:
+                torch._foreach_copy_(params, values)
+
+    def sum_over_ranks(self, values: Sequence[Tensor | float], group: dist.ProcessGroup | None) -> list[Tensor]:
+        """Each value (a scalar tensor or a number) summed over the ranks, in one all-reduce."""
+        totals = torch.zeros(len(values), dtype=torch.float64, device=self.device)
+        for i, v in enumerate(values):
+            totals[i] += v  # filled from scalars: no copy, no sync
+        dist.all_reduce(totals, group=group)
+        return list(totals.unbind())
+
+    def gather_momentum(
+        self, state: MutableMapping[Tensor, dict], rank: int, group: dist.ProcessGroup | None
+    ) -> dict[Tensor, Tensor]:
+        """The momentum buffers the other ranks own, by parameter (a collective: every rank
+        calls it). Parameters whose owner has no buffer yet (no gradient so far) are left out."""
+        params = list(self.rank_of)
+        held = torch.tensor(
+            [self.rank_of[p] == rank and "momentum_buffer" in state.get(p, ()) for p in params],
+            dtype=torch.float32, device=self.device,
+        )  # fmt: skip
+        dist.all_reduce(held, group=group)  # which owners have a buffer
+        has = dict(zip(params, held.tolist()))
+        layout = [[p for p in shard if has[p]] for shard in self.shards]
+        mine = [state[p]["momentum_buffer"] for p in layout[rank]]
+        out: dict[Tensor, Tensor] = {}
+        for r, (shard, buffers) in enumerate(zip(layout, all_gather_from_owners(layout, mine, group))):
+            if r != rank:  # clones, not views: saving a view would save the whole gathered buffer
+                out.update((p, buf.clone()) for p, buf in zip(shard, buffers))
+        return out
+
+    def drop_others_momentum(self, state: MutableMapping[Tensor, dict], rank: int) -> None:
+        """Keep only the momentum buffers of the parameters ``rank`` owns (after a full load)."""
+        for p, r in self.rank_of.items():
+            if r != rank and p in state:
+                state[p].pop("momentum_buffer", None)
+                if not state[p]:
+                    del state[p]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,28 +19,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adamw import adamw_update
-from .distributed import all_gather_from_owners, assign_owners, ns_flops
-from .newton_schulz import METHODS, default_dtype, orthogonalize, resolve_coefficients
-from .timing import PhaseTimer
+from .distributed import Ownership, ns_flops
+from .hyperparams import check, update_scale, validate_group
+from .newton_schulz import default_dtype, orthogonalize
+from .stats import PhaseTimer, StepStats
 
-ADJUST_LR = ("original", "match_rms_adamw", "spectral")
-NS_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Same-shape matrices are stacked into batches of at most this many bytes of gradient (a matrix
 # larger than that is a batch of its own): batching amortises per-call overhead on small
 # matrices, the cap bounds the step's transient memory. On the benchmark's GPT set (CPU, bf16 NS)
 # 1 MiB batches step as fast as 4 MiB ones and peak 6-8 MiB lower.
 MAX_BATCH_BYTES = 1 << 20
-
-
-def update_scale(rows: int, cols: int, adjust_lr: str) -> float:
-    """Multiplier on lr for an orthogonalized [rows, cols] update (the flattened 2D shape)."""
-    if adjust_lr == "original":  # Keller Jordan's reference and torch.optim.Muon's default
-        return math.sqrt(max(1.0, rows / cols))
-    if adjust_lr == "match_rms_adamw":  # Moonlight (arXiv 2502.16982): update RMS ~0.2, like AdamW
-        return 0.2 * math.sqrt(max(rows, cols))
-    if adjust_lr == "spectral":
-        return math.sqrt(rows / cols)
-    raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
 
 
 def matrix_shape(shape: Sequence[int], experts: bool) -> tuple[int, int, int]:
@@ -62,73 +50,6 @@ def as_matrices(t: Tensor, experts: bool) -> Tensor:
     if t.ndim == 2:
         return t.unsqueeze(0)  # the same view as the reshape below, at half its cost (twice per matrix per step)
     return t.reshape(matrix_shape(t.shape, experts))
-
-
-def _check(name: str, value: Any, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"invalid {name}: {value!r} ({rule})")
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def validate_group(group: dict[str, Any]) -> None:
-    """Raise ValueError naming the first bad hyper-parameter of a param group (or of defaults)."""
-    _check("lr", group["lr"], _is_number(group["lr"]) and group["lr"] >= 0, "must be a finite number >= 0")
-    wd = group["weight_decay"]
-    _check("weight_decay", wd, _is_number(wd) and wd >= 0, "must be a finite number >= 0")
-    if not group["use_muon"]:
-        betas = group["betas"]
-        ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)
-        _check("adamw_betas", betas, ok, "must be two numbers in [0, 1)")
-        _check("adamw_eps", group["eps"], _is_number(group["eps"]) and group["eps"] >= 0, "must be a number >= 0")
-        return
-    m = group["momentum"]
-    _check("momentum", m, _is_number(m) and 0 <= m < 1, "must be in [0, 1)")
-    _check("nesterov", group["nesterov"], isinstance(group["nesterov"], bool), "must be a bool")
-    _check("ns_method", group["ns_method"], group["ns_method"] in METHODS, f"must be one of {METHODS}")
-    _check("ns_dtype", group["ns_dtype"], group["ns_dtype"] in NS_DTYPES, f"must be one of {NS_DTYPES}")
-    _check("adjust_lr", group["adjust_lr"], group["adjust_lr"] in ADJUST_LR, f"must be one of {ADJUST_LR}")
-    resolve_coefficients(group["ns_coefficients"], group["ns_steps"])  # raises on bad steps or coefficients
-
-
-@dataclass
-class StepStats:
-    """What one step did, for telemetry; tensors are read (and synced) only when asked for."""
-
-    update_sq_sum: Tensor | float = 0.0
-    update_numel: Tensor | int = 0
-    nonfinite_skipped: Tensor | int = 0
-    ns_timer: PhaseTimer | None = None
-    extra: dict[str, Tensor | float] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, float]:
-        """update_rms: RMS of the applied Muon updates (parameter change, decay excluded);
-        ns_time_ms: wall time of the orthogonalization phase; nonfinite_skipped: parameters
-        whose gradient or update was not finite, so they were left unchanged this step."""
-        numel = float(self.update_numel)
-        rms = math.sqrt(float(self.update_sq_sum) / numel) if numel else 0.0
-        out = {
-            "update_rms": rms,
-            "ns_time_ms": self.ns_timer.elapsed_ms() if self.ns_timer else 0.0,
-            "nonfinite_skipped": float(self.nonfinite_skipped),
-        }
-        out.update({k: float(v) for k, v in self.extra.items()})
-        return out
-
-
-@dataclass
-class _Ownership:
-    """Each Muon parameter's owning rank, and per rank the parameters it owns (in param order)."""
-
-    rank_of: dict[Tensor, int]
-    shards: list[list[Tensor]]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the collectives' small tensors live: nccl takes CUDA tensors only."""
-        return next(iter(self.rank_of)).device
 
 
 @dataclass
@@ -207,10 +128,10 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def _init_distributed(self, distributed: bool, process_group: Any, shard_momentum: bool) -> None:
-        _check("distributed", distributed, isinstance(distributed, bool), "must be a bool")
-        _check("shard_momentum", shard_momentum, isinstance(shard_momentum, bool), "must be a bool")
+        check("distributed", distributed, isinstance(distributed, bool), "must be a bool")
+        check("shard_momentum", shard_momentum, isinstance(shard_momentum, bool), "must be a bool")
         self._group, self._rank, self._world, self._shard = None, 0, 1, False
-        self._owners: _Ownership | None = None  # computed on first use, from the param groups
+        self._owners: Ownership | None = None  # computed on first use, from the param groups
         if not distributed:
             if shard_momentum or process_group is not None:
                 raise ValueError("shard_momentum and process_group apply only with distributed=True")
@@ -288,7 +209,7 @@ class Muon(torch.optim.Optimizer):
         self._last_stats = stats
         return loss
 
-    def _ownership(self) -> _Ownership | None:
+    def _ownership(self) -> Ownership | None:
         """Who owns each Muon parameter, or None when there is nothing to split (one rank, or no
         Muon parameters). Dealt from the shapes in param-group order, not from which gradients a
         step has, so it is the same on every rank and every step."""
@@ -296,31 +217,15 @@ class Muon(torch.optim.Optimizer):
             return None
         if self._owners is None:
             params = [(p, g["experts"]) for g in self.param_groups if g["use_muon"] for p in g["params"]]
-            costs = [ns_flops(matrix_shape(p.shape, experts)) for p, experts in params]
-            ranks = assign_owners(costs, self._world)
-            shards: list[list[Tensor]] = [[] for _ in range(self._world)]
-            for (p, _), r in zip(params, ranks):
-                shards[r].append(p)
-            self._owners = _Ownership(dict(zip((p for p, _ in params), ranks)), shards)
+            self._owners = Ownership.deal(params, [ns_flops(matrix_shape(p.shape, e)) for p, e in params], self._world)
         return self._owners if self._owners.rank_of else None
 
-    def _share_updates(self, owners: _Ownership, stats: StepStats) -> None:
-        """Give every rank the owners' parameters and make the step's statistics global.
-
-        Every Muon parameter is sent by its owner whether or not it had a gradient, so the
-        collective's shape never depends on the step: a gradient missing on one rank cannot hang
-        it (the owner's value wins). Two collectives per step (one more per extra parameter dtype).
-        """
-        received = all_gather_from_owners(owners.shards, owners.shards[self._rank], self._group)
-        for r, (params, values) in enumerate(zip(owners.shards, received)):
-            if r != self._rank and params:
-                torch._foreach_copy_(params, values)
-        totals = torch.zeros(3, dtype=torch.float64, device=owners.device)  # filled from scalars: no copy, no sync
-        totals[0] += stats.update_sq_sum  # a tensor where this rank applied updates, else 0.0
-        totals[1] = stats.update_numel
-        totals[2] = stats.nonfinite_skipped  # so far: updates that were not finite
-        dist.all_reduce(totals, group=self._group)
-        stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped = totals.unbind()
+    def _share_updates(self, owners: Ownership, stats: StepStats) -> None:
+        """Give every rank the owners' parameters (:meth:`Ownership.share_parameters`) and make
+        the step's statistics global (one small all-reduce)."""
+        owners.share_parameters(self._rank, self._group)
+        totals = [stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped]  # nonfinite: updates so far
+        stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped = owners.sum_over_ranks(totals, self._group)
 
     def _finite_grads(self) -> dict[Tensor, bool]:
         """Whether each gradient is finite: one fused max-abs (which, unlike the L2 norm, cannot
@@ -388,20 +293,10 @@ class Muon(torch.optim.Optimizer):
         owners = self._ownership() if self._shard else None
         if owners is None:
             return state_dict
-        params = list(owners.rank_of)
-        held = torch.tensor(
-            [owners.rank_of[p] == self._rank and "momentum_buffer" in self.state.get(p, ()) for p in params],
-            dtype=torch.float32, device=owners.device,
-        )  # fmt: skip
-        dist.all_reduce(held, group=self._group)  # which owners have a buffer (none before a first gradient)
-        has = dict(zip(params, held.tolist()))
-        layout = [[p for p in shard if has[p]] for shard in owners.shards]
-        mine = [self.state[p]["momentum_buffer"] for p in layout[self._rank]]
         index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-        for r, (shard, buffers) in enumerate(zip(layout, all_gather_from_owners(layout, mine, self._group))):
-            for p, buf in zip(shard, buffers):
-                if r != self._rank:  # a clone, not a view: saving a view would save the whole gathered buffer
-                    state_dict["state"].setdefault(index[p], {})["momentum_buffer"] = buf.clone()
+        gathered = owners.gather_momentum(self.state, self._rank, self._group)
+        for p, buf in gathered.items():
+            state_dict["state"].setdefault(index[p], {})["momentum_buffer"] = buf
         state_dict["state"] = dict(sorted(state_dict["state"].items()))
         return state_dict
 
@@ -410,13 +305,8 @@ class Muon(torch.optim.Optimizer):
         then keeps the momentum buffers of the parameters it owns only."""
         super().load_state_dict(state_dict)
         owners = self._ownership() if self._shard else None
-        if owners is None:
-            return
-        for p, r in owners.rank_of.items():
-            if r != self._rank and p in self.state:
-                self.state[p].pop("momentum_buffer", None)
-                if not self.state[p]:
-                    del self.state[p]
+        if owners is not None:
+            owners.drop_others_momentum(self.state, self._rank)
 
     def _stacking_buffer(self, entries: list[_Entry]) -> Tensor:
         """A flat buffer, reused across batches and steps, for stacking a batch's NS inputs."""

@@ -1,10 +1,14 @@
-"""Wall time of an optimizer phase without forcing a device sync on the hot path."""
+"""What an optimizer step did, for telemetry: its statistics, and the wall time of a phase
+without forcing a device sync on the hot path."""
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 
 class PhaseTimer:
@@ -42,3 +46,28 @@ class PhaseTimer:
             self._seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
             self._events.clear()
         return self._seconds * 1e3
+
+
+@dataclass
+class StepStats:
+    """What one step did, for telemetry; tensors are read (and synced) only when asked for."""
+
+    update_sq_sum: Tensor | float = 0.0
+    update_numel: Tensor | int = 0
+    nonfinite_skipped: Tensor | int = 0
+    ns_timer: PhaseTimer | None = None
+    extra: dict[str, Tensor | float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        """update_rms: RMS of the applied Muon updates (parameter change, decay excluded);
+        ns_time_ms: wall time of the orthogonalization phase; nonfinite_skipped: parameters
+        whose gradient or update was not finite, so they were left unchanged this step."""
+        numel = float(self.update_numel)
+        rms = math.sqrt(float(self.update_sq_sum) / numel) if numel else 0.0
+        out = {
+            "update_rms": rms,
+            "ns_time_ms": self.ns_timer.elapsed_ms() if self.ns_timer else 0.0,
+            "nonfinite_skipped": float(self.nonfinite_skipped),
+        }
+        out.update({k: float(v) for k, v in self.extra.items()})
+        return out
