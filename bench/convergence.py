@@ -1,26 +1,54 @@
-"""Convergence on the builtin pysource text (char level; any corpus with --data FILE): Muon
-against tuned AdamW, and MuonClip's QK-Clip holding attention logits that plain Muon lets grow.
+"""Convergence on the builtin pysource text (char level; any corpus with --data FILE): Muon and
+MuonClip against tuned AdamW, every contender scheduled and tuned; and MuonClip's QK-Clip holding
+attention logits that plain Muon lets grow.
 
-Part 1 (convergence): a 2-layer GPT (d_model 128, 4 heads, seq_len 64, batch 32) trained with
-AdamW at lr 1e-3, 3e-3 and 1e-2, Muon (Keller coefficients), Muon with Polar Express
-coefficients and MuonClip (tau 100), the same steps and seeds for every contender. The tuned
-AdamW is the lr with the lowest final validation loss averaged over the seeds. Per seed, the
-steps ratio is the (linearly interpolated) first step at which a Muon variant's validation loss
-is at or below tuned AdamW's final one, divided by the run's steps (target: <= 0.7).
+Part 1 (convergence), one protocol for every contender. Model per ``--config``: small = GPT 2
+layers, d_model 128, 4 heads, seq_len 64, batch 32, 400 steps; large = 4 layers, d_model 256, 4
+heads, seq_len 64, batch 32, 1,500 steps (Newton-Schulz is a smaller share of its step). Every
+run has a linear warmup over the first 5% of steps and a decaying schedule, the engine's own
+(``train.lr_schedule``): ``wsd`` (flat, then linear to 0 over the last 20% of steps) and
+``cosine`` (from the end of warmup to 0 at the last step); grad clip 1.0, no weight decay,
+CPU fp32. Contenders and lr grids: AdamW (on every parameter) {1e-3, 2e-3, 3e-3, 6e-3, 1e-2};
+Muon (Keller coefficients) and MuonClip (tau 100) {0.01, 0.02, 0.04, 0.08}, their AdamW part
+(embeddings, head, norms) at AdamW's tuned lr.
 
-Part 2 (logit growth): a fixed configuration in which plain Muon's max attention logit
-(``attn_max_logit``, measured in each training forward before that step's QK-Clip) climbs past
-3 x tau while MuonClip holds it near tau (target: <= 1.05 x tau at every step after its first
-clip, with a final validation loss within 1% of plain Muon's or better).
+  Stage 1 tunes on the first seed: every (lr, schedule) of each contender, AdamW first (the
+  others need its tuned lr); the winner is the lowest final validation loss. Stage 2 runs every
+  contender's winner on every seed (the first one again, so that all figures come from the same
+  interleaved runs), seed-major: for each seed AdamW, Muon, MuonClip one after the other, so
+  load drift on the machine hits them alike. Tuning on one seed and confirming on three.
 
-Part 2 uses the same model and data with Muon lr 0.05 and tau 30 for 400 steps. It also
-re-measures the final weights' per-head max logits on unseen batches, at the training batch
-and at a 32x larger one, and replays a perfect clip on them: the batch-to-batch spread that a
-clip on one batch cannot remove from the next one's measurement.
+  Reported per contender (stage 2): final validation loss (mean, std, min-max over seeds);
+  steps to reach tuned AdamW's final validation loss of the same seed (linear interpolation
+  between eval points), / AdamW's steps = the step ratio; training seconds to reach it, / tuned
+  AdamW's training seconds for its whole run (at whose end it reaches that loss) = the
+  wall-clock ratio; tokens/s over the training steps. Training seconds are wall time from the
+  start of the training loop with evaluation taken out: the Trainer's ``evaluate`` (and sample
+  writing, off here) is timed and subtracted, so the clock holds batches, lr schedule, forward,
+  backward, optimizer step and the telemetry reports (every ``eval_every`` steps, alike for all).
+  The clock is read at every evaluation (before it runs) and interpolated at the crossing step.
+  Targets: Muon's mean wall-clock ratio <= 0.7 (small) / <= 0.6 (large); MuonClip's final
+  validation loss within 1% of Muon's.
 
-    .venv/bin/python bench/convergence.py [--seeds 0 1 2] [--steps 400] [--threads N] [--quick] [--json PATH]
-    .venv/bin/python bench/convergence.py --part convergence --only-adamw --adamw-lrs 0.002   # a grid side check
-    .venv/bin/python bench/convergence.py --replot PATH    # redraw the plots from a --json output
+Part 2 (logit growth): a fixed stress configuration (the small model, constant lr, no warmup,
+Muon lr 0.05, tau 30, 400 steps, telemetry every step) in which plain Muon's max attention
+logit (``attn_max_logit``, measured in each training forward before that step's clip) climbs
+past 3 x tau. During the MuonClip run every step also replays an ideal clip: before step i's
+update, one extra no-grad forward of the same weights on batch i + 1 gives r_h(i + 1) per head;
+with s_h(i) from step i's training forward, ideal(i) = max_h min(1, tau / s_h(i)) * r_h(i + 1)
+is what batch i + 1 reads after a perfect clip on batch i with no update in between. It is
+compared with what MuonClip actually reads on batch i + 1 after its clip and update (step
+i + 1's ``attn_max_logit``), over the steps from the first clip on. Targets: median of
+MuonClip's max logit / tau <= 1.05, its p95 <= 1.02 x the ideal clip's p95, plain Muon past
+3 x tau, MuonClip's final validation loss within 1% of plain Muon's or better. The extra forward
+uses no randomness (the model has no dropout) and leaves the recorded maxima to the training
+forward, so the run itself is unchanged. Part 2 also re-measures the final weights' per-head
+maxima on unseen batches (at the training batch and at a 32x larger one) with the same replay.
+
+    .venv/bin/python bench/convergence.py --plan [--config large]   # the runs and an estimated time
+    .venv/bin/python bench/convergence.py --threads 1 --json out.json [--config large] [--part convergence]
+    .venv/bin/python bench/convergence.py --quick        # a smoke run of every code path (a few minutes)
+    .venv/bin/python bench/convergence.py --replot out.json   # redraw the plots from a --json output
 """
 
 from __future__ import annotations
@@ -28,11 +56,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
+import re
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,63 +70,77 @@ from app.schemas import JobSpec
 from worker.engine.config import job_config_from_dict
 from worker.engine.data import TokenData, load_data
 from worker.engine.telemetry import Report
-from worker.engine.trainer import Trainer
+from worker.engine.trainer import Trainer, TrainingError
+
+try:
+    from bench import convergence_protocol as proto
+except ImportError:  # run as a script without the repository on sys.path: bench/ itself is
+    import convergence_protocol as proto  # type: ignore[no-redef]
+fmt = proto.describe
 
 REPO = Path(__file__).resolve().parents[1]
 DATA: dict[str, Any] = {"builtin": "pysource", "tokenizer": "char"}  # --data FILE: {"path": FILE, ...}
 IMG_DIR = REPO / "docs" / "img"
 
-# -- part 1: convergence -------------------------------------------------------------------------
-MODEL = {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 64}
+
+@dataclass(frozen=True)
+class Config:
+    model: dict[str, Any]
+    steps: int
+    eval_every: int
+    target_wall_ratio: float  # Muon's mean wall-clock ratio must be at or below it
+    # Seconds per step, evaluation included, of AdamW, Muon and MuonClip runs at 1 thread on the
+    # 2-core CPU machine while it was shared (load 6-9), for --plan: small from a 400-step Muon
+    # run (205 s) and the quick run's relative speeds, large from 30-step runs.
+    seconds_per_step: dict[str, float] = field(default_factory=dict)
+
+
+# The same small Muon run took about 60 s instead of 205 s on the machine when idle.
+IDLE_FACTOR = 0.3
+
+GPT = {"arch": "gpt", "n_head": 4, "seq_len": 64}
+CONFIGS = {
+    "small": Config({**GPT, "n_layer": 2, "d_model": 128}, 400, 25, 0.7,
+                    {"adamw": 0.45, "muon": 0.51, "muonclip": 0.52}),
+    "large": Config({**GPT, "n_layer": 4, "d_model": 256}, 1500, 50, 0.6,
+                    {"adamw": 3.05, "muon": 3.55, "muonclip": 3.6}),
+}  # fmt: skip
 BATCH_SIZE = 32
-STEPS = 400
-EVAL_EVERY = 25
 EVAL_BATCHES = 16  # 16 x 32 x 64 = 32,768 validation tokens per evaluation (engine default: 8)
+WARMUP_FRACTION = 0.05
 SEEDS = (0, 1, 2)
-ADAMW_LRS = (1e-3, 3e-3, 1e-2)
-MUON_LR, MUON_ADAMW_LR = 0.02, 3e-3  # the engine's defaults
+SCHEDULES = ("wsd", "cosine")
+ADAMW_LRS = (1e-3, 2e-3, 3e-3, 6e-3, 1e-2)
+MUON_LRS = (0.01, 0.02, 0.04, 0.08)
 CONVERGENCE_TAU = 100.0  # Kimi K2's tau
-TARGET_RATIO = 0.7
-PRIMARY = "muon"  # the contender the steps-ratio target is about
+CONTENDERS = ("adamw", "muon", "muonclip")
+LOSS_TOLERANCE = 0.01  # MuonClip's final val loss within 1% of Muon's (or better)
 
 # -- part 2: logit growth ------------------------------------------------------------------------
-LOGIT_MODEL = {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 64}
+LOGIT_MODEL = CONFIGS["small"].model
 LOGIT_STEPS = 400
-LOGIT_MUON_LR = 0.05
+LOGIT_MUON_LR, LOGIT_ADAMW_LR = 0.05, 3e-3
 LOGIT_TAU = 30.0
-SPREAD_BATCHES = 16  # fresh training batches on which the final weights' max logit is re-measured
+LOGIT_SECONDS_PER_STEP = {"muon": 0.7, "muonclip": 0.85}  # with the final-weights spread; MuonClip: its replay
+# The final weights' max logit re-measured on fresh training batches, at the training batch and a
+# 32x larger one (65,536 tokens); --quick takes fewer and smaller.
+SPREAD = {"batches": 16, "large_batch": 1024}
 SPREAD_OFFSET = 1_000_000  # batch indices far beyond any run's steps
-SPREAD_LARGE_BATCH = 1024  # 32x the training batch: 65,536 tokens
 GROWTH_FACTOR = 3.0  # plain Muon's max logit must pass GROWTH_FACTOR x tau
-OVERSHOOT = 1.05  # MuonClip's max logit after its first clip must stay <= OVERSHOOT x tau
-LOSS_TOLERANCE = 0.01  # MuonClip's final val loss within 1% of plain Muon's (or better)
+HOLD_MEDIAN = 1.05  # median of MuonClip's max logit / tau after its first clip
+HOLD_P95_FACTOR = 1.02  # its p95 against the ideal clip's p95
 
-QUICK = {"steps": 60, "eval_every": 20, "seeds": (0,), "eval_batches": 4}
-
-
-def adamw_name(lr: float) -> str:
-    """Contender name of AdamW at ``lr``."""
-    return f"adamw lr={lr:g}"
-
-
-def convergence_contenders(
-    muon_lr: float, adamw_lr: float, adamw_lrs: list[float], only_adamw: bool = False
-) -> dict[str, dict[str, Any]]:
-    """Contender name -> the JobSpec ``optimizer`` section of part 1."""
-    muon = {"name": "muon", "lr": muon_lr, "adamw_lr": adamw_lr}
-    contenders = {adamw_name(lr): {"name": "adamw", "lr": lr} for lr in adamw_lrs}
-    if only_adamw:
-        return contenders
-    contenders["muon"] = muon
-    contenders["muon polar_express"] = {**muon, "ns_coefficients": "polar_express"}
-    contenders[f"muonclip tau={CONVERGENCE_TAU:g}"] = {**muon, "name": "muonclip", "qk_clip_tau": CONVERGENCE_TAU}
-    return contenders
-
-
-def logit_contenders() -> dict[str, dict[str, Any]]:
-    """Contender name -> the JobSpec ``optimizer`` section of part 2 (same lr, with and without QK-Clip)."""
-    muon = {"name": "muon", "lr": LOGIT_MUON_LR, "adamw_lr": MUON_ADAMW_LR}
-    return {"muon": muon, "muonclip": {**muon, "name": "muonclip", "qk_clip_tau": LOGIT_TAU}}
+QUICK = {
+    "steps": 60,
+    "eval_every": 20,
+    "eval_batches": 4,
+    "seeds": (0, 1),
+    "adamw_lrs": (3e-3,),
+    "muon_lrs": (0.02,),
+    "spread": {"batches": 3, "large_batch": 128},
+    "logit_tau": 6.0,  # a tau that 60 steps pass, so that the hold measurement has steps to read
+}
+HEAD_KEY = re.compile(r"attn_max_logit/l(\d+)h(\d+)$")
 
 
 class RecordingSink:
@@ -121,101 +163,119 @@ class RecordingSink:
         pass
 
 
+class BenchTrainer(Trainer):
+    """The engine's Trainer with a training clock that leaves evaluation out and, given
+    ``replay_tau``, the per-step ideal-clip replay of part 2 (see the module docstring)."""
+
+    def __init__(self, *args: Any, replay_tau: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.replay_tau = replay_tau
+        self.clock: list[tuple[int, float]] = []  # (steps done, training seconds) at each evaluation
+        self.heads: list[list[float]] = []  # per-head maxima of each step's training forward
+        self.next_heads: list[list[float]] = []  # the same weights on the next step's batch
+        self._start, self._excluded = 0.0, 0.0
+
+    def run(self, *args: Any, **kwargs: Any):
+        self._start, self._excluded = time.perf_counter(), 0.0
+        return super().run(*args, **kwargs)
+
+    def evaluate(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self.clock.append((self.step, t0 - self._start - self._excluded))
+        try:
+            return super().evaluate()
+        finally:
+            self._excluded += time.perf_counter() - t0
+
+    def write_sample(self) -> None:
+        t0 = time.perf_counter()
+        super().write_sample()
+        self._excluded += time.perf_counter() - t0
+
+    def train_step(self, report: bool) -> dict[str, torch.Tensor | float]:
+        if self.replay_tau is None:
+            return super().train_step(report)
+        with torch.no_grad():  # before this step's update, on the next step's batch
+            self.next_heads.append(head_maxima(self.model, self._batch("train", self.step + 1)[0]))
+        values = super().train_step(report)
+        heads = sorted((tuple(map(int, m.groups())), float(v)) for k, v in values.items() if (m := HEAD_KEY.match(k)))
+        self.heads.append([v for _, v in heads])
+        return values
+
+
 @dataclass
 class RunRecord:
-    """What one training run reports: validation curve, max-logit curve, clip counts, timing."""
+    """What one training run reports: validation curve, training clock, max-logit curve, timing."""
 
     contender: str
     seed: int
+    lr: float
+    schedule: str
     optimizer: dict[str, Any]
     val_loss: list[tuple[int, float]]
+    clock: list[tuple[int, float]]
     attn_max_logit: list[tuple[int, float]]
     heads_clipped: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_s: float | None = None
     wall_s: float = 0.0
+    replay: dict[str, Any] | None = None  # part 2, MuonClip: per-step heads and next-batch heads
     spread: dict[str, Any] | None = None
 
     @property
     def final_val(self) -> float:
-        return self.val_loss[-1][1]
+        return self.val_loss[-1][1] if self.val_loss else float("inf")
+
+    @property
+    def train_seconds(self) -> float:
+        return self.clock[-1][1]
 
     @property
     def peak_logit(self) -> float:
-        return max(v for _, v in self.attn_max_logit)
+        return max((v for _, v in self.attn_max_logit), default=float("nan"))
 
 
-def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: int) -> dict[str, Any]:
-    """A validated JobSpec dict: char-level DATA, CPU, telemetry every step, no checkpoints."""
+def optimizer_section(contender: str, lr: float, adamw_lr: float, tau: float = CONVERGENCE_TAU) -> dict[str, Any]:
+    """The JobSpec ``optimizer`` section of a contender at ``lr`` (Muon's AdamW part at ``adamw_lr``)."""
+    if contender == "adamw":
+        return {"name": "adamw", "lr": lr}
+    muon = {"name": "muon", "lr": lr, "adamw_lr": adamw_lr}
+    return {**muon, "name": "muonclip", "qk_clip_tau": tau} if contender == "muonclip" else muon
+
+
+def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: int, schedule: str = "constant",
+              warmup: int = 0, telemetry_every: int = 1) -> dict[str, Any]:  # fmt: skip
+    """A validated JobSpec dict: char-level DATA, CPU, no checkpoints, no samples."""
     return JobSpec.model_validate({
         "name": f"bench-convergence-{optimizer['name']}",
         "model": model,
         "data": DATA,
         "optimizer": optimizer,
-        "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": eval_every,
-                  "checkpoint_every": steps + 1, "seed": seed, "device": "cpu"},
-        "telemetry": {"every": 1, "sample_tokens": 0},  # samples would cost time the comparison does not want
+        "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": eval_every, "lr_schedule": schedule,
+                  "warmup_steps": warmup, "checkpoint_every": steps + 1, "seed": seed, "device": "cpu"},
+        "telemetry": {"every": telemetry_every, "sample_tokens": 0},
     }).model_dump()  # fmt: skip
 
 
-def train(
-    contender: str, spec: dict[str, Any], data: TokenData, eval_batches: int, spread_tau: float | None = None
-) -> RunRecord:
-    """Train one spec through the engine's Trainer and collect its telemetry (and, given
-    ``spread_tau``, the batch-to-batch spread of the final weights' max logits).
-
-    ``eval_batches`` is an engine-side setting (TrainConfig.eval_batches) the JobSpec does not
-    expose, so it is set on the built config."""
+def train(contender: str, lr: float, spec: dict[str, Any], data: TokenData, eval_batches: int,
+          replay_tau: float | None = None, spread_tau: float | None = None) -> RunRecord:  # fmt: skip
+    """Train one spec through the engine's Trainer and collect its telemetry (``eval_batches`` is
+    an engine setting the JobSpec does not expose, so it is set on the built config)."""
     job = job_config_from_dict(spec)
     job = replace(job, train=replace(job.train, eval_batches=eval_batches))
-    sink, seq_len = RecordingSink(), job.model.seq_len
-    trainer = Trainer(job, data, None, sink)
+    sink = RecordingSink()
+    trainer = BenchTrainer(job, data, None, sink, replay_tau=replay_tau)
     result = trainer.run(resume=False)
     if result.status != "succeeded":
         raise RuntimeError(f"{contender} seed {job.train.seed}: run ended {result.status}")
+    seq_len = job.model.seq_len
     return RunRecord(
-        contender=contender,
-        seed=job.train.seed,
-        optimizer=spec["optimizer"],
-        val_loss=sink.series["val_loss"],
-        attn_max_logit=sink.series["attn_max_logit"],
-        heads_clipped=sink.series.get("qk_clip/heads_clipped", []),
-        tokens_per_s=result.tokens_per_s,
+        contender=contender, seed=job.train.seed, lr=lr, schedule=job.train.lr_schedule, optimizer=spec["optimizer"],
+        val_loss=sink.series["val_loss"], clock=trainer.clock, attn_max_logit=sink.series["attn_max_logit"],
+        heads_clipped=sink.series.get("qk_clip/heads_clipped", []), tokens_per_s=result.tokens_per_s,
         wall_s=result.wall_s,
+        replay=None if replay_tau is None else {"heads": trainer.heads, "next_heads": trainer.next_heads},
         spread=None if spread_tau is None else batch_spread(trainer.model, data, job.train.seed, seq_len, spread_tau),
-    )
-
-
-@torch.no_grad()
-def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: int, tau: float) -> dict[str, Any]:
-    """Per-head max attention logits of fixed weights on SPREAD_BATCHES training batches the run
-    never saw, at the benchmark's batch size and at SPREAD_LARGE_BATCH: how much the
-    ``attn_max_logit`` of one step varies with the batch alone.
-
-    ``ideal_clip`` replays a perfect QK-Clip on these fixed weights: after batch i every head
-    above tau is scaled to exactly tau *on batch i*, with no update in between; the figure is
-    what batch i + 1 then reads (max over heads, / tau). It is the overshoot that no clip based
-    on the batch just seen can prevent."""
-    out = {}
-    for label, batch_size in (("train_batch", BATCH_SIZE), ("large_batch", SPREAD_LARGE_BATCH)):
-        per_head = [head_maxima(model, data.batch("train", SPREAD_OFFSET + i, batch_size, seq_len, seed)[0])
-                    for i in range(SPREAD_BATCHES)]  # fmt: skip
-        maxima = [max(h) for h in per_head]
-        median = statistics.median(maxima)
-        ideal = [
-            max(min(1.0, tau / s_prev) * s_next for s_prev, s_next in zip(prev, nxt)) / tau
-            for prev, nxt in itertools.pairwise(per_head)
-        ]
-        out[label] = {
-            "batch_size": batch_size,
-            "per_head_maxima": per_head,
-            "maxima": maxima,
-            "rel_std": statistics.pstdev(maxima) / statistics.fmean(maxima),
-            "max_over_median": max(maxima) / median,
-            "ideal_clip": ideal,
-            "ideal_clip_max": max(ideal),
-            "ideal_clip_over_overshoot": sum(v > OVERSHOOT for v in ideal) / len(ideal),
-        }
-    return out
+    )  # fmt: skip
 
 
 def head_maxima(model: torch.nn.Module, x: torch.Tensor) -> list[float]:
@@ -231,76 +291,128 @@ def head_maxima(model: torch.nn.Module, x: torch.Tensor) -> list[float]:
     return maxima
 
 
-def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
-    """First step at which ``curve`` (eval points, ascending steps) is <= ``target``, linearly
-    interpolated between the eval point before and the first one at or below; None if never."""
-    for i, (step, value) in enumerate(curve):
-        if value <= target:
-            if i == 0:
-                return float(step)
-            prev_step, prev_value = curve[i - 1]
-            return prev_step + (prev_value - target) / (prev_value - value) * (step - prev_step)
-    return None
+@torch.no_grad()
+def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: int, tau: float) -> dict[str, Any]:
+    """Per-head max logits of the final weights on SPREAD["batches"] unseen training batches, at the
+    benchmark's batch size and at SPREAD["large_batch"], and the ideal-clip replay between
+    consecutive ones: the batch-to-batch spread no clip on the batch just seen can remove."""
+    out = {}
+    for label, batch_size in (("train_batch", BATCH_SIZE), ("large_batch", SPREAD["large_batch"])):
+        per_head = [head_maxima(model, data.batch("train", SPREAD_OFFSET + i, batch_size, seq_len, seed)[0])
+                    for i in range(SPREAD["batches"])]  # fmt: skip
+        maxima = [max(h) for h in per_head]
+        ideal = [proto.ideal_clip(a, b, tau) for a, b in itertools.pairwise(per_head)]
+        out[label] = {"batch_size": batch_size, "maxima": maxima, **proto.spread(maxima), "ideal_max": max(ideal),
+                      "ideal_over_1.05": sum(v > HOLD_MEDIAN for v in ideal) / len(ideal)}  # fmt: skip
+    return out
 
 
-def run_all(
-    contenders: dict[str, dict], model: dict, steps: int, seeds: list[int], eval_every: int,
-    eval_batches: int, data: TokenData, label: str, spread_tau: float | None = None,
-) -> dict[str, list[RunRecord]]:  # fmt: skip
-    """Every contender on every seed (seed-major, so a seed's runs are close in time); prints progress."""
-    runs: dict[str, list[RunRecord]] = {name: [] for name in contenders}
-    for seed in seeds:
-        for name, optimizer in contenders.items():
-            spec = make_spec(model, optimizer, steps, seed, eval_every)
-            record = train(name, spec, data, eval_batches, spread_tau)
-            runs[name].append(record)
-            print(f"  [{label}] seed {seed} {name:<22} final val {record.final_val:.4f}  "
-                  f"peak logit {record.peak_logit:7.2f}  {record.wall_s:5.1f} s", flush=True)  # fmt: skip
-    return runs
+# -- part 1 --------------------------------------------------------------------------------------
+def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> dict[str, Any]:
+    """Stage 1 (tuning on the first seed), then stage 2 (the winners, every seed, interleaved)."""
+    warmup = max(1, round(WARMUP_FRACTION * args.steps))
+    grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs, "muonclip": args.muon_lrs}
+
+    def one(stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float) -> RunRecord:
+        spec = make_spec(cfg.model, optimizer_section(contender, lr, adamw_lr), args.steps, seed, args.eval_every,
+                         schedule, warmup, telemetry_every=args.eval_every)  # fmt: skip
+        try:
+            rec = train(contender, lr, spec, data, args.eval_batches)
+        except TrainingError as e:  # a diverged grid point loses, it does not end the benchmark
+            if stage == 2:
+                raise
+            print(f"  [stage 1] {contender} lr={lr:g} {schedule}: {e}", flush=True)
+            return RunRecord(contender, seed, lr, schedule, spec["optimizer"], [], [(0, 0.0)], [])
+        print(f"  [stage {stage}] seed {seed} {contender:<9} lr={lr:<7g}{schedule:<7} final val {rec.final_val:.4f}"
+              f"  train {rec.train_seconds:6.1f} s  {rec.tokens_per_s:7.0f} tok/s", flush=True)  # fmt: skip
+        return rec
+
+    stage1: dict[str, list[RunRecord]] = {}
+    winners: dict[str, proto.Setting] = {}
+    adamw_lr = None
+    for contender, grid in grids.items():
+        recs = [one(1, contender, lr, s, args.seeds[0], adamw_lr or 0.0) for s in args.schedules for lr in grid]
+        stage1[contender] = recs
+        best = proto.pick_winner({proto.Setting(contender, r.lr, r.schedule): r.final_val for r in recs})
+        winners[contender] = best
+        edge = " (at the edge of the grid)" if proto.at_grid_edge(best.lr, grid) else ""
+        print(f"stage 1 winner: {best.label}{edge}", flush=True)
+        if contender == "adamw":
+            adamw_lr = best.lr
+
+    stage2: dict[str, list[RunRecord]] = {c: [] for c in grids}
+    for seed in args.seeds:
+        for contender, best in winners.items():
+            stage2[contender].append(one(2, contender, best.lr, best.schedule, seed, adamw_lr))
+    analysis = analyse_convergence(stage2, args.steps, cfg.target_wall_ratio)
+    analysis["winners"] = {c: asdict(w) for c, w in winners.items()}
+    analysis["stage1_final_val"] = {c: {f"{r.lr:g} {r.schedule}": r.final_val for r in recs}
+                                    for c, recs in stage1.items()}  # fmt: skip
+    return {"analysis": analysis, "stage1": records_json(stage1), "runs": records_json(stage2)}
 
 
-def mean_curve(records: list[RunRecord], key: str = "val_loss") -> list[tuple[int, float]]:
-    """Point-wise mean over seeds of a series (every seed reports the same steps)."""
-    curves = [getattr(r, key) for r in records]
-    return [(pts[0][0], statistics.fmean(v for _, v in pts)) for pts in zip(*curves)]
-
-
-def analyse_convergence(runs: dict[str, list[RunRecord]], steps: int) -> dict[str, Any]:
-    """Tuned AdamW (lowest mean final val loss over seeds) and each Muon variant's steps ratio per seed."""
-    seeds = [r.seed for r in next(iter(runs.values()))]
-    final = {name: [r.final_val for r in recs] for name, recs in runs.items()}
-    adamw = [name for name, recs in runs.items() if recs[0].optimizer["name"] == "adamw"]
-    best = min(adamw, key=lambda name: statistics.fmean(final[name]))
-    per_seed_best = [min(adamw, key=lambda name, i=i: final[name][i]) for i in range(len(seeds))]
-    ratios: dict[str, dict[str, Any]] = {}
+def analyse_convergence(runs: dict[str, list[RunRecord]], steps: int, target_wall_ratio: float) -> dict[str, Any]:
+    """Per contender: final val loss over seeds, and per seed the steps / seconds to tuned AdamW's final val loss."""
+    adamw = runs["adamw"]
+    out: dict[str, Any] = {"seeds": [r.seed for r in adamw], "contenders": {}}
     for name, recs in runs.items():
-        if name in adamw:
-            continue
-        for basis, targets in (
-            ("tuned", [final[best][i] for i in range(len(seeds))]),
-            ("per_seed_best", [final[per_seed_best[i]][i] for i in range(len(seeds))]),
-        ):
-            reach = [steps_to_reach(r.val_loss, t) for r, t in zip(recs, targets)]
-            per_seed = [None if s is None else s / steps for s in reach]
-            ratios.setdefault(name, {})[basis] = {
-                "target_val_loss": targets,
-                "steps_to_reach": reach,
-                "ratio": per_seed,
-                "mean_ratio": None if None in per_seed else statistics.fmean(per_seed),
-            }
-    return {
-        "seeds": seeds,
-        "final_val_loss": final,
-        "final_val_loss_mean": {n: statistics.fmean(v) for n, v in final.items()},
-        "final_val_loss_std": {n: statistics.pstdev(v) for n, v in final.items()},
-        "peak_attn_max_logit": {n: [r.peak_logit for r in recs] for n, recs in runs.items()},
-        "heads_clipped_total": {n: [sum(v for _, v in r.heads_clipped) for r in recs] for n, recs in runs.items()},
-        "adamw_best": best,
-        "adamw_best_per_seed": per_seed_best,
-        "ratios": ratios,
-        "wall_s": {n: [r.wall_s for r in recs] for n, recs in runs.items()},
-        "tokens_per_s": {n: [r.tokens_per_s for r in recs] for n, recs in runs.items()},
-    }
+        reach = [proto.ratios_against(r.val_loss, r.clock, a.final_val, steps, a.train_seconds)
+                 for r, a in zip(recs, adamw)]  # fmt: skip
+        out["contenders"][name] = {
+            "final_val_loss": [r.final_val for r in recs],
+            "final_val": proto.spread([r.final_val for r in recs]),
+            "reach": reach,
+            "mean_wall_ratio": proto.mean_or_none(x["wall_ratio"] for x in reach),
+            "mean_step_ratio": proto.mean_or_none(x["step_ratio"] for x in reach),
+            "train_seconds": [r.train_seconds for r in recs],
+            "tokens_per_s": proto.spread([r.tokens_per_s for r in recs]),
+            "peak_attn_max_logit": max(r.peak_logit for r in recs),
+            "heads_clipped_reported": sum(v for r in recs for _, v in r.heads_clipped),
+        }
+    c = out["contenders"]
+    muon_ratio = c["muon"]["mean_wall_ratio"]
+    clip_diff = [proto.rel_diff(a, b) for a, b in zip(c["muonclip"]["final_val_loss"], c["muon"]["final_val_loss"])]
+    out["muonclip_vs_muon"] = clip_diff
+    out["wall_ok"] = muon_ratio is not None and muon_ratio <= target_wall_ratio
+    out["muonclip_loss_ok"] = all(d <= LOSS_TOLERANCE for d in clip_diff)
+    return out
+
+
+def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: int) -> None:
+    a = part["analysis"]
+    print(f"\nConvergence ({cfg_name}: {cfg.model}, {steps} steps), stage 1 final val loss on seed {a['seeds'][0]}:")
+    for contender, finals in a["stage1_final_val"].items():
+        print(f"  {contender:<9}" + "  ".join(f"{k} {v:.4f}" for k, v in finals.items()))
+    print("winners: " + ", ".join(proto.Setting(**w).label for w in a["winners"].values()))
+    print(f"\nStage 2, seeds {a['seeds']} (interleaved); ratios against tuned AdamW's final val loss, per seed")
+    print(f"{'contender':<10}{'val mean':>9}{'std':>8}{'min-max':>16}{'wall ratio':>12}{'step ratio':>12}"
+          f"{'per-seed wall':>22}{'tok/s':>8}")  # fmt: skip
+    for name, c in a["contenders"].items():
+        v, per_seed = c["final_val"], " ".join(fmt(x["wall_ratio"], ".2f") for x in c["reach"])
+        print(f"{name:<10}{v['mean']:>9.4f}{v['std']:>8.4f}{v['min']:>8.4f}-{v['max']:.4f}"
+              f"{fmt(c['mean_wall_ratio']):>12}{fmt(c['mean_step_ratio']):>12}{per_seed:>22}"
+              f"{c['tokens_per_s']['mean']:>8.0f}")  # fmt: skip
+    diffs = " ".join(f"{100 * d:+.2f}%" for d in a["muonclip_vs_muon"])
+    peak = a["contenders"]["muonclip"]["peak_attn_max_logit"]
+    print(f"Muon wall-clock ratio <= {cfg.target_wall_ratio}: {a['wall_ok']}; MuonClip vs Muon final val "
+          f"{diffs} (within {100 * LOSS_TOLERANCE:g}%: {a['muonclip_loss_ok']}); MuonClip peak max logit "
+          f"{peak:.1f} at eval points (tau {CONVERGENCE_TAU:g})")  # fmt: skip
+
+
+# -- part 2 --------------------------------------------------------------------------------------
+def run_logits(args: argparse.Namespace, data: TokenData) -> dict[str, Any]:
+    """Plain Muon and MuonClip at the same lr on every seed, telemetry every step; MuonClip replays the ideal clip."""
+    runs: dict[str, list[RunRecord]] = {"muon": [], "muonclip": []}
+    for seed in args.seeds:
+        for name in runs:
+            opt = optimizer_section(name, LOGIT_MUON_LR, LOGIT_ADAMW_LR, args.logit_tau)
+            spec = make_spec(LOGIT_MODEL, opt, args.logit_steps, seed, args.eval_every)
+            replay = args.logit_tau if name == "muonclip" else None
+            rec = train(name, LOGIT_MUON_LR, spec, data, args.eval_batches, replay, spread_tau=args.logit_tau)
+            runs[name].append(rec)
+            print(f"  [logits] seed {seed} {name:<9} final val {rec.final_val:.4f}  peak logit {rec.peak_logit:7.2f}"
+                  f"  {rec.wall_s:5.1f} s", flush=True)  # fmt: skip
+    return {"analysis": analyse_logits(runs, args.logit_tau), "runs": records_json(runs)}
 
 
 def first_clip_step(record: RunRecord, tau: float) -> int | None:
@@ -312,63 +424,93 @@ def first_clip_step(record: RunRecord, tau: float) -> int | None:
 
 
 def analyse_logits(runs: dict[str, list[RunRecord]], tau: float) -> dict[str, Any]:
-    """Per seed: plain Muon's peak max logit, MuonClip's peak after its first clip, final val losses."""
+    """Per seed: plain Muon's peak, MuonClip's per-step hold against the ideal clip, final val losses."""
     rows = []
     for muon, clip in zip(runs["muon"], runs["muonclip"]):
         first = first_clip_step(clip, tau)
-        after = [v for s, v in clip.attn_max_logit if first is not None and s > first]
-        peak_after = max(after) if after else None
-        ratios = sorted(v / tau for v in after)
-        rel = (clip.final_val - muon.final_val) / muon.final_val
+        heads, nxt = clip.replay["heads"], clip.replay["next_heads"]
+        # Pair i (i >= first clip): the ideal reading of batch i + 1 against the actual one (step i + 1's forward).
+        pairs = range(first, len(heads) - 1) if first is not None else range(0)
+        actual = [max(heads[i + 1]) / tau for i in pairs]
+        ideal = [proto.ideal_clip(heads[i], nxt[i], tau) for i in pairs]
+        rel = proto.rel_diff(clip.final_val, muon.final_val)
         rows.append({
-            "seed": muon.seed,
-            "muon_peak_logit": muon.peak_logit,
-            "muon_peak_over_tau": muon.peak_logit / tau,
+            "seed": muon.seed, "muon_peak_over_tau": muon.peak_logit / tau,
             "muon_steps_over_3tau": sum(v > GROWTH_FACTOR * tau for _, v in muon.attn_max_logit),
-            "muonclip_first_clip_step": first,
-            "muonclip_peak_after_first_clip": peak_after,
-            "muonclip_peak_over_tau": None if peak_after is None else peak_after / tau,
-            "muonclip_steps_after_first_clip": len(after),
-            "muonclip_steps_over_overshoot": sum(v > OVERSHOOT * tau for v in after),
-            "muonclip_median_over_tau": statistics.median(ratios) if ratios else None,
-            "muonclip_p95_over_tau": ratios[min(len(ratios) - 1, int(0.95 * len(ratios)))] if ratios else None,
-            "muonclip_spread": clip.spread,
-            "muon_spread": muon.spread,
-            "muonclip_heads_clipped_total": sum(v for _, v in clip.heads_clipped),
-            "muon_final_val": muon.final_val,
-            "muonclip_final_val": clip.final_val,
-            "val_rel_diff": rel,
-            "growth_ok": muon.peak_logit > GROWTH_FACTOR * tau,
-            "hold_ok": peak_after is not None and peak_after <= OVERSHOOT * tau,
+            "first_clip_step": first, "hold": proto.hold_stats(actual, ideal, HOLD_MEDIAN, HOLD_P95_FACTOR),
+            "muon_final_val": muon.final_val, "muonclip_final_val": clip.final_val, "val_rel_diff": rel,
+            "muonclip_spread": clip.spread, "growth_ok": muon.peak_logit > GROWTH_FACTOR * tau,
             "loss_ok": rel <= LOSS_TOLERANCE,
         })  # fmt: skip
-    return {"tau": tau, "per_seed": rows, "all_ok": all(r["growth_ok"] and r["hold_ok"] and r["loss_ok"] for r in rows)}
+    medians = [r["hold"].get("median") for r in rows]
+    ok = all(r["growth_ok"] and r["loss_ok"] and r["hold"]["median_ok"] and r["hold"]["p95_ok"] for r in rows)
+    return {"tau": tau, "per_seed": rows, "mean_of_medians": proto.mean_or_none(medians), "all_ok": ok}
+
+
+def report_logits(a: dict[str, Any], steps: int) -> None:
+    tau, rows = a["tau"], a["per_seed"]
+    print(f"\nLogit growth: {LOGIT_MODEL}, {steps} steps, constant lr, muon lr {LOGIT_MUON_LR:g}, tau {tau:g}")
+    print(f"{'seed':>4}{'muon peak/tau':>14}{'muon val':>10}{'clip val':>10}{'clip-muon':>11}{'1st clip':>9}")
+    for r in rows:
+        print(f"{r['seed']:>4}{r['muon_peak_over_tau']:>14.2f}{r['muon_final_val']:>10.4f}{r['muonclip_final_val']:>10.4f}"
+              f"{100 * r['val_rel_diff']:>+10.2f}%{fmt(r['first_clip_step'], 'd'):>9}")  # fmt: skip
+    print(f"MuonClip max logit / tau per step after its first clip, against the ideal clip on the same weights and "
+          f"batches (targets: median <= {HOLD_MEDIAN}, p95 <= {HOLD_P95_FACTOR} x ideal p95)")  # fmt: skip
+    print(f"{'seed':>4}{'steps':>6}{'median':>8}{'p95':>7}{'max':>7}{'ideal med':>10}{'ideal p95':>10}"
+          f"{'p95/ideal':>10}  median/p95 ok")  # fmt: skip
+    for r in rows:
+        h = r["hold"]
+        print(f"{r['seed']:>4}{h['steps']:>6}{fmt(h.get('median')):>8}{fmt(h.get('p95')):>7}{fmt(h.get('max')):>7}"
+              f"{fmt(h.get('ideal_median')):>10}{fmt(h.get('ideal_p95')):>10}{fmt(h.get('p95_over_ideal_p95')):>10}"
+              f"  {'y' if h['median_ok'] else 'n'}/{'y' if h['p95_ok'] else 'n'}")  # fmt: skip
+    print("final weights on unseen batches: max logit spread (max / mean) and the ideal clip's worst reading / tau")
+    for r in rows:
+        for s in (r["muonclip_spread"] or {}).values():
+            print(f"{r['seed']:>4} batch {s['batch_size']:>5}: max/mean {s['max'] / s['mean']:.3f}, "
+                  f"ideal max {s['ideal_max']:.3f}, share > 1.05 {s['ideal_over_1.05']:.2f}")  # fmt: skip
+    print(f"all targets met: {a['all_ok']}")
+
+
+# -- output --------------------------------------------------------------------------------------
+def records_json(runs: dict[str, list[RunRecord]]) -> dict[str, list[dict]]:
+    return {name: [asdict(r) for r in recs] for name, recs in runs.items()}
+
+
+def runs_from_json(data: dict[str, list[dict]]) -> dict[str, list[RunRecord]]:
+    def points(values: list) -> list[tuple[int, float]]:
+        return [(int(s), float(v)) for s, v in values]
+
+    series = ("val_loss", "clock", "attn_max_logit", "heads_clipped")
+    return {
+        name: [RunRecord(**{**r, **{k: points(r[k]) for k in series}}) for r in recs] for name, recs in data.items()
+    }
 
 
 def plot_convergence(runs: dict[str, list[RunRecord]], analysis: dict[str, Any], path: Path) -> None:
-    """Mean validation-loss curves over seeds, every contender, with tuned AdamW's final loss marked."""
+    """Mean validation loss over seeds against steps (left) and training seconds (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for name, recs in runs.items():
-        steps, values = zip(*mean_curve(recs))
-        style = "--" if name.startswith("adamw") else ":" if name.startswith("muonclip") else "-"
-        width = 2.2 if name in (PRIMARY, analysis["adamw_best"]) else 1.5
-        ax.plot(steps, values, style, lw=width, marker="." if name.startswith("muonclip") else None, label=name)
-    target = analysis["final_val_loss_mean"][analysis["adamw_best"]]
-    ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"tuned AdamW final ({target:.3f})")
-    mean_ratio = analysis["ratios"].get(PRIMARY, {}).get("tuned", {}).get("mean_ratio")
-    title = f"{len(analysis['seeds'])} seeds (mean); muon steps ratio " + (
-        f"{mean_ratio:.2f}" if mean_ratio is not None else "n/a (not reached)"
-    )
-    ax.set(xlabel="step", ylabel="validation loss (nats/char)", title=f"char GPT: {title}")
-    lo = min(min(v for _, v in mean_curve(recs)) for recs in runs.values())
-    ax.set_ylim(lo - 0.05, min(3.2, max(v for recs in runs.values() for _, v in mean_curve(recs))))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        steps = [s for s, _ in recs[0].val_loss]
+        val = [sum(r.val_loss[i][1] for r in recs) / len(recs) for i in range(len(steps))]
+        secs = [sum(r.clock[i][1] for r in recs) / len(recs) for i in range(len(steps))]
+        w = proto.Setting(**analysis["winners"][name])
+        for ax, x in zip(axes, (steps, secs)):
+            ax.plot(x, val, "--" if name == "adamw" else "-", lw=1.8, label=w.label)
+    target = analysis["contenders"]["adamw"]["final_val"]["mean"]
+    for ax, xlabel in zip(axes, ("step", "training seconds (evaluation excluded)")):
+        ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"tuned AdamW final ({target:.3f})")
+        ax.set(xlabel=xlabel, ylim=(target - 0.25, target + 0.8))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    c = analysis["contenders"]["muon"]
+    wall, step = fmt(c["mean_wall_ratio"], ".2f"), fmt(c["mean_step_ratio"], ".2f")
+    title = f"{len(analysis['seeds'])} seeds (mean); Muon wall-clock ratio {wall}, step ratio {step}"
+    axes[0].set(ylabel="validation loss (nats/char)", title=title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -376,31 +518,30 @@ def plot_convergence(runs: dict[str, list[RunRecord]], analysis: dict[str, Any],
 
 
 def plot_logits(runs: dict[str, list[RunRecord]], tau: float, path: Path) -> None:
-    """Left: attn_max_logit per step of plain Muon and MuonClip, every seed (log scale), with tau
-    and 3 x tau. Right: MuonClip's attn_max_logit / tau, with 1 and the 1.05 target line."""
+    """Left: attn_max_logit per step of plain Muon and MuonClip (log scale). Right: MuonClip's
+    max logit / tau and the ideal clip's reading on the same weights and batches."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = ["-", "--", ":", "-."]
     for color, name in (("tab:red", "muon"), ("tab:blue", "muonclip")):
         for i, rec in enumerate(runs[name]):
             steps, values = zip(*rec.attn_max_logit)
-            style = styles[i % len(styles)]
-            ax.plot(steps, values, style, color=color, lw=1.2, label=f"{name} seed {rec.seed}")
-            if name == "muonclip":
-                zoom.plot(steps, [v / tau for v in values], style, lw=1.0, label=f"seed {rec.seed}")
+            ax.plot(steps, values, ["-", "--", ":"][i % 3], color=color, lw=1.2, label=f"{name} seed {rec.seed}")
+    rec = runs["muonclip"][0]
+    heads, nxt = rec.replay["heads"], rec.replay["next_heads"]
+    zoom.plot(range(1, len(heads)), [max(h) / tau for h in heads[1:]], lw=1.0, label=f"MuonClip, seed {rec.seed}")
+    ideal = [proto.ideal_clip(heads[i], nxt[i], tau) for i in range(len(heads) - 1)]
+    zoom.plot(range(1, len(heads)), ideal, lw=0.8, alpha=0.7, label="ideal clip, same weights and batches")
     ax.axhline(tau, color="black", lw=0.8, label=f"tau = {tau:g}")
     ax.axhline(GROWTH_FACTOR * tau, color="grey", lw=0.8, ls="--", label=f"{GROWTH_FACTOR:g} x tau")
     ax.set_yscale("log")
     ax.set(xlabel="step", ylabel="attn_max_logit (before the step's clip)",
            title=f"Muon lr {LOGIT_MUON_LR:g}: plain vs MuonClip tau {tau:g}")  # fmt: skip
-    zoom.axhline(1.0, color="black", lw=0.8, label="tau")
-    zoom.axhline(OVERSHOOT, color="black", lw=0.8, ls=":", label=f"{OVERSHOOT:g} x tau (target)")
-    zoom.set_ylim(0.7, 1.4)
-    zoom.set(xlabel="step", ylabel="MuonClip attn_max_logit / tau", title="MuonClip, every seed")
+    zoom.axhline(HOLD_MEDIAN, color="black", lw=0.8, ls=":", label=f"{HOLD_MEDIAN:g} x tau")
+    zoom.set(xlabel="step", ylabel="max logit / tau", ylim=(0.7, 1.4), title="MuonClip against the ideal clip")
     for a in (ax, zoom):
         a.grid(alpha=0.3)
         a.legend(fontsize=8, ncol=2 if a is ax else 1)
@@ -410,106 +551,57 @@ def plot_logits(runs: dict[str, list[RunRecord]], tau: float, path: Path) -> Non
     plt.close(fig)
 
 
-def fmt(x: float | None, spec: str = ".3f") -> str:
-    """A number, or "-" for None."""
-    return "-" if x is None else format(x, spec)
-
-
-def report_convergence(a: dict[str, Any], steps: int, muon_lr: float, adamw_lr: float) -> None:
-    """Print part 1's tables."""
-    seeds = a["seeds"]
-    print(f"\nConvergence: {steps} steps, seeds {seeds}; muon lr {muon_lr:g}, adamw_lr {adamw_lr:g}")
-    head = "".join(f"{'seed ' + str(s):>10}" for s in seeds)
-    print(f"{'contender':<24}{head}{'mean':>10}{'std':>8}{'peak logit':>12}{'ms/step':>9}")
-    for name, vals in a["final_val_loss"].items():
-        ms = statistics.fmean(1e3 * BATCH_SIZE * MODEL["seq_len"] / t for t in a["tokens_per_s"][name])
-        mean, std, peak = a["final_val_loss_mean"][name], a["final_val_loss_std"][name], a["peak_attn_max_logit"][name]
-        print(f"{name:<24}{''.join(f'{v:>10.4f}' for v in vals)}{mean:>10.4f}{std:>8.4f}{max(peak):>12.2f}{ms:>9.1f}")
-    print(f"tuned AdamW (lowest mean final val loss): {a['adamw_best']}; per-seed best: {a['adamw_best_per_seed']}")
-    for basis in ("tuned", "per_seed_best"):
-        print(f"\nSteps to reach AdamW's final val loss / {steps} ({basis}; target <= {TARGET_RATIO})")
-        print(f"{'contender':<24}{head}{'mean':>10}")
-        for name, by in a["ratios"].items():
-            r = by[basis]
-            print(f"{name:<24}{''.join(f'{fmt(x):>10}' for x in r['ratio'])}{fmt(r['mean_ratio']):>10}")
-
-
-def report_logits(a: dict[str, Any], steps: int) -> None:
-    """Print part 2's tables."""
-    tau, rows = a["tau"], a["per_seed"]
-    print(f"\nLogit growth: {LOGIT_MODEL}, {steps} steps, muon lr {LOGIT_MUON_LR:g}, tau {tau:g}")
-    print(f"{'seed':>4}{'muon peak':>11}{'/tau':>7}{'muon val':>10}{'clip val':>10}{'clip-muon':>11}")
-    for r in rows:
-        print(f"{r['seed']:>4}{r['muon_peak_logit']:>11.2f}{r['muon_peak_over_tau']:>7.2f}{r['muon_final_val']:>10.4f}"
-              f"{r['muonclip_final_val']:>10.4f}{100 * r['val_rel_diff']:>+10.2f}%")  # fmt: skip
-    print("MuonClip's attn_max_logit / tau after its first clip")
-    print(f"{'seed':>4}{'1st clip':>9}{'median':>8}{'p95':>7}{'max':>7}{'>1.05':>9}  growth/hold/loss ok")
-    for r in rows:
-        ok = "/".join("y" if r[k] else "n" for k in ("growth_ok", "hold_ok", "loss_ok"))
-        over = f"{r['muonclip_steps_over_overshoot']}/{r['muonclip_steps_after_first_clip']}"
-        print(f"{r['seed']:>4}{fmt(r['muonclip_first_clip_step'], 'd'):>9}{fmt(r['muonclip_median_over_tau']):>8}"
-              f"{fmt(r['muonclip_p95_over_tau']):>7}{fmt(r['muonclip_peak_over_tau']):>7}{over:>9}  {ok}")  # fmt: skip
-    print(f"MuonClip's final weights on {SPREAD_BATCHES} unseen batches: spread = max / median of the max logit;")
-    print("ideal clip = what batch i+1 reads after a perfect clip to tau on batch i (no update): max, share > 1.05")
-    print(f"{'seed':>4}{'batch':>7}{'rel std':>9}{'spread':>8}{'ideal max':>11}{'ideal>1.05':>12}")
-    for r in rows:
-        for s in (r["muonclip_spread"] or {}).values():
-            print(f"{r['seed']:>4}{s['batch_size']:>7}{s['rel_std']:>9.3f}{s['max_over_median']:>8.3f}"
-                  f"{s['ideal_clip_max']:>11.3f}{s['ideal_clip_over_overshoot']:>12.2f}")  # fmt: skip
-    print(f"all targets met: {a['all_ok']} (growth > {GROWTH_FACTOR:g} tau, hold <= {OVERSHOOT:g} tau at every step "
-          f"after the first clip, val within {100 * LOSS_TOLERANCE:g}% or better)")  # fmt: skip
-
-
-def records_json(runs: dict[str, list[RunRecord]]) -> dict[str, list[dict]]:
-    """Curves of every run, for --json."""
-    return {
-        name: [{"seed": r.seed, "optimizer": r.optimizer, "val_loss": r.val_loss, "attn_max_logit": r.attn_max_logit,
-                "heads_clipped": r.heads_clipped, "tokens_per_s": r.tokens_per_s, "wall_s": r.wall_s,
-                "spread": r.spread} for r in recs]
-        for name, recs in runs.items()
-    }  # fmt: skip
-
-
-def runs_from_json(data: dict[str, list[dict]]) -> dict[str, list[RunRecord]]:
-    """RunRecords back from :func:`records_json`'s output."""
-
-    def points(values: list) -> list[tuple[int, float]]:
-        return [(int(step), float(v)) for step, v in values]
-
-    return {
-        name: [RunRecord(contender=name, seed=r["seed"], optimizer=r["optimizer"], val_loss=points(r["val_loss"]),
-                         attn_max_logit=points(r["attn_max_logit"]), heads_clipped=points(r["heads_clipped"]),
-                         tokens_per_s=r["tokens_per_s"], wall_s=r["wall_s"], spread=r.get("spread")) for r in recs]
-        for name, recs in data.items()
-    }  # fmt: skip
-
-
 def replot(path: Path, img_dir: Path) -> None:
     """Redraw the plots from a ``--json`` output without training."""
     out = json.loads(path.read_text())
     if "convergence" in out:
-        part = out["convergence"]
-        plot_convergence(runs_from_json(part["runs"]), part["analysis"], img_dir / "convergence.png")
+        part, name = out["convergence"], out["settings"]["config"]
+        png = "convergence.png" if name == "small" else f"convergence_{name}.png"
+        plot_convergence(runs_from_json(part["runs"]), part["analysis"], img_dir / png)
     if "logit_growth" in out:
         part = out["logit_growth"]
         plot_logits(runs_from_json(part["runs"]), part["analysis"]["tau"], img_dir / "logit_growth.png")
 
 
+def print_plan(args: argparse.Namespace, cfg: Config) -> None:
+    """The runs the arguments ask for and an estimated duration at 1 thread; trains nothing."""
+    total = 0.0
+    if args.part in ("all", "convergence"):
+        grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs, "muonclip": args.muon_lrs}
+        runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps)
+        for stage in (1, 2):
+            some = [r for r in runs if r.stage == stage]
+            est = proto.estimate_seconds(some, cfg.seconds_per_step, overhead_s=1.0)
+            total += est
+            print(f"stage {stage}: {len(some)} runs of {args.steps} steps, about {est / 60:.0f} min")
+            for r in some:
+                what = f"lr={r.lr:g} {r.schedule}" if r.stage == 1 else "stage-1 winner"
+                print(f"    seed {r.seed} {r.contender:<9} {what}")
+    if args.part in ("all", "logits"):
+        est = len(args.seeds) * args.logit_steps * sum(LOGIT_SECONDS_PER_STEP.values())
+        total += est
+        print(f"logit growth: {2 * len(args.seeds)} runs of {args.logit_steps} steps, about {est / 60:.0f} min")
+    print(
+        f"total about {total / 60:.0f} min ({total / 3600:.1f} h) at 1 thread on the 2-core CPU machine "
+        f"while shared; about {IDLE_FACTOR * total / 60:.0f} min ({IDLE_FACTOR * total / 3600:.1f} h) on it idle"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds (default 0 1 2)")
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps of part 1 (default {STEPS})")
-    parser.add_argument("--logit-steps", type=int, default=LOGIT_STEPS, help=f"steps of part 2 ({LOGIT_STEPS})")
-    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, help=f"default {EVAL_EVERY}")
-    parser.add_argument("--eval-batches", type=int, default=EVAL_BATCHES, help=f"default {EVAL_BATCHES}")
-    parser.add_argument("--muon-lr", type=float, default=MUON_LR, help=f"part 1 Muon lr (default {MUON_LR})")
-    parser.add_argument("--muon-adamw-lr", type=float, default=MUON_ADAMW_LR,
-                        help=f"part 1 lr of Muon's AdamW groups (default {MUON_ADAMW_LR})")  # fmt: skip
-    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=list(ADAMW_LRS),
-                        help="AdamW lr grid of part 1 (default 1e-3 3e-3 1e-2)")  # fmt: skip
-    parser.add_argument("--only-adamw", action="store_true", help="part 1 with the AdamW grid only (a side check)")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="part 1's model (default small)")
     parser.add_argument("--part", choices=("all", "convergence", "logits"), default="all")
-    parser.add_argument("--quick", action="store_true", help="60 steps, seed 0, no plots: a smoke run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="the first one tunes (default 0 1 2)")
+    parser.add_argument("--steps", type=int, default=None, help="part 1 steps (default: the config's)")
+    parser.add_argument("--logit-steps", type=int, default=LOGIT_STEPS, help=f"part 2 steps (default {LOGIT_STEPS})")
+    parser.add_argument("--logit-tau", type=float, default=LOGIT_TAU, help=f"part 2 tau (default {LOGIT_TAU:g})")
+    parser.add_argument("--eval-every", type=int, default=None, help="default: the config's")
+    parser.add_argument("--eval-batches", type=int, default=EVAL_BATCHES, help=f"default {EVAL_BATCHES}")
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=list(ADAMW_LRS), help="AdamW's grid")
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=list(MUON_LRS), help="Muon's and MuonClip's grid")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--plan", action="store_true", help="print the runs and an estimated time; train nothing")
+    parser.add_argument("--quick", action="store_true", help="60 steps, 2 seeds, one lr per contender, no plots")
     parser.add_argument("--img-dir", type=Path, default=None, help="where the PNGs go (default docs/img; "
                         "a --quick run writes none unless given)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
@@ -517,58 +609,58 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write every figure and curve as JSON to PATH")
     parser.add_argument("--replot", metavar="PATH", type=Path, help="only redraw the plots from a --json output")
     args = parser.parse_args()
+    cfg = CONFIGS[args.config]
+    args.steps = args.steps or cfg.steps
+    args.eval_every = args.eval_every or cfg.eval_every
+    if args.quick:
+        cfg = CONFIGS[args.config] = replace(cfg, model=CONFIGS["small"].model)
+        args.steps = args.logit_steps = QUICK["steps"]
+        args.eval_every, args.eval_batches = QUICK["eval_every"], QUICK["eval_batches"]
+        args.seeds, args.adamw_lrs, args.muon_lrs = list(QUICK["seeds"]), QUICK["adamw_lrs"], QUICK["muon_lrs"]
+        SPREAD.update(QUICK["spread"])
+        args.logit_tau = QUICK["logit_tau"]
     if args.replot:
         replot(args.replot, args.img_dir if args.img_dir is not None else IMG_DIR)
+        return
+    if args.plan:
+        print_plan(args, cfg)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.data:
         DATA.update(path=str(args.data.resolve()), builtin=None)
-    if args.quick:
-        args.steps = args.logit_steps = QUICK["steps"]
-        args.eval_every, args.eval_batches = QUICK["eval_every"], QUICK["eval_batches"]
-        args.seeds = list(QUICK["seeds"])
     img_dir = args.img_dir if args.img_dir is not None else (None if args.quick else IMG_DIR)
-
     with tempfile.TemporaryDirectory() as cache:  # the tokenized corpus, memory-mapped while training
-        out = run(args, img_dir, Path(cache))
+        out = run(args, cfg, img_dir, Path(cache))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
-def run(args: argparse.Namespace, img_dir: Path | None, cache: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path) -> dict[str, Any]:
     """Both parts as chosen by ``args``; prints the tables, writes the plots, returns every figure."""
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; data {DATA}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; data {DATA}; config {args.config}")
     out: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    out["settings"]["threads"] = torch.get_num_threads()
+    out["settings"].update(threads=torch.get_num_threads(), model=cfg.model)
     start = time.perf_counter()
-    data = load_data(job_config_from_dict(make_spec(MODEL, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
+    data = load_data(job_config_from_dict(make_spec(cfg.model, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
     print(f"vocab {data.vocab_size}, train {len(data.train):,} chars, val {len(data.val):,} chars")
-
     if args.part in ("all", "convergence"):
         t0 = time.perf_counter()
-        contenders = convergence_contenders(args.muon_lr, args.muon_adamw_lr, args.adamw_lrs, args.only_adamw)
-        runs = run_all(contenders, MODEL, args.steps, args.seeds, args.eval_every, args.eval_batches, data, "conv")
-        analysis = analyse_convergence(runs, args.steps)
-        analysis["runtime_s"] = time.perf_counter() - t0
-        report_convergence(analysis, args.steps, args.muon_lr, args.muon_adamw_lr)
-        print(f"part 1 took {analysis['runtime_s'] / 60:.1f} min")
+        out["convergence"] = part = run_convergence(args, cfg, data)
+        part["analysis"]["runtime_s"] = time.perf_counter() - t0
+        report_convergence(part, args.config, cfg, args.steps)
+        print(f"part 1 took {part['analysis']['runtime_s'] / 60:.1f} min")
         if img_dir is not None:
-            plot_convergence(runs, analysis, img_dir / "convergence.png")
-        out["convergence"] = {"analysis": analysis, "runs": records_json(runs)}
-
+            png = "convergence.png" if args.config == "small" else f"convergence_{args.config}.png"
+            plot_convergence(runs_from_json(part["runs"]), part["analysis"], img_dir / png)
     if args.part in ("all", "logits"):
         t0 = time.perf_counter()
-        runs = run_all(logit_contenders(), LOGIT_MODEL, args.logit_steps, args.seeds, args.eval_every,
-                       args.eval_batches, data, "logits", spread_tau=LOGIT_TAU)  # fmt: skip
-        analysis = analyse_logits(runs, LOGIT_TAU)
-        analysis["runtime_s"] = time.perf_counter() - t0
-        report_logits(analysis, args.logit_steps)
-        print(f"part 2 took {analysis['runtime_s'] / 60:.1f} min")
+        out["logit_growth"] = part = run_logits(args, data)
+        part["analysis"]["runtime_s"] = time.perf_counter() - t0
+        report_logits(part["analysis"], args.logit_steps)
+        print(f"part 2 took {part['analysis']['runtime_s'] / 60:.1f} min")
         if img_dir is not None:
-            plot_logits(runs, LOGIT_TAU, img_dir / "logit_growth.png")
-        out["logit_growth"] = {"analysis": analysis, "runs": records_json(runs)}
-
+            plot_logits(runs_from_json(part["runs"]), args.logit_tau, img_dir / "logit_growth.png")
     out["runtime_s"] = time.perf_counter() - start
     print(f"\ntotal {out['runtime_s'] / 60:.1f} min")
     return out
