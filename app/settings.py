@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     )
     tenant_stream_cap: int = Field(100, description="Open event streams per tenant and API process; more answers 429.")
     tenant_threads: int = Field(
-        8, description="Threads of an API process's pool (40) one tenant's requests may use at once (0: no limit)."
+        2, description="Threads of an API process's pool (40) one tenant's requests may use at once (0: no limit)."
     )
     tenant_rate_per_second: float = Field(
         200.0, description="Requests a second per tenant and API process, on average (0: no limit); more answers 429."
