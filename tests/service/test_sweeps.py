@@ -5,12 +5,14 @@ sweep.completed webhook, and the 422s of bad search spaces."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections import defaultdict
 
 import httpx
 import pytest
+import yaml
 from sqlalchemy import select
 
 from app import search
@@ -20,6 +22,7 @@ from app.job_status import ACTIVE
 from app.repositories.tenants import TenantRepository
 from tests.http_stub import Reply, StubServer, scripted
 from tests.service.conftest import new_key, running_api, tiny_spec, wait_for
+from tests.service.test_cli_client import muonforge
 
 OK = Reply(200, b"")
 BAD_FIRST = [1e-2, 1e-7, 2e-7, 3e-7, 4e-7, 1e-3]  # adamw lrs: 1e-2 and 1e-3 learn in 10 steps, 1e-7 does not
@@ -219,3 +222,27 @@ def test_sweeps_are_listed_newest_first_in_pages_and_are_the_tenants_own(client,
     assert client.post(f"/v1/sweeps/{ids[0]}/cancel", headers=other).status_code == 404
     assert client.get("/v1/sweeps", headers=other).json()["data"] == []
 
+
+def test_the_cli_submits_a_sweep_file_follows_it_and_lists_and_shows_sweeps(settings, api_url, start_worker, tmp_path):
+    key = new_key(settings)
+    body = sweep_body(space={"optimizer.lr": {"values": [1e-2, 1e-7, 1e-3]}}, name="cli-sweep")
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(yaml.safe_dump(body))
+    start_worker()
+    followed = muonforge("sweep", spec, "--follow", "--interval", "0.5", url=api_url, key=key)
+    assert followed.returncode == 0, followed.stderr
+    sweep_id = followed.stdout.splitlines()[0]
+    assert sweep_id.startswith("swp_")
+    shown = json.loads(muonforge("sweeps", "show", sweep_id, "--json", url=api_url, key=key).stdout)
+    assert shown["status"] == "completed"
+    assert [t["status"] for t in shown["trials"]] == ["succeeded", "stopped_early", "stopped_early"]  # 1e-3: 2nd of 3
+    table = muonforge("sweeps", "show", sweep_id, url=api_url, key=key).stdout
+    assert "optimizer.lr" in table and "stopped_early" in table and f"best #{shown['best']['number']}" in table
+    assert "10:x" in table  # the rung's decision
+    assert "completed" in followed.stdout and "stopped_early" in followed.stdout  # the live table's last frame
+    listed = muonforge("sweeps", "list", "--status", "completed", url=api_url, key=key).stdout
+    assert sweep_id in listed and "3/3" in listed
+    as_json = json.loads(muonforge("sweeps", "list", "--json", url=api_url, key=key).stdout)
+    assert [s["id"] for s in as_json] == [sweep_id]
+    bad = muonforge("sweep", tmp_path / "missing.yaml", url=api_url, key=key)
+    assert bad.returncode == 2
