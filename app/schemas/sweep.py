@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .job_spec import NO_NUL, PositiveInt
+from .job_spec import NO_NUL
+
+# Numbers as numbers: strict, so that a JSON true or false is refused, not read as 1 or 0.
+Number = Annotated[float, Field(strict=True)]
+Integer = Annotated[int, Field(strict=True)]
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 
 MAX_TRIALS = 100  # trials per sweep
 PATH = r"^[a-z_]+(\.[a-z_0-9]+)*$"  # a dotted JobSpec path: optimizer.lr
@@ -27,11 +32,11 @@ class Param(_Strict):
     """One swept path: exactly one of values, uniform, log_uniform, int_uniform."""
 
     values: list[Any] | None = Field(None, min_length=1, max_length=MAX_TRIALS, description="Choices, in order.")
-    uniform: tuple[float, float] | None = Field(None, description="[lo, hi]: uniform between them.")
-    log_uniform: tuple[float, float] | None = Field(
+    uniform: tuple[Number, Number] | None = Field(None, description="[lo, hi]: uniform between them.")
+    log_uniform: tuple[Number, Number] | None = Field(
         None, description="[lo, hi], 0 < lo: uniform in log space (learning rates)."
     )
-    int_uniform: tuple[int, int] | None = Field(None, description="[lo, hi]: an integer, both ends included.")
+    int_uniform: tuple[Integer, Integer] | None = Field(None, description="[lo, hi]: an integer, both ends included.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> Self:
@@ -59,7 +64,9 @@ class AshaSpec(_Strict):
     rungs: list[PositiveInt] = Field(
         min_length=1, max_length=10, description="Steps at which trials are compared, ascending."
     )
-    reduction_factor: int = Field(3, ge=2, le=16, description="About one trial in this many continues at a rung.")
+    reduction_factor: int = Field(
+        3, strict=True, ge=2, le=16, description="About one trial in this many continues at a rung."
+    )
 
     @field_validator("rungs")
     @classmethod
@@ -80,11 +87,17 @@ class SweepSpec(_Strict):
     method: Literal["grid", "random"] = Field(
         "random", description="grid: every combination of `values` lists; random: `max_trials` draws with `seed`."
     )
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds the random draws.")
+    seed: int = Field(0, strict=True, ge=0, le=2**31 - 1, description="Seeds the random draws.")
     max_trials: int | None = Field(
-        None, ge=1, le=MAX_TRIALS, description="Trials (random: required; grid: the first ones, default all)."
+        None,
+        strict=True,
+        ge=1,
+        le=MAX_TRIALS,
+        description="Trials (random: required; grid: the first ones, default all).",
     )
-    max_concurrent: int = Field(2, ge=1, le=MAX_TRIALS, description="Trials queued or running at once, at most.")
+    max_concurrent: int = Field(
+        2, strict=True, ge=1, le=MAX_TRIALS, description="Trials queued or running at once, at most."
+    )
     metric: Literal["val_loss"] = Field("val_loss", description="What ranks trials (evaluated at every rung).")
     mode: Literal["min", "max"] = Field("min", description="min: lower is better.")
     asha: AshaSpec | None = Field(None, description="ASHA early termination; null: every trial runs to the end.")
