@@ -3,7 +3,7 @@
 Not batch mode on jobs: on SQLite it would copy the table and drop its triggers (0005); SQLite
 adds and drops the column in place. No foreign key from jobs for the same reason.
 
-Revision ID: 0009
+Revision ID: 0008
 Revises: 0007
 Create Date: 2026-11-23 19:45:00.000000
 """
@@ -16,7 +16,7 @@ from sqlalchemy.dialects import postgresql
 
 import app.db.base
 
-revision: str = "0009"
+revision: str = "0008"
 down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
