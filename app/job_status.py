@@ -1,7 +1,9 @@
 """A job's status, and the sets of statuses the service reasons with. The one place they are spelled.
 
-queued -> running -> succeeded | failed | cancelled, with cancelling between a cancel request
-and the worker's stop. Postgres (or the embedded SQLite file) is the single source of truth.
+queued -> running -> succeeded | failed | cancelled | stopped_early, with cancelling between a
+cancel request and the worker's stop; stopped_early is a sweep's trial that ASHA stopped at a rung
+(app.search). Postgres (or the embedded SQLite file) is the single source of truth. A sweep's own
+status (running -> completed | cancelled) is spelled here too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class JobStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    STOPPED_EARLY = "stopped_early"  # a sweep's trial that ASHA stopped at a rung
 
     @property
     def finished(self) -> bool:
@@ -27,7 +30,15 @@ RUNNING = frozenset({JobStatus.RUNNING, JobStatus.CANCELLING})
 # Counted against the tenant's job cap: waiting for a worker or on one.
 ACTIVE = frozenset({JobStatus.QUEUED}) | RUNNING
 # Final: nothing changes a finished job's status again.
-FINISHED = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+FINISHED = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.STOPPED_EARLY})
+
+
+class SweepStatus(StrEnum):
+    """A sweep: running until every trial has finished (then completed), or cancelled."""
+
+    RUNNING = "running"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
 
 
 def is_finished(status: str) -> bool:

@@ -13,7 +13,7 @@ from app.errors import install_error_handlers
 from app.limits import Limits
 from app.live import LiveReader
 from app.observability import install_metrics
-from app.routes import checkpoints, datasets, health, jobs, session, webhooks
+from app.routes import checkpoints, datasets, health, jobs, session, sweeps, webhooks
 from app.services.auth import KeyCache
 from app.services.intake import Intake
 from app.services.quotas import RequestRate, StreamSlots, TenantThreads
@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     app.state.streams = StreamSlots(settings.tenant_stream_cap)
     app.state.tenant_threads = TenantThreads(settings.tenant_threads)
     app.state.request_rate = RequestRate(settings.tenant_rate_per_second, settings.tenant_burst)
-    for module in (jobs, checkpoints, datasets, webhooks, session, health):
+    for module in (jobs, checkpoints, datasets, sweeps, webhooks, session, health):
         app.include_router(module.router)
     install_web(app)
     install_error_handlers(app)

@@ -9,7 +9,7 @@ class WebhookEventType(StrEnum):
     JOB_SUCCEEDED = "job.succeeded"
     JOB_FAILED = "job.failed"
     JOB_CANCELLED = "job.cancelled"
-    SWEEP_COMPLETED = "sweep.completed"  # accepted in subscriptions; nothing emits it yet (no sweeps)
+    SWEEP_COMPLETED = "sweep.completed"  # once, when every trial of a sweep has finished
 
 
 class DeliveryStatus(StrEnum):
@@ -18,6 +18,10 @@ class DeliveryStatus(StrEnum):
     FAILED = "failed"  # the retry window passed, or the destination is not allowed
 
 
-def job_event_type(status: str) -> WebhookEventType:
-    """The event of a job that reached the final ``status`` (succeeded, failed or cancelled)."""
-    return WebhookEventType(f"job.{status}")
+def job_event_type(status: str) -> WebhookEventType | None:
+    """The event of a job that reached the final ``status`` (succeeded, failed or cancelled);
+    None for stopped_early (a sweep's trial: its sweep's end is the event)."""
+    try:
+        return WebhookEventType(f"job.{status}")
+    except ValueError:
+        return None

@@ -16,8 +16,9 @@ import httpx
 from muonforge.retry import Repeat
 
 ACTIVE = ("queued", "running", "cancelling")
-FINISHED = ("succeeded", "failed", "cancelled")  # terminal: a job in one of these never changes again
+FINISHED = ("succeeded", "failed", "cancelled", "stopped_early")  # terminal: a job in one of these never changes again
 STATUSES = ACTIVE + FINISHED
+SWEEP_STATUSES = ("running", "completed", "cancelled")  # a sweep's: running until every trial has finished
 
 # The server pings an open events stream every 15 s: a minute without a byte is a dead connection.
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=60.0)
@@ -157,6 +158,24 @@ def delete_webhook(webhook_id: str) -> Call:
 
 def deliveries_page(webhook_id: str, limit: int, after: str | None) -> Call:
     return Call("GET", f"/v1/webhooks/{_id(webhook_id)}/deliveries", params=_query(limit=limit, after=after))
+
+
+# -- sweeps ---------------------------------------------------------------------------------------
+def create_sweep(spec: dict[str, Any]) -> Call:
+    # Not repeated after an unanswered attempt: had it created the sweep, a repeat would start a second one.
+    return Call("POST", "/v1/sweeps", json=spec, repeat=Repeat.UNSENT)
+
+
+def sweeps_page(status: str | None, limit: int, after: str | None) -> Call:
+    return Call("GET", "/v1/sweeps", params=_query(status=status, limit=limit, after=after))
+
+
+def get_sweep(sweep_id: str) -> Call:
+    return Call("GET", f"/v1/sweeps/{_id(sweep_id)}")
+
+
+def cancel_sweep(sweep_id: str) -> Call:
+    return Call("POST", f"/v1/sweeps/{_id(sweep_id)}/cancel", repeat=Repeat.UNSENT)
 
 
 # -- health ---------------------------------------------------------------------------------------

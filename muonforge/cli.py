@@ -20,8 +20,8 @@ from muonforge.specs import InputError, SpecError, load_spec
 EXIT_STATUS = """\
 exit status:
   0    ok
-  1    the job ended failed or cancelled (submit --follow, logs --follow), a process of
-       `muonforge up` exited, or an unexpected error
+  1    the job ended failed or cancelled (submit --follow, logs --follow), the sweep was
+       cancelled (sweep --follow), a process of `muonforge up` exited, or an unexpected error
   2    bad input: a spec or argument that does not validate (422), an unknown id (404), a conflict
        such as cancelling a finished job (409), an upload over the limit (413), the job cap (429,
        after waiting as the server asks), a port that `muonforge up` cannot listen on

@@ -222,6 +222,26 @@ class Client(_ClientBase):
     def webhook_deliveries_page(self, webhook_id: str, limit: int = 20, after: str | None = None) -> Json:
         return self._call(api.deliveries_page(webhook_id, limit, after))
 
+    # -- sweeps -----------------------------------------------------------------------------------
+    def create_sweep(self, spec: Json) -> Json:
+        """Submit a SweepSpec (a dict: base, space, method, ...); returns the Sweep with its trials."""
+        return self._call(api.create_sweep(spec))
+
+    def get_sweep(self, sweep_id: str) -> Json:
+        """The sweep, its trials (parameters, job, status, metric) and its best trial."""
+        return self._call(api.get_sweep(sweep_id))
+
+    def list_sweeps(self, status: str | None = None, page_size: int = PAGE_SIZE) -> Iterator[Json]:
+        """Every sweep (of ``status``, if given), newest first, fetched a page at a time."""
+        return self._each(lambda after: api.sweeps_page(status, page_size, after))
+
+    def list_sweeps_page(self, status: str | None = None, limit: int = 20, after: str | None = None) -> Json:
+        return self._call(api.sweeps_page(status, limit, after))
+
+    def cancel_sweep(self, sweep_id: str) -> Json:
+        """No trial starts any more; its queued trials are cancelled, running ones stop. Returns the Sweep."""
+        return self._call(api.cancel_sweep(sweep_id))
+
     # -- health -----------------------------------------------------------------------------------
     def healthz(self) -> Json:
         """Liveness: ``{"status": "ok"}``."""
@@ -398,6 +418,22 @@ class AsyncClient(_ClientBase):
 
     async def webhook_deliveries_page(self, webhook_id: str, limit: int = 20, after: str | None = None) -> Json:
         return await self._call(api.deliveries_page(webhook_id, limit, after))
+
+    # -- sweeps -----------------------------------------------------------------------------------
+    async def create_sweep(self, spec: Json) -> Json:
+        return await self._call(api.create_sweep(spec))
+
+    async def get_sweep(self, sweep_id: str) -> Json:
+        return await self._call(api.get_sweep(sweep_id))
+
+    def list_sweeps(self, status: str | None = None, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.sweeps_page(status, page_size, after))
+
+    async def list_sweeps_page(self, status: str | None = None, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.sweeps_page(status, limit, after))
+
+    async def cancel_sweep(self, sweep_id: str) -> Json:
+        return await self._call(api.cancel_sweep(sweep_id))
 
     # -- health -----------------------------------------------------------------------------------
     async def healthz(self) -> Json:

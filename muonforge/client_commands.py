@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group
+from rich.live import Live
+
+from muonforge.api import SWEEP_STATUSES
 from muonforge.client import FINISHED, PAGE_SIZE, STATUSES, Client, Event, Retry
 from muonforge.output import (
     console,
@@ -22,6 +27,9 @@ from muonforge.output import (
     metric_rows,
     metrics_csv,
     metrics_table,
+    sweep_heading,
+    sweeps_table,
+    trials_table,
     webhooks_table,
 )
 from muonforge.progress import follow, transfer_bar
@@ -219,6 +227,54 @@ def cmd_datasets_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def sweep_view(sweep: dict[str, Any]) -> Group:
+    return Group(sweep_heading(sweep), trials_table(sweep))
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    raw = read_spec(args.spec)
+    with connect(args) as client:
+        sweep = client.create_sweep(raw)
+        print(sweep["id"], flush=True)
+        if not args.follow:
+            return 0
+        try:
+            with Live(sweep_view(sweep), console=console(), auto_refresh=False) as live:
+                while sweep["status"] == "running":
+                    time.sleep(args.interval)
+                    sweep = client.get_sweep(sweep["id"])
+                    live.update(sweep_view(sweep), refresh=True)
+        except KeyboardInterrupt:
+            again = f"muonforge sweeps show {sweep['id']}"
+            print(f"{after_ctrl_c()}detached; {sweep['id']} goes on. Look again: {again}", file=sys.stderr)
+            return 130
+    return 0 if sweep["status"] == "completed" else 1
+
+
+def cmd_sweeps_list(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        sweeps = list(islice(client.list_sweeps(args.status, page_size=min(args.limit, PAGE_SIZE)), args.limit))
+    show_list(args, sweeps, sweeps_table, "no sweeps")
+    return 0
+
+
+def cmd_sweeps_show(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        sweep = client.get_sweep(args.sweep_id)
+    if args.json:
+        print_json(sweep)
+    else:
+        console().print(sweep_view(sweep))
+    return 0
+
+
+def cmd_sweeps_cancel(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        sweep = client.cancel_sweep(args.sweep_id)
+    print(f"{sweep['id']}: {sweep['status']}")
+    return 0
+
+
 JOB_EVENTS = "job.succeeded,job.failed,job.cancelled"
 
 
@@ -300,6 +356,24 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     export.add_argument("job_id")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     export.add_argument("--out", type=Path, required=True, help="the directory to write them in (created if need be)")
+
+    sweep = command(sub, "sweep", cmd_sweep, "submit a sweep file (base spec and search space); prints its id")
+    sweep.add_argument("spec", type=Path, help="sweep spec, YAML or JSON (examples/sweeps/lr-and-optimizer.yaml)")
+    sweep.add_argument("--follow", action="store_true", help="show a live table of its trials until the sweep ends")
+    sweep.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+
+    sweeps = sub.add_parser("sweeps", help="list, show and cancel sweeps").add_subparsers(
+        dest="sweeps_command", required=True
+    )
+    listing = command(sweeps, "list", cmd_sweeps_list, "list sweeps, newest first")
+    listing.add_argument("--status", choices=SWEEP_STATUSES)
+    listing.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
+    listing.add_argument("--json", action="store_true", help="the Sweep objects as JSON")
+    show_ = command(sweeps, "show", cmd_sweeps_show, "one sweep: its trials, their parameters and metrics, the best")
+    show_.add_argument("sweep_id")
+    show_.add_argument("--json", action="store_true", help="the Sweep object as JSON, trials included")
+    cancel_ = command(sweeps, "cancel", cmd_sweeps_cancel, "cancel a sweep: no trial starts any more")
+    cancel_.add_argument("sweep_id")
 
     datasets = sub.add_parser("datasets", help="upload, list and delete corpora").add_subparsers(
         dest="datasets_command", required=True

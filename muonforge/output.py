@@ -1,5 +1,5 @@
-"""What the commands print: tables of jobs, datasets, webhooks and their deliveries, metrics, API keys
-and tenants, one job's details, the lines of ``muonforge logs``, and metrics as CSV."""
+"""What the commands print: tables of jobs, datasets, sweeps and their trials, webhooks and their
+deliveries, metrics, API keys and tenants, one job's details, the lines of ``muonforge logs``, and metrics as CSV."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-STATUS_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow"}
+STATUS_STYLE = {
+    "succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow", "stopped_early": "magenta",
+    "completed": "green",
+}  # fmt: skip
 
 
 def console() -> Console:
@@ -91,6 +94,52 @@ def webhooks_table(webhooks: list[dict[str, Any]]) -> Table:
     for w in webhooks:
         table.add_row(Text(w["id"]), Text(w["url"]), Text(",".join(w["events"])), age(w["created_at"]))
     return table
+
+
+def sweeps_table(sweeps: list[dict[str, Any]]) -> Table:
+    """Sweeps: trials finished of all, and the best trial's metric."""
+    table = Table("id", "name", "status", "trials", "best", "age", box=None, header_style="bold")
+    for s in sweeps:
+        counts = s["counts"]
+        done = sum(n for st, n in counts["by_status"].items() if st in FINISHED_TRIALS)
+        best = s["best"]
+        best_text = f"#{best['number']} {s['metric']} {number(best['metric'])}" if best else "-"
+        table.add_row(
+            Text(s["id"]), Text(s["name"] or "-"), status(s), f"{done}/{counts['total']}", Text(best_text),
+            age(s["created_at"]),
+        )  # fmt: skip
+    return table
+
+
+FINISHED_TRIALS = ("succeeded", "failed", "cancelled", "stopped_early", "not_started")
+
+
+def param_value(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def trials_table(sweep: dict[str, Any]) -> Table:
+    """A sweep's trials: parameters, status, steps, metric and rung results; the best one marked *."""
+    paths = list(sweep["spec"]["space"])
+    best = sweep["best"]["number"] if sweep["best"] else None
+    table = Table("#", "job", *paths, "status", "step", sweep["metric"], "rungs", box=None, header_style="bold")
+    for t in sweep["trials"]:
+        rungs = " ".join(f"{r['rung']}:{'+' if r['continued'] else 'x'}" for r in t["rungs"])
+        mark = "*" if t["number"] == best else ""
+        table.add_row(
+            f"{t['number']}{mark}", Text(t["job_id"] or "-"), *(Text(param_value(t["params"].get(p))) for p in paths),
+            status(t), str(t["step"]), number(t["metric"]), rungs or "-",
+        )  # fmt: skip
+    return table
+
+
+def sweep_heading(sweep: dict[str, Any]) -> Text:
+    counts = ", ".join(f"{n} {st}" for st, n in sorted(sweep["counts"]["by_status"].items()))
+    best = sweep["best"]
+    text = Text(f"{sweep['id']} {sweep['name'] or ''} ") + status(sweep) + f" ({counts})"
+    if best:
+        text += f"; best #{best['number']}: {sweep['metric']} {number(best['metric'])} ({best['job_id']})"
+    return text
 
 
 DELIVERY_STYLE = {"delivered": "green", "failed": "red"}

@@ -23,7 +23,7 @@ from rich.text import Text
 
 from muonforge.output import STATUS_STYLE, event_line
 
-FINAL = ("succeeded", "failed", "cancelled")
+FINAL = ("succeeded", "failed", "cancelled", "stopped_early")
 
 
 class EtaColumn(TimeRemainingColumn):

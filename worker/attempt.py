@@ -14,15 +14,18 @@ from pathlib import Path
 
 import torch
 
+from app.db.models import Sweep
 from app.db.session import is_transient, retrying, transaction
 from app.job_status import JobStatus
 from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
+from app.services import sweeps
 from app.services.caps import gib, peak_memory_bytes, vocabulary
 from app.services.job_events import record_status
 from app.settings import Settings
 from worker.engine.checkpoints import checkpoint_path
+from worker.engine.early_stop import RungCheck
 from worker.engine.run import checkpoint_dir, run_job
 from worker.engine.trainer import TrainingError, device_type
 from worker.sink import JobSink, LeaseLost
@@ -100,7 +103,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     claimed = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
     if claimed is None:
         return "skipped"  # a redelivery, a finished job, or another worker's live lease
-    attempt, spec, corpus, progress, summary, needed = claimed
+    attempt, spec, corpus, progress, summary, needed, sweep = claimed
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
     if corpus is not None and not corpus.is_file():
@@ -124,7 +127,13 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
             try:
                 sink.adopt_checkpoints(checkpoint_dir(out_dir))
                 result = run_job(
-                    spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel, init_from=init_from
+                    spec,
+                    out_dir,
+                    corpus=corpus,
+                    sink=sink,
+                    should_cancel=should_cancel,
+                    init_from=init_from,
+                    rungs=rung_check(settings, job_id, sweep) if sweep else None,
                 )
             finally:
                 sink.close()  # the metrics are stored before the outcome
@@ -159,10 +168,29 @@ def warm_start_file(settings: Settings, spec: dict) -> Path | None:
     return checkpoint_path(checkpoint_dir(settings.artifact_dir / "jobs" / init["job_id"]), init["step"])
 
 
-def _claim(settings: Settings, job_id: str, owner: str) -> tuple[int, dict, Path | None, int, dict, int | None] | None:
+def rung_check(settings: Settings, job_id: str, sweep: tuple[str, dict, str]) -> RungCheck:
+    """The engine's hook for a sweep's ASHA: at each rung, the trial's metric goes to the database,
+    which decides once (app.services.sweeps.record_rung) under the sweep's lock; a retry or a
+    resumed attempt gets the stored decision. ``sweep``: (id, asha, metric)."""
+    sweep_id, asha, metric = sweep
+
+    def decide(step: int, value: float) -> str | None:
+        def record():
+            with transaction(settings) as session:
+                decision = sweeps.record_rung(session, sweep_id, job_id, step, value)
+                return sweeps.stop_reason(decision, metric, asha["reduction_factor"])
+
+        return retrying(record, f"job {job_id}: rung {step}", settings.outage_patience_seconds)
+
+    return RungCheck(steps=tuple(asha["rungs"]), metric=metric, decide=decide)
+
+
+def _claim(
+    settings: Settings, job_id: str, owner: str
+) -> tuple[int, dict, Path | None, int, dict, int | None, tuple[str, dict, str] | None] | None:
     """The job's new attempt: (attempt, spec, corpus, progress, summary, estimated peak memory of
-    a CPU run or None for a CUDA one), or None if it is not to be run (finished, or another
-    attempt's live lease)."""
+    a CPU run or None for a CUDA one, its sweep's (id, asha, metric) if it is a trial of a sweep
+    with ASHA), or None if it is not to be run (finished, or another attempt's live lease)."""
     with transaction(settings) as session:
         attempt = JobRepository(session).claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
         if attempt is None:
@@ -175,7 +203,10 @@ def _claim(settings: Settings, job_id: str, owner: str) -> tuple[int, dict, Path
         if device_type(job.spec["train"].get("device", "auto")) == "cpu":
             vocab = vocabulary(job.spec["data"], dataset.char_vocab if dataset else None)
             needed = peak_memory_bytes(job.spec, vocab, dataset.bytes if dataset else 0, on_cuda=False)
-        return attempt, job.spec, corpus, job.progress_step, dict(job.summary or {}), needed
+        sweep = None
+        if job.sweep_id and (row := session.get(Sweep, job.sweep_id)) is not None and row.asha:
+            sweep = (row.id, dict(row.asha), row.metric)
+        return attempt, job.spec, corpus, job.progress_step, dict(job.summary or {}), needed, sweep
 
 
 def _finish(
@@ -184,16 +215,21 @@ def _finish(
     """The attempt's outcome, with the steps completed and the run's summary (fenced; through a
     database outage of up to the outage patience)."""
 
-    def finish() -> bool:
+    def finish() -> str | bool:
         with transaction(settings) as session:
             if not JobRepository(session).finish(job_id, attempt, status, error, progress_step=step, summary=summary):
                 return False
-            record_status(session, live_bus(settings), job_id)
-            return True
+            return record_status(session, live_bus(settings), job_id).sweep_id or True
 
-    if not retrying(finish, f"job {job_id}: recording {status}", settings.outage_patience_seconds):
+    finished = retrying(finish, f"job {job_id}: recording {status}", settings.outage_patience_seconds)
+    if not finished:
         return "lease_lost"
     log.info("job %s: attempt %d %s", job_id, attempt, status)
+    if isinstance(finished, str):  # a sweep's trial: its next trial starts now (else at the reaper's next pass)
+        try:
+            sweeps.advance_after(settings, finished)
+        except Exception:
+            log.exception("job %s: starting the next trials of sweep %s failed", job_id, finished)
     return status
 
 

@@ -1,5 +1,5 @@
-"""Tables of the service: tenants, API keys, datasets, jobs, job events, checkpoints, metrics and
-webhooks."""
+"""Tables of the service: tenants, API keys, datasets, jobs, job events, checkpoints, metrics,
+webhooks and sweeps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from sqlalchemy import BigInteger, Boolean, Double, ForeignKey, Index, Integer, 
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import Text
 
-from app.job_status import JobStatus
+from app.job_status import JobStatus, SweepStatus
 from app.webhook_events import DeliveryStatus
 
 from .base import Base, IdColumn, JSONDoc, Timestamped, UTCDateTime, new_id
@@ -95,6 +95,8 @@ class Job(Timestamped, Base):
     # adds one only by copying the table, which would drop its triggers (migration 0005).
     parent_job_id: Mapped[str | None] = mapped_column(IdColumn)
     parent_step: Mapped[int | None] = mapped_column(Integer)
+    # A sweep's trial: its sweep (no foreign key, for the same reason).
+    sweep_id: Mapped[str | None] = mapped_column(IdColumn)
 
     __table_args__ = (
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
@@ -102,6 +104,7 @@ class Job(Timestamped, Base):
         Index("ix_jobs_status_lease_expires_at", "status", "lease_expires_at"),
         Index("ix_jobs_dataset_id", "dataset_id"),  # a dataset's delete and its foreign key's check
         Index("ix_jobs_parent_job_id", "parent_job_id"),  # the checkpoints a job's retention keeps for others
+        Index("ix_jobs_sweep_id", "sweep_id"),  # a sweep's trials
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_id_idempotency_key"),
     )
 
@@ -218,3 +221,62 @@ class WebhookAttempt(Base):
     duration_ms: Mapped[int] = mapped_column(Integer)
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(String(500))
+
+
+class Sweep(Timestamped, Base):
+    """A hyperparameter sweep: a base JobSpec, a search space, and its trials (SweepTrial), run
+    as ordinary jobs at most ``max_concurrent`` at a time. Its row is the lock that serializes
+    the sweep's decisions: which trial starts next, and each ASHA decision (SweepRung)."""
+
+    __tablename__ = "sweeps"
+    id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("swp"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default=SweepStatus.RUNNING)
+    request: Mapped[dict[str, Any]] = mapped_column(JSONDoc)  # the validated request, defaults filled in
+    metric: Mapped[str] = mapped_column(String(64))
+    mode: Mapped[str] = mapped_column(String(8))  # min | max
+    max_concurrent: Mapped[int] = mapped_column(Integer)
+    asha: Mapped[dict[str, Any] | None] = mapped_column(JSONDoc)  # {rungs, reduction_factor} or null
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (
+        Index("ix_sweeps_tenant_id_id", "tenant_id", "id"),
+        Index("ix_sweeps_status", "status"),  # the running sweeps the reaper advances
+    )
+
+
+class SweepTrial(Base):
+    """One trial of a sweep: its parameters and its validated JobSpec, stored at submission; its
+    job once started (null while it waits for a slot)."""
+
+    __tablename__ = "sweep_trials"
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"), primary_key=True)
+    number: Mapped[int] = mapped_column(Integer, primary_key=True)  # 0, 1, ...: the order trials start in
+    params: Mapped[dict[str, Any]] = mapped_column(JSONDoc)  # {spec path: value}
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONDoc)
+    job_id: Mapped[str | None] = mapped_column(IdColumn, unique=True)
+    # Why it could not start (its dataset was deleted meanwhile, ...): it counts as finished.
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONDoc)
+
+
+class SweepRung(Base):
+    """A trial's metric at an ASHA rung and the decision taken on it, once: the unique (job,
+    rung) key makes a second decision impossible; a retry or a resumed attempt reads this one.
+    ``position`` is its order among the results recorded at the rung (1, 2, ...), the order the
+    rule saw them in."""
+
+    __tablename__ = "sweep_rungs"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(IdColumn)
+    rung: Mapped[int] = mapped_column(Integer)  # the step
+    position: Mapped[int] = mapped_column(Integer)
+    value: Mapped[float] = mapped_column(Double)
+    go_on: Mapped[bool] = mapped_column(Boolean)  # continue (true) or stop (false)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "rung", name="uq_sweep_rungs_job_id_rung"),
+        UniqueConstraint("sweep_id", "rung", "position", name="uq_sweep_rungs_sweep_id_rung_position"),
+    )

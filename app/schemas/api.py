@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.job_status import JobStatus
+from app.job_status import JobStatus, SweepStatus
 from app.services.caps import CHAR_VOCAB_MAX
 from app.webhook_events import DeliveryStatus, WebhookEventType
 
@@ -87,6 +87,7 @@ class Job(BaseModel):
     parent: JobParent | None = Field(
         description="A warm start (`init_from`): the job and checkpoint step it started from; else null."
     )
+    sweep_id: str | None = Field(None, description="A sweep's trial: its sweep; else null.")
 
     @classmethod
     def of(cls, job: Any) -> Job:
@@ -103,6 +104,7 @@ class Job(BaseModel):
             summary=job.summary or {},
             error=job.error,
             parent=JobParent(job_id=job.parent_job_id, step=job.parent_step) if job.parent_job_id else None,
+            sweep_id=getattr(job, "sweep_id", None),
         )
 
 
@@ -233,7 +235,10 @@ class WebhookMessage(BaseModel):
 
     type: WebhookEventType
     timestamp: datetime = Field(description="When the event happened.")
-    data: dict[str, Any] = Field(description="For job.* events: the Job, as GET /v1/jobs/{id} returns it.")
+    data: dict[str, Any] = Field(
+        description="For job.* events: the Job, as GET /v1/jobs/{id} returns it; for sweep.completed: the Sweep, "
+        "as GET /v1/sweeps/{id} returns it."
+    )
 
 
 class WebhookDelivery(BaseModel):
@@ -264,5 +269,55 @@ class WebhookDelivery(BaseModel):
 
 class WebhookDeliveryList(BaseModel):
     data: list[WebhookDelivery]
+    has_more: bool
+    next_after: str | None
+
+
+class SweepRung(BaseModel):
+    rung: int = Field(description="The step.")
+    value: float = Field(description="The trial's metric there.")
+    position: int = Field(description="Its order among the results recorded at this rung (1: the first).")
+    continued: bool = Field(description="The ASHA decision: true, the trial went on; false, it stopped there.")
+
+
+class SweepTrial(BaseModel):
+    number: int = Field(description="0, 1, ...: the order trials start in.")
+    params: dict[str, Any] = Field(description="Spec path -> the trial's value.")
+    job_id: str | None = Field(description="Its job, once started; null while it waits for a slot.")
+    status: JobStatus | Literal["pending", "not_started"] = Field(
+        description="Its job's status; `pending` while it waits, `not_started` if it could not start (see `error`)."
+    )
+    metric: float | None = Field(description="The latest evaluation of the sweep's metric (the job's summary).")
+    step: int = Field(description="Optimizer steps completed.")
+    rungs: list[SweepRung] = Field(description="Its ASHA rung results, ascending.")
+    error: JobError | None
+
+
+class SweepCounts(BaseModel):
+    total: int
+    by_status: dict[str, int] = Field(description="Trials by status (`pending` ones included).")
+
+
+class Sweep(BaseModel):
+    id: str
+    name: str | None
+    status: SweepStatus = Field(description="running until every trial has finished, then completed; or cancelled.")
+    spec: dict[str, Any] = Field(description="The validated SweepSpec, defaults filled in.")
+    metric: str
+    mode: Literal["min", "max"]
+    created_at: datetime
+    finished_at: datetime | None
+    counts: SweepCounts = Field(description="Its trials, by status.")
+    best: SweepTrial | None = Field(
+        description="The succeeded trial with the best metric (the first on a tie); null while none has succeeded."
+    )
+
+
+class SweepDetail(Sweep):
+    trials: list[SweepTrial] = Field(description="Every trial, by number.")
+
+
+class SweepList(BaseModel):
+    data: list[Sweep]
     has_more: bool
     next_after: str | None

@@ -112,7 +112,7 @@ def prepare_submission(
         id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=JobStatus.QUEUED, spec=dumped,
         queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
         request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
-        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1, **parent,
+        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1, sweep_id=None, **parent,
     )  # fmt: skip
     return Submission(digest, row=row, cap=cap)
 

@@ -35,8 +35,8 @@ def record_status(session: Session, bus: LiveBus, job_id: str) -> Job:
     job = JobRepository(session).fresh(job_id)
     payload = status_payload(job)
     _record(session, bus, job_id, "status", payload, step=job.progress_step)
-    if is_finished(job.status):
-        webhooks.enqueue(session, job.tenant_id, job_event_type(job.status), payload)
+    if is_finished(job.status) and (event_type := job_event_type(job.status)) is not None:
+        webhooks.enqueue(session, job.tenant_id, event_type, payload)
     return job
 
 

@@ -1,5 +1,6 @@
 """The reaper: jobs whose worker stopped renewing its lease go back to the queue (to resume from
-their latest checkpoint), or end cancelled / failed; queued jobs whose task got lost are re-sent.
+their latest checkpoint), or end cancelled / failed; queued jobs whose task got lost are re-sent;
+running sweeps start their next trials where slots have freed up (app.services.sweeps.advance).
 Several reapers may run at once (API and workers): every change is a compare-and-set. Every
 SWEEP_SECONDS it also removes the dataset files that no row names (app.services.datasets)."""
 
@@ -19,6 +20,7 @@ from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.services.datasets import sweep_orphans
 from app.services.job_events import record_status
+from app.services.sweeps import advance_running
 from app.settings import Settings
 
 log = logging.getLogger("muonforge.reaper")
@@ -71,6 +73,7 @@ def reap_once(settings: Settings) -> int:
         resend += JobRepository(session).stale_queued(now - timedelta(seconds=settings.requeue_after_seconds))
     if resend:  # after commit
         send_train_tasks(settings, resend)
+    advance_running(settings)
     return len(resend)
 
 

@@ -88,6 +88,16 @@ async def compare_page(request: Request, work: Work, jobs: Annotated[str, Query(
     return await page(request, work, "compare.html", page="compare", job_ids=ids, max_jobs=MAX_COMPARE)
 
 
+@router.get("/sweeps", response_class=HTMLResponse)
+async def sweeps_page(request: Request, work: Work) -> HTMLResponse:
+    return await page(request, work, "sweeps.html", page="sweeps")
+
+
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+async def sweep_page(request: Request, work: Work, sweep_id: str) -> HTMLResponse:
+    return await page(request, work, "sweep.html", page="sweep", sweep_id=sweep_id, max_jobs=MAX_COMPARE)
+
+
 @router.get("/new", response_class=HTMLResponse)
 async def new_job_page(request: Request, work: Work) -> HTMLResponse:
     return await page(request, work, "new.html", page="new", presets=presets())

@@ -1,4 +1,5 @@
-"""Early stopping: the rule on its own, and a run that stops early, also across a resume."""
+"""Early stopping: the rule on its own, and a run that stops early, also across a resume; a run
+stopped at a rung by a decider outside it (a sweep's ASHA)."""
 
 import math
 
@@ -9,7 +10,8 @@ from pydantic import ValidationError
 from app.schemas import JobSpec
 from tests.engine.test_trainer import ListSink, spec, trainer
 from worker.engine.config import EarlyStopConfig
-from worker.engine.early_stop import EarlyStop
+from worker.engine.early_stop import EarlyStop, RungCheck
+from worker.engine.trainer import Trainer
 
 
 def rule(mode="min", patience=3, min_delta=0.0) -> EarlyStop:
@@ -106,3 +108,41 @@ def test_a_run_resumed_from_its_stop_checkpoint_stops_there_again(tmp_path):
     again = trainer(plateau(), tmp_path).run()  # a worker lost after the stop's checkpoint
     assert again.steps == 12 and again.summary["stopped_at"] == 12
     assert again.summary["stop_reason"] == first.summary["stop_reason"]
+
+
+class Decider:
+    """A rung decider that stops at ``stop_at`` and records every question (a stored decision
+    answers the same each time, as the service's does)."""
+
+    def __init__(self, stop_at: int | None):
+        self.stop_at, self.asked = stop_at, []
+
+    def __call__(self, step: int, value: float) -> str | None:
+        self.asked.append((step, value))
+        return f"behind at rung {step}" if step == self.stop_at else None
+
+
+def with_rungs(tmp_path, decider: Decider, rungs=(3, 6), sink=None, cancel=None) -> Trainer:
+    t = trainer(spec(steps=12, eval_every=4, checkpoint_every=5), tmp_path, sink, cancel)
+    t.rungs = RungCheck(steps=rungs, metric="val_loss", decide=decider)
+    return t
+
+
+def test_a_rung_is_evaluated_and_asked_and_a_stop_there_is_stopped_early_with_a_checkpoint(tmp_path):
+    sink, decider = ListSink(), Decider(stop_at=6)
+    result = with_rungs(tmp_path, decider, sink=sink).run()
+    assert result.status == "stopped_early" and result.steps == 6
+    assert [step for step, _ in decider.asked] == [3, 6]  # rungs evaluated off the eval_every grid
+    assert decider.asked[1][1] == sink.records[-1][1]["val_loss"]
+    assert result.summary["stopped_at"] == 6 and result.summary["stop_reason"] == "behind at rung 6"
+    assert [step for step, _, _ in sink.checkpoints] == [5, 6]
+    assert ("info", "stopped early at step 6: behind at rung 6") in sink.logs
+
+
+def test_a_run_that_passes_its_rungs_succeeds_and_a_resumed_one_asks_its_checkpoints_rung_again(tmp_path):
+    assert with_rungs(tmp_path / "through", Decider(stop_at=None)).run().status == "succeeded"
+    first = with_rungs(tmp_path / "stopped", Decider(stop_at=6)).run()
+    again_decider = Decider(stop_at=6)
+    again = with_rungs(tmp_path / "stopped", again_decider).run()  # a worker lost after the stop's checkpoint
+    assert again_decider.asked == [(6, again_decider.asked[0][1])] and again.status == "stopped_early"
+    assert again.steps == 6 and again.summary["stop_reason"] == first.summary["stop_reason"] == "behind at rung 6"

@@ -40,8 +40,14 @@ def test_the_api_does_what_its_openapi_schema_says(api_url, settings):
 
 def _cancel_what_it_queued(api_url: str, key: str) -> None:
     """The fuzzed jobs stay queued (no worker runs here): cancel them, so no later test's worker
-    picks one up."""
+    picks one up; the fuzzed sweeps first, so that none starts another trial."""
     with httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
+        for _ in range(10):
+            sweeps = client.get("/v1/sweeps", params={"limit": 100, "status": "running"}).json()["data"]
+            for sweep in sweeps:
+                client.post(f"/v1/sweeps/{sweep['id']}/cancel")
+            if not sweeps:
+                break
         after = None
         while True:
             page = client.get(

@@ -1,8 +1,10 @@
-"""Early stopping: the rule that ends a run whose evaluations stopped improving."""
+"""Early stopping: the rule that ends a run whose evaluations stopped improving, and the hook
+through which a decider outside the run (a sweep's ASHA) stops it at given steps."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +68,15 @@ class EarlyStop:
         if self.best is None:
             return True
         return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+
+
+@dataclass(frozen=True)
+class RungCheck:
+    """Stops decided outside the run (a sweep's ASHA): at each of ``steps`` the run evaluates,
+    and ``decide(step, value)`` takes the evaluation's ``metric`` and returns None to go on, or
+    the reason to stop there. The decider answers the same for the same step every time (a
+    resumed run evaluates its checkpoint's step again)."""
+
+    steps: tuple[int, ...]
+    metric: str
+    decide: Callable[[int, float], str | None]

@@ -9,6 +9,7 @@ from typing import Any
 
 from .config import job_config_from_dict
 from .data import load_data
+from .early_stop import RungCheck
 from .telemetry import FanOut, JsonlSink, TelemetrySink
 from .trainer import RunResult, Trainer
 
@@ -26,18 +27,20 @@ def run_job(
     should_cancel: Callable[[], bool] | None = None,
     resume: bool = True,
     init_from: Path | None = None,
+    rungs: RungCheck | None = None,
 ) -> RunResult:
     """Train ``spec`` (a JobSpec's ``model_dump()``) with artifacts under ``out_dir``:
     ``metrics.jsonl``, ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and the tokenized
     corpus cache. ``init_from``: the checkpoint file of the spec's ``init_from`` (a warm start,
-    unless the run resumes from a checkpoint of its own)."""
+    unless the run resumes from a checkpoint of its own). ``rungs``: a sweep's ASHA decider,
+    asked at its steps."""
     job = job_config_from_dict(spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = load_data(job.data, job.train.seed, out_dir / "data", corpus)
     checkpoints = checkpoint_dir(out_dir)
     jsonl = JsonlSink(out_dir, append=resume and checkpoints.exists())
     try:
-        trainer = Trainer(job, data, checkpoints, FanOut(jsonl, sink), should_cancel)
+        trainer = Trainer(job, data, checkpoints, FanOut(jsonl, sink), should_cancel, rungs)
         result = trainer.run(resume=resume, init_from=init_from)
     finally:
         jsonl.close()

@@ -19,7 +19,7 @@ import optim
 from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import JobConfig, OptimizerConfig, TrainConfig
 from .data import TokenData
-from .early_stop import EarlyStop
+from .early_stop import EarlyStop, RungCheck
 from .models import build_model
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import SUMMARY_KEYS, Report, TelemetrySink, model_metrics, to_floats
@@ -45,7 +45,7 @@ class TimeLimitReached(TrainingError):
 
 @dataclass
 class RunResult:
-    status: str  # "succeeded" | "cancelled"
+    status: str  # "succeeded" | "cancelled" | "stopped_early" (stopped at a rung by ``rungs``)
     steps: int  # optimizer steps completed
     summary: dict[str, Any]  # the latest value of each SUMMARY_KEYS metric (and STOP_KEYS, if it stopped early)
     tokens_per_s: float | None  # over the run's training steps (the summary's is the last step's)
@@ -134,6 +134,7 @@ class Trainer:
         checkpoint_dir: Path | None,
         sink: TelemetrySink,
         should_cancel: Callable[[], bool] | None = None,
+        rungs: RungCheck | None = None,
     ) -> None:
         self.job = replace(job, model=replace(job.model, vocab_size=data.vocab_size))
         self.data, self.sink, self.checkpoint_dir = data, sink, checkpoint_dir
@@ -148,6 +149,9 @@ class Trainer:
         self._clock = (time.perf_counter(), 0.0)  # (when this attempt's run started, elapsed_s before it)
         self.early_stop = EarlyStop.of(job.train.early_stop) if job.train.early_stop else None
         self.stopped_at: int | None = None  # the step the run stopped at, early (before train.steps)
+        self.stop_reason: str | None = None
+        self.rungs = rungs
+        self.stopped_at_rung = False  # stopped by ``rungs`` (status stopped_early), not by early_stop
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -155,7 +159,7 @@ class Trainer:
         stopped early, where and why."""
         summary: dict[str, Any] = {k: self.last[k] for k in SUMMARY_KEYS if k in self.last}
         if self.stopped_at is not None:
-            summary.update(stopped_at=self.stopped_at, stop_reason=self.early_stop.reason())
+            summary.update(stopped_at=self.stopped_at, stop_reason=self.stop_reason)
         return summary
 
     # -- the loop -------------------------------------------------------------------------------
@@ -172,7 +176,8 @@ class Trainer:
         while True:
             step = self.step
             values: dict[str, Any] = {}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            at_rung = self.rungs is not None and step in self.rungs.steps and 0 < step < cfg.steps
+            if step % cfg.eval_every == 0 or step == cfg.steps or at_rung:
                 values["val_loss"] = self.evaluate()
                 self.last["val_loss"] = float(values["val_loss"])  # in the checkpoint written next
                 self.write_sample()
@@ -203,15 +208,21 @@ class Trainer:
                 if report:
                     values.update(step_time_ms=dt * 1e3, tokens_per_s=n_tokens / dt)
                 self._report(step, values)
-        return self._result("succeeded", tokens, step_seconds, start_wall)
+        return self._result("stopped_early" if self.stopped_at_rung else "succeeded", tokens, step_seconds, start_wall)
 
     def _judge(self, step: int, values: dict[str, Any]) -> None:
-        """Early stopping (``train.early_stop``) on the evaluation at ``step``: the run stops here
-        if it is to stop before its last step (at the last step it simply ends)."""
-        stop = self.early_stop
+        """Early stopping (``train.early_stop``), then the rung decider (``rungs``, at its steps),
+        on the evaluation at ``step``: the run stops here if it is to stop before its last step (at
+        the last step it simply ends)."""
+        stop, rungs = self.early_stop, self.rungs
         if stop is not None and stop.judge(step, float(values[stop.metric])) and step < self.job.train.steps:
-            self.stopped_at = step
-            self.sink.log("info", f"stopped early at step {step}: {stop.reason()}")
+            self.stopped_at, self.stop_reason = step, stop.reason()
+            self.sink.log("info", f"stopped early at step {step}: {self.stop_reason}")
+        if self.stopped_at is None and rungs is not None and step in rungs.steps and 0 < step < self.job.train.steps:
+            reason = rungs.decide(step, float(values[rungs.metric]))
+            if reason is not None:
+                self.stopped_at, self.stop_reason, self.stopped_at_rung = step, reason, True
+                self.sink.log("info", f"stopped early at step {step}: {reason}")
 
     def _past_time_limit(self) -> bool:
         """Whether the run's wall time (``elapsed_s``, attempts end to end) passed ``max_minutes``."""

@@ -1,0 +1,57 @@
+"""/v1/sweeps: hyperparameter sweeps whose trials are ordinary jobs (thin routes over
+app.services.sweeps)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from app.deps import After, SweepId, Work
+from app.job_status import SweepStatus
+from app.routes.jobs import ERRORS
+from app.schemas import api as schemas
+from app.schemas.sweep import SweepSpec
+from app.services import sweeps as service
+
+router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
+
+
+@router.post("", status_code=201, response_model=schemas.SweepDetail, responses={**ERRORS, 403: ERRORS[401]})
+async def create_sweep(spec: SweepSpec, work: Work) -> schemas.SweepDetail:
+    """Validate the sweep and every trial's JobSpec (the base with the trial's values; a 422
+    names `space.<path>` or `base.<field>`, and nothing is stored), store it and start its first
+    trials: at most `max_concurrent` of its trials are queued or running at once, and never more
+    than the tenant's job cap allows; the others wait and start as trials finish. With `asha`,
+    a trial reaching a rung continues only if its metric is within the top
+    max(1, floor(n / reduction_factor)) of the n results recorded at that rung so far (itself
+    included); otherwise it ends `stopped_early`. Each decision is taken once, by the database.
+    Once every trial has finished, the sweep is `completed` and `sweep.completed` is sent to
+    the webhooks that take it."""
+    return await work(service.create_sweep, spec, work.settings)
+
+
+@router.get("", response_model=schemas.SweepList, responses=ERRORS)
+async def list_sweeps(
+    work: Work,
+    status: SweepStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=service.MAX_LIMIT)] = 20,
+    after: After = None,
+) -> schemas.SweepList:
+    """Newest first, each with its trials' counts by status and its best trial. Pass the
+    previous page's `next_after` as `after`."""
+    return await work(service.list_sweeps, limit, after, status)
+
+
+@router.get("/{sweep_id}", response_model=schemas.SweepDetail, responses=ERRORS)
+async def get_sweep(sweep_id: SweepId, work: Work) -> schemas.SweepDetail:
+    """The sweep, every trial (parameters, job, status, latest metric, ASHA rung results) and
+    the best trial: the succeeded one with the best metric."""
+    return await work(service.show_sweep, sweep_id)
+
+
+@router.post("/{sweep_id}/cancel", response_model=schemas.SweepDetail, responses=ERRORS)
+async def cancel_sweep(sweep_id: SweepId, work: Work) -> schemas.SweepDetail:
+    """No trial starts any more: queued trials are cancelled at once, running ones are
+    `cancelling` until their workers stop. A cancelled sweep answers as it is; a completed one, 409."""
+    return await work(service.cancel_sweep, sweep_id, work.bus)

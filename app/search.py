@@ -1,0 +1,109 @@
+"""A sweep's pure parts: the trials of a search space (grid or seeded random), a value set at a
+JobSpec path, and the ASHA rule. No database, no I/O (tests/test_search.py).
+
+The ASHA rule (asynchronous successive halving, stop-based, as in Li et al., "A System for
+Massively Parallel Hyperparameter Tuning", and Determined's ASHA): when a trial reaches a rung,
+its metric is recorded there and it continues iff it is within the top ``max(1, floor(n / eta))``
+of the ``n`` results recorded at that rung so far, itself included (``eta`` the reduction
+factor); otherwise it stops. "Within the top k" means fewer than k results are strictly better
+(ties continue); a non-finite value ranks below every finite one. The first trial to reach a
+rung always continues; as results accumulate, a rung keeps about one in ``eta``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Params = dict[str, Any]  # {spec path ("optimizer.lr"): value}
+
+
+class BadPath(ValueError):
+    """A path that names no place in a spec (it goes through a value that is not an object)."""
+
+
+def grid(space: Mapping[str, Mapping[str, Any]]) -> list[Params]:
+    """Every combination of the ``values`` of each path, the first path varying slowest (the
+    space's order); the caller checks that every parameter is a ``values`` list."""
+    paths = list(space)
+    return [dict(zip(paths, combo)) for combo in itertools.product(*(space[p]["values"] for p in paths))]
+
+
+def sample(space: Mapping[str, Mapping[str, Any]], n: int, seed: int) -> list[Params]:
+    """``n`` trials drawn at random with ``seed``: the same space and seed give the same trials
+    whatever the order of its keys (paths are drawn in sorted order)."""
+    rng = random.Random(seed)
+    trials = []
+    for _ in range(n):
+        trial = {path: draw(space[path], rng) for path in sorted(space)}
+        trials.append({path: trial[path] for path in space})  # shown in the space's order
+    return trials
+
+
+def draw(param: Mapping[str, Any], rng: random.Random) -> Any:
+    """One value of a parameter: {values: [...]}, {uniform: [lo, hi]}, {log_uniform: [lo, hi]}
+    (lo > 0; uniform in log space) or {int_uniform: [lo, hi]} (both ends included)."""
+    if param.get("values") is not None:
+        return copy.deepcopy(rng.choice(param["values"]))
+    if param.get("uniform") is not None:
+        lo, hi = param["uniform"]
+        return rng.uniform(lo, hi)
+    if param.get("log_uniform") is not None:
+        lo, hi = param["log_uniform"]
+        return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    if param.get("int_uniform") is not None:
+        lo, hi = param["int_uniform"]
+        return rng.randint(int(lo), int(hi))
+    raise ValueError(f"a parameter needs one of values, uniform, log_uniform, int_uniform (got {sorted(param)})")
+
+
+def with_params(base: Mapping[str, Any], params: Params) -> dict[str, Any]:
+    """A copy of ``base`` with each path set to its value (objects created on the way)."""
+    spec = copy.deepcopy(dict(base))
+    for path, value in params.items():
+        node = spec
+        *parents, leaf = path.split(".")
+        for key in parents:
+            child = node.setdefault(key, {})
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise BadPath(f"{path}: {key} is not an object in the spec")
+            node = child
+        node[leaf] = copy.deepcopy(value)
+    return spec
+
+
+def rank_key(value: float, mode: str) -> float:
+    """Smaller is better; a non-finite value is the worst."""
+    if not math.isfinite(value):
+        return math.inf
+    return value if mode == "min" else -value
+
+
+def asha_keep(n: int, eta: int) -> int:
+    """How many of ``n`` results at a rung continue: the top max(1, floor(n / eta))."""
+    return max(1, n // eta)
+
+
+def asha_continues(recorded: Sequence[float], value: float, eta: int, mode: str) -> bool:
+    """The ASHA decision for ``value``, the newest of the results ``recorded`` at a rung (it
+    included, in the order they were recorded): whether the trial continues."""
+    mine = rank_key(value, mode)
+    better = sum(1 for other in recorded if rank_key(other, mode) < mine)
+    return better < asha_keep(len(recorded), eta)
+
+
+def replay(values: Sequence[float], eta: int, mode: str) -> list[bool]:
+    """The decisions the rule takes on the results of one rung arriving in this order."""
+    return [asha_continues(values[: i + 1], v, eta, mode) for i, v in enumerate(values)]
+
+
+def best(values: Mapping[str, float | None], mode: str) -> str | None:
+    """The key of the best finite value (the first on a tie), or None."""
+    finite = [(rank_key(v, mode), k) for k, v in values.items() if v is not None and math.isfinite(v)]
+    return min(finite, key=lambda item: item[0])[1] if finite else None

@@ -1,0 +1,313 @@
+"""Sweeps: submission (every trial's spec validated, the sweep, its trials and its first jobs
+stored in one transaction), list, get, cancel; ``advance``, which starts the next trials as
+slots free up and completes the sweep; ``record_rung``, the ASHA decision of a trial at a rung.
+The rules themselves are pure functions (app.search). Services never commit.
+
+Trials are ordinary jobs, inserted through the job intake's own stages (``prepare_submission``,
+``insert_submissions``): the tenant's job cap holds exactly, and a trial beyond it or beyond the
+sweep's ``max_concurrent`` waits in ``sweep_trials`` until ``advance`` starts it. ``advance``
+runs after a trial's final status has committed (the worker's finish) and from every reaper pass
+(a trial cancelled or reaped, a slot freed by another job, a process that died in between): the
+database, not a process's memory, says which trial starts next.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from app import search
+from app.broker import send_train_tasks
+from app.db.base import utcnow
+from app.db.models import Job, Sweep, SweepRung, SweepTrial, Tenant
+from app.db.session import on_commit, transaction
+from app.errors import Conflict, DomainError, NotFound, RateLimited, TenantSuspended, ValidationFailed
+from app.job_status import JobStatus, SweepStatus
+from app.live import LiveBus
+from app.repositories.jobs import JobRepository
+from app.repositories.sweeps import SweepRepository
+from app.schemas import JobSpec
+from app.schemas import api as schemas
+from app.schemas.sweep import SweepSpec
+from app.services import webhooks
+from app.services.auth import TenantRef
+from app.services.caps import check_caps
+from app.services.intake import data_facts, insert_submissions, prepare_submission
+from app.services.job_events import record_status
+from app.services.tenants import job_cap
+from app.services.warm_start import parent_columns
+from app.settings import Settings
+from app.webhook_events import WebhookEventType
+
+log = logging.getLogger("muonforge.sweeps")
+MAX_LIMIT = 100
+
+
+# -- submission ----------------------------------------------------------------------------------
+def trial_params(spec: SweepSpec) -> list[search.Params]:
+    """The sweep's trials' parameters: the grid's combinations (the first ``max_trials``) or
+    ``max_trials`` seeded draws."""
+    space = {path: p.model_dump() for path, p in spec.space.items()}
+    if spec.method == "grid":
+        for path, param in spec.space.items():
+            if param.kind != "values":
+                message = f"method grid takes values lists only ({path} has {param.kind})"
+                raise ValidationFailed(message, f"space.{path}")
+        combos = search.grid(space)
+        if spec.max_trials is None and len(combos) > 100:
+            raise ValidationFailed(f"the grid has {len(combos)} combinations, more than 100: set max_trials", "space")
+        return combos[: spec.max_trials or len(combos)]
+    return search.sample(space, spec.max_trials or 1, spec.seed)
+
+
+def trial_spec(spec: SweepSpec, number: int, params: search.Params) -> dict[str, Any]:
+    """Trial ``number``'s JobSpec, validated, defaults filled in; a 422 names the swept path
+    (``space.optimizer.lr``) or the base's field (``base.train.steps``) that makes it invalid."""
+    try:
+        merged = search.with_params(spec.base, params)
+    except search.BadPath as exc:
+        path = str(exc).split(":", 1)[0]
+        raise ValidationFailed(f"space.{path} names no place in a JobSpec: {exc}", f"space.{path}") from None
+    if merged.get("name") is None:
+        merged["name"] = f"{spec.name or 'sweep'} #{number}"
+    try:
+        job = JobSpec.model_validate(merged)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = ".".join(str(p) for p in error["loc"])
+        swept = next((p for p in params if loc == p or loc.startswith(p + ".") or p.startswith(loc + ".")), None)
+        param = f"space.{swept}" if swept else f"base.{loc}" if loc else "base"
+        value = f" ({swept} = {params[swept]!r}, trial {number})" if swept else ""
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise ValidationFailed(f"{loc or 'the spec'}: {message}{value}", param) from None
+    if spec.asha is not None and spec.asha.rungs[-1] >= job.train.steps:
+        raise ValidationFailed(
+            f"every rung must come before the trial's last step (train.steps {job.train.steps}, trial {number})",
+            "asha.rungs",
+        )
+    return job.model_dump(mode="json")
+
+
+def check_trial(session: Session, tenant: TenantRef, spec: dict[str, Any], settings: Settings) -> None:
+    """What the intake checks of a job before its insert, bar the job cap (a trial waits for
+    it): the dataset, the resource caps, the warm start's checkpoint."""
+    dumped = dict(spec, train=dict(spec["train"]))
+    if dumped["train"]["max_minutes"] is None:
+        dumped["train"]["max_minutes"] = settings.max_job_minutes
+    vocab, corpus_bytes = data_facts(session, tenant, dumped["data"])
+    check_caps(dumped, vocab, corpus_bytes, settings)
+    parent_columns(session, tenant, dumped, vocab)
+
+
+def create_sweep(session: Session, tenant: TenantRef, spec: SweepSpec, settings: Settings) -> schemas.SweepDetail:
+    """Validate every trial, store the sweep and its trials, and start the first ones (their
+    tasks go out once the transaction has committed). Nothing is stored on a 422."""
+    if job_cap(tenant.job_cap, settings.tenant_job_cap) <= 0:
+        raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
+    trials = []
+    for number, params in enumerate(trial_params(spec)):
+        job_spec = trial_spec(spec, number, params)
+        try:
+            check_trial(session, tenant, job_spec, settings)
+        except ValidationFailed as exc:
+            swept = next((p for p in params if exc.param and (exc.param + ".").startswith(p + ".")), None)
+            exc.param = f"space.{swept}" if swept else f"base.{exc.param}" if exc.param else "base"
+            raise
+        trials.append({"number": number, "params": params, "spec": job_spec})
+    sweep = Sweep(
+        tenant_id=tenant.id, name=spec.name, status=SweepStatus.RUNNING, request=spec.model_dump(mode="json"),
+        metric=spec.metric, mode=spec.mode, max_concurrent=spec.max_concurrent,
+        asha=spec.asha.model_dump() if spec.asha else None,
+    )  # fmt: skip
+    SweepRepository(session).add(sweep, trials)
+    advance(session, sweep.id, settings)
+    return sweep_detail(session, sweep)
+
+
+# -- starting trials -----------------------------------------------------------------------------
+def advance(session: Session, sweep_id: str, settings: Settings, skip_locked: bool = False) -> int:
+    """Under the sweep's lock: start its next trials, as many as ``max_concurrent`` and the
+    tenant's job cap leave room for (their tasks are sent after commit), or, once every trial
+    has finished, complete the sweep (``sweep.completed`` webhook, once). Returns how many trials
+    started. ``skip_locked``: leave a sweep another transaction is advancing (the reaper)."""
+    repo = SweepRepository(session)
+    sweep = repo.lock(sweep_id, skip_locked=skip_locked)
+    if sweep is None or sweep.status != SweepStatus.RUNNING:
+        return 0
+    room = sweep.max_concurrent - repo.active_trials(sweep_id)
+    pending = repo.pending(sweep_id, max(room, 1))
+    if not pending:
+        if not repo.unfinished_jobs(sweep_id) and repo.finish(sweep_id, SweepStatus.COMPLETED):
+            payload = sweep_payload(session, repo.lock(sweep_id))
+            webhooks.enqueue(session, sweep.tenant_id, WebhookEventType.SWEEP_COMPLETED, payload)
+        return 0
+    if room <= 0:
+        return 0
+    row = session.get(Tenant, sweep.tenant_id)
+    tenant = TenantRef(id=row.id, name=row.name, job_cap=row.job_cap)
+    submissions = []
+    for trial in pending:
+        try:
+            sub = prepare_submission(session, tenant, JobSpec.model_validate(trial.spec), None, settings)
+        except (RateLimited, TenantSuspended):
+            break  # the job cap: it waits for a slot
+        except DomainError as exc:  # its dataset or checkpoint went away since submission
+            repo.start_trial(sweep_id, trial.number, None, {"code": exc.code, "message": exc.message})
+            continue
+        sub.row["sweep_id"] = sweep_id
+        submissions.append((trial, sub))
+    started = []
+    for (trial, _), result in zip(submissions, insert_submissions(session, [s for _, s in submissions])):
+        if isinstance(result, tuple):
+            repo.start_trial(sweep_id, trial.number, result[0].id)
+            started.append((result[0].id, result[0].queue))
+    if started:
+        on_commit(session, partial(send_train_tasks, settings, started))
+    return len(started)
+
+
+def advance_after(settings: Settings, sweep_id: str) -> int:
+    """``advance`` in a transaction of its own (after a trial's final status has committed)."""
+    with transaction(settings) as session:
+        return advance(session, sweep_id, settings)
+
+
+def advance_running(settings: Settings) -> int:
+    """``advance`` every running sweep, each in a transaction of its own (the reaper's pass)."""
+    with transaction(settings) as session:
+        ids = SweepRepository(session).running_ids()
+    started = 0
+    for sweep_id in ids:
+        with transaction(settings) as session:
+            started += advance(session, sweep_id, settings, skip_locked=True)
+    return started
+
+
+# -- ASHA ----------------------------------------------------------------------------------------
+def record_rung(session: Session, sweep_id: str, job_id: str, rung: int, value: float) -> SweepRung:
+    """The ASHA decision of trial ``job_id`` at ``rung`` (a step) with its metric ``value``:
+    made once, under the sweep's lock, against the results recorded at the rung before it, and
+    stored; a second call (a retry, a resumed attempt) returns the stored one."""
+    repo = SweepRepository(session)
+    sweep = repo.lock(sweep_id)
+    if sweep is None or not sweep.asha:
+        raise NotFound(f"no sweep {sweep_id!r} with ASHA")
+    existing = repo.rung(job_id, rung)
+    if existing is not None:
+        return existing
+    recorded = [*repo.rung_values(sweep_id, rung), value]
+    go_on = search.asha_continues(recorded, value, sweep.asha["reduction_factor"], sweep.mode)
+    return repo.add_rung(sweep_id, job_id, rung, len(recorded), value, go_on)
+
+
+def stop_reason(decision: SweepRung, metric: str, eta: int) -> str | None:
+    """None if the trial goes on, else why it stopped (its summary's stop_reason)."""
+    if decision.go_on:
+        return None
+    keep = search.asha_keep(decision.position, eta)
+    return (
+        f"ASHA stopped it at rung {decision.rung}: {metric} {decision.value:.4g} was not in the top {keep} of "
+        f"the {decision.position} result(s) recorded there"
+    )
+
+
+# -- reads ---------------------------------------------------------------------------------------
+def get_sweep(session: Session, tenant: TenantRef, sweep_id: str) -> Sweep:
+    sweep = SweepRepository(session).get(sweep_id, tenant.id)
+    if sweep is None:
+        raise NotFound(f"no sweep {sweep_id!r}", param="sweep_id")
+    return sweep
+
+
+def show_sweep(session: Session, tenant: TenantRef, sweep_id: str) -> schemas.SweepDetail:
+    return sweep_detail(session, get_sweep(session, tenant, sweep_id))
+
+
+def list_sweeps(
+    session: Session, tenant: TenantRef, limit: int, after: str | None, status: str | None = None
+) -> schemas.SweepList:
+    rows = SweepRepository(session).page(tenant.id, limit, after, status)
+    page = rows[:limit]
+    more = len(rows) > limit
+    trials = trial_views(session, page)
+    data = [summary(sweep, trials[sweep.id]) for sweep in page]
+    return schemas.SweepList(data=data, has_more=more, next_after=page[-1].id if more else None)
+
+
+def trial_views(session: Session, sweeps: list[Sweep]) -> dict[str, list[schemas.SweepTrial]]:
+    """Each sweep's trials as the API shows them, with their jobs and rung decisions (two
+    queries for a page of sweeps)."""
+    repo = SweepRepository(session)
+    ids = [s.id for s in sweeps]
+    rungs: dict[str, list[schemas.SweepRung]] = {}
+    for r in repo.rungs(ids):  # by rung: each trial's ascending
+        rungs.setdefault(r.job_id, []).append(
+            schemas.SweepRung(rung=r.rung, value=r.value, position=r.position, continued=r.go_on)
+        )
+    metric = {s.id: s.metric for s in sweeps}
+    return {
+        sweep_id: [trial_view(t, j, metric[sweep_id], rungs.get(t.job_id or "", [])) for t, j in pairs]
+        for sweep_id, pairs in repo.trials(ids).items()
+    }
+
+
+def sweep_detail(session: Session, sweep: Sweep) -> schemas.SweepDetail:
+    trials = trial_views(session, [sweep])[sweep.id]
+    return schemas.SweepDetail(**summary(sweep, trials).model_dump(), trials=trials)
+
+
+def sweep_payload(session: Session, sweep: Sweep) -> dict[str, Any]:
+    """The sweep as GET /v1/sweeps/{id} shows it (the sweep.completed webhook's data)."""
+    return sweep_detail(session, sweep).model_dump(mode="json")
+
+
+def trial_view(trial: SweepTrial, job: Job | None, metric: str, rungs: list[schemas.SweepRung]) -> schemas.SweepTrial:
+    status = job.status if job is not None else "not_started" if trial.error else "pending"
+    value = (job.summary or {}).get(metric) if job is not None else None
+    return schemas.SweepTrial(
+        number=trial.number, params=trial.params, job_id=trial.job_id, status=status,
+        metric=value if isinstance(value, int | float) else None, step=job.progress_step if job else 0,
+        rungs=rungs, error=trial.error,
+    )  # fmt: skip
+
+
+def summary(sweep: Sweep, trials: list[schemas.SweepTrial]) -> schemas.Sweep:
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t.status] = counts.get(t.status, 0) + 1
+    succeeded = {str(t.number): t.metric for t in trials if t.status == JobStatus.SUCCEEDED}
+    best = search.best(succeeded, sweep.mode)
+    return schemas.Sweep(
+        id=sweep.id, name=sweep.name, status=sweep.status, spec=sweep.request, metric=sweep.metric, mode=sweep.mode,
+        created_at=sweep.created_at, finished_at=sweep.finished_at,
+        counts=schemas.SweepCounts(total=len(trials), by_status=counts),
+        best=trials[int(best)] if best is not None else None,
+    )  # fmt: skip
+
+
+# -- cancel --------------------------------------------------------------------------------------
+def cancel_sweep(session: Session, tenant: TenantRef, sweep_id: str, bus: LiveBus) -> schemas.SweepDetail:
+    """No trial starts any more; queued trials are cancelled at once, running ones are
+    ``cancelling`` until their workers stop. A cancelled sweep answers as it is; a completed one, 409.
+
+    Locks: the sweep, then every unfinished trial's job (by id), then the status changes (each
+    job's, then, by trigger, the tenant's): no job lock is waited for while holding the tenant's."""
+    repo = SweepRepository(session)
+    get_sweep(session, tenant, sweep_id)  # 404 for another tenant's
+    sweep = repo.lock(sweep_id)
+    if sweep.status == SweepStatus.COMPLETED:
+        raise Conflict(f"sweep {sweep_id} has already completed")
+    if sweep.status == SweepStatus.RUNNING:
+        repo.finish(sweep_id, SweepStatus.CANCELLED)
+        jobs = JobRepository(session)
+        unfinished = repo.unfinished_jobs(sweep_id, lock=True)
+        now = utcnow()
+        for job in sorted(unfinished, key=lambda j: j.status == JobStatus.QUEUED):  # running ones first
+            changed = jobs.cancel_queued(job.id, now) if job.status == JobStatus.QUEUED else jobs.request_cancel(job.id)
+            if changed:
+                record_status(session, bus, job.id)
+    return sweep_detail(session, repo.lock(sweep_id))
