@@ -231,7 +231,8 @@ def in_range(chunks: Iterable[tuple[np.ndarray, np.ndarray]], lo: int, hi: int) 
 def steps_from(session: Session, job_id: str, first: int, count: int) -> list[tuple[int, dict[str, float]]]:
     """The stored telemetry steps in [first, first + count), as (step, {name: value}) in step order."""
     by_step: dict[int, dict[str, float]] = defaultdict(dict)
-    for name, steps, values in MetricRepository(session).chunks(job_id, None, first, first + count - 1):
+    last = min(first + count - 1, MAX_STEP)  # a bound past int32 would be out of range for the columns
+    for name, steps, values in MetricRepository(session).chunks(job_id, None, first, last):
         s, v = unpack(steps, values)
         inside = (s >= first) & (s < first + count)
         for step, value in zip(s[inside].tolist(), v[inside].tolist()):
