@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     max_job_minutes: float = Field(
         1440.0, gt=0, description="Wall time a job may take (train.max_minutes: its default and its cap)."
     )
+    max_nproc: int = Field(
+        8, ge=1, description="Processes per node of a job (resources.nproc; more than one: torch.distributed)."
+    )
+    max_nnodes: int = Field(1, ge=1, description="Workers one job may train on together (resources.nnodes).")
     tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
     upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
     tenant_storage_bytes: int = Field(

@@ -2,7 +2,13 @@
 while keeping the job's progress and summary current in the database, then record the outcome.
 
 Every write is fenced by the attempt number: an attempt that lost its lease (the reaper gave the
-job to another) changes nothing and stops at its next step."""
+job to another) changes nothing and stops at its next step.
+
+A job of several processes (``resources.nproc``) trains in a torch.distributed group that the
+engine launches as a child process group of this one (worker.engine.launch): the lease, the sink
+and the cancel flag stay here, rank 0's telemetry comes back over a local socket, a lost lease
+kills the group, and a rank that dies gives the job back to the queue at once (it resumes from its
+latest checkpoint, as after a lost worker, and the attempt counts against ``max_restarts``)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,8 +28,10 @@ from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.services.caps import gib, peak_memory_bytes, vocabulary
 from app.services.job_events import record_status
+from app.services.reaper import release_attempt
 from app.settings import Settings
 from worker.engine.checkpoints import checkpoint_path
+from worker.engine.launch import RankFailed
 from worker.engine.run import checkpoint_dir, run_job
 from worker.engine.trainer import TrainingError, device_type
 from worker.sink import JobSink, LeaseLost
@@ -124,12 +133,16 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
             try:
                 sink.adopt_checkpoints(checkpoint_dir(out_dir))
                 result = run_job(
-                    spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel, init_from=init_from
-                )
+                    spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel, init_from=init_from,
+                    watch=lambda: _check_lease(job_id, lease),
+                )  # fmt: skip
             finally:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
             return "lease_lost"
+        except RankFailed as exc:
+            log.warning("job %s: attempt %d lost a process of its group: %s", job_id, attempt, exc)
+            return _release(settings, job_id, attempt, f"a process of attempt {attempt}'s group exited early")
         except TrainingError as exc:
             error = {"code": exc.code, "message": str(exc)}
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
@@ -197,6 +210,28 @@ def _finish(
     return status
 
 
+def _check_lease(job_id: str, lease: Lease) -> None:
+    """LeaseLost once the lease is lost, or left to lapse after a stall."""
+    if lease.lost.is_set() or lease.stalled.is_set():
+        raise LeaseLost(f"job {job_id}: the lease was lost")
+
+
+def _release(settings: Settings, job_id: str, attempt: int, cause: str) -> str:
+    """Give the job up now (app.services.reaper.release_attempt), through a database outage of up
+    to the outage patience; past it the lease lapses and the reaper does the same."""
+    try:
+        release = partial(release_attempt, settings, job_id, attempt, cause)
+        status = retrying(release, f"job {job_id}: giving it up", settings.outage_patience_seconds)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return "handed_back"
+    if status is None:
+        return "lease_lost"
+    log.info("job %s: attempt %d gave the job up: %s", job_id, attempt, status)
+    return status
+
+
 def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
     """should_cancel for the trainer: the job's cancel flag, read at most every cancel_poll_seconds,
     or a lost lease (LeaseLost, also once the attempt stalled and let its lease lapse); every call
@@ -205,8 +240,7 @@ def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
 
     def should_cancel() -> bool:
         lease.pulse()  # asked before every step: the trainer is making progress
-        if lease.lost.is_set() or lease.stalled.is_set():
-            raise LeaseLost(f"job {job_id}: the lease was lost")
+        _check_lease(job_id, lease)
         now = time.monotonic()
         if now - state["at"] >= settings.cancel_poll_seconds:
             state["at"] = now

@@ -137,6 +137,11 @@ class JobRepository:
             lease_owner=None, lease_expires_at=None, **values,
         )  # fmt: skip
 
+    def release(self, job_id: str, attempt: int, now: datetime, status: str, error: dict | None = None) -> bool:
+        """An attempt that cannot go on (a process of its group died) gives its job up at once,
+        as the reaper does once a lease lapses: back to queued (to resume), or to its final state."""
+        return self._cas(job_id, RUNNING, attempt, **_released(now, status, error))
+
     # -- writes by the reaper -------------------------------------------------------------------
     def expired_leases(self, now: datetime) -> Sequence[Job]:
         query = select(Job).where(Job.status.in_(RUNNING), Job.lease_expires_at < now)
@@ -144,15 +149,10 @@ class JobRepository:
 
     def release_expired(self, job: Job, now: datetime, status: str, error: dict | None = None) -> bool:
         """A dead attempt's job: back to queued (to resume), or to its final state."""
-        values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None}
-        if status == JobStatus.QUEUED:
-            values["enqueued_at"] = now
-        else:
-            values.update(finished_at=now, error=error)
         stmt = (
             update(Job)
             .where(Job.id == job.id, Job.attempt == job.attempt, Job.status.in_(RUNNING), Job.lease_expires_at < now)
-            .values(**values)
+            .values(**_released(now, status, error))
         )
         return self.session.execute(stmt).rowcount == 1
 
@@ -236,3 +236,14 @@ class JobRepository:
         if attempt is not None:
             stmt = stmt.where(Job.attempt == attempt)
         return self.session.execute(stmt.values(**values)).rowcount == 1
+
+
+def _released(now: datetime, status: str, error: dict | None) -> dict[str, Any]:
+    """The values of a job whose attempt ended without finishing it: the lease dropped, and queued
+    again (sent now) or final."""
+    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None}
+    if status == JobStatus.QUEUED:
+        values["enqueued_at"] = now
+    else:
+        values.update(finished_at=now, error=error)
+    return values

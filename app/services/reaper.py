@@ -25,27 +25,47 @@ log = logging.getLogger("muonforge.reaper")
 SWEEP_SECONDS = 600.0  # how often the dataset files are swept (a directory listing per tenant)
 
 
+def after_lost_attempt(job: Job, cause: str) -> tuple[JobStatus, dict | None]:
+    """Where a job goes once its attempt is lost (``cause`` says how): cancelled if a cancel was
+    asked, failed once ``max_restarts`` resumes are used up, else back to the queue to resume from
+    its latest checkpoint."""
+    if job.cancel_requested:
+        return JobStatus.CANCELLED, None
+    if job.attempt > job.max_restarts:
+        return JobStatus.FAILED, {
+            "code": "worker_lost",
+            "message": f"{cause}; max_restarts ({job.max_restarts}) used up",
+        }
+    return JobStatus.QUEUED, None
+
+
 def release(settings: Settings, job: Job, now: datetime) -> tuple[str, str] | None:
     """Release the expired lease of ``job`` in a transaction of its own: back to the queue, or
     to its final state. Returns (job id, queue) where its task must be sent again, else None."""
-    error = None
-    if job.cancel_requested:
-        status = JobStatus.CANCELLED
-    elif job.attempt > job.max_restarts:
-        status = JobStatus.FAILED
-        error = {
-            "code": "worker_lost",
-            "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
-            f"max_restarts ({job.max_restarts}) used up",
-        }
-    else:
-        status = JobStatus.QUEUED
+    status, error = after_lost_attempt(job, f"the worker of attempt {job.attempt} stopped renewing its lease")
     with transaction(settings) as session:
         if not JobRepository(session).release_expired(job, now, status, error):
             return None  # another reaper, or the attempt itself, changed it first
         log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
         record_status(session, live_bus(settings), job.id)
     return (job.id, job.queue) if status == JobStatus.QUEUED else None
+
+
+def release_attempt(settings: Settings, job_id: str, attempt: int, cause: str) -> JobStatus | None:
+    """A live attempt that cannot go on (a process of its group died) gives its job up now, by the
+    rule of a lapsed lease (after_lost_attempt), instead of leaving it to lapse; a job sent back
+    to the queue has its task sent at once. None if the attempt no longer held the job."""
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        job = repo.fresh(job_id)
+        status, error = after_lost_attempt(job, cause)
+        queue = job.queue
+        if job.attempt != attempt or not repo.release(job_id, attempt, utcnow(), status, error):
+            return None
+        record_status(session, live_bus(settings), job_id)
+    if status == JobStatus.QUEUED:  # after commit
+        send_train_tasks(settings, [(job_id, queue)])
+    return status
 
 
 def reap_once(settings: Settings) -> int:

@@ -1,0 +1,110 @@
+"""The line between a job's ranks and the process that launched their group (launch.run_group).
+
+Every rank connects to the launcher's local socket and says who it is (rank, pid, the launch's
+token); rank 0 then streams what the trainer hands its sink, a pulse before its steps and the
+run's outcome, as JSON lines, and the launcher answers ``cancel`` when the job is to stop. A
+rank whose launcher is gone (the line ends) exits at once: nothing outlives the attempt that
+started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .telemetry import Report, TelemetrySink
+from .trainer import RunResult
+
+ADDRESS_ENV = "MUONFORGE_GROUP_ADDRESS"  # host:port of the launcher's socket
+TOKEN_ENV = "MUONFORGE_GROUP_TOKEN"  # proves a connection is one of this launch's ranks
+PULSE_SECONDS = 0.25  # rank 0 asks whether to stop at most this often (the launcher pulses the lease)
+ORPHANED_EXIT = 75  # a rank's exit status once its launcher is gone
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    return json.dumps(record).encode() + b"\n"
+
+
+class RankChannel:
+    """A rank's end of the line; on rank 0 also the trainer's sink and its should_cancel."""
+
+    def __init__(self, address: str, token: str, rank: int) -> None:
+        host, port = address.rsplit(":", 1)
+        self._sock = socket.create_connection((host, int(port)), timeout=30)
+        self._sock.settimeout(None)
+        self._cancel, self._closing = threading.Event(), False
+        self._pulsed = 0.0
+        self._send({"kind": "hello", "rank": rank, "pid": os.getpid(), "token": token})
+        threading.Thread(target=self._listen, name="launcher", daemon=True).start()
+
+    def _send(self, record: dict[str, Any]) -> None:
+        self._sock.sendall(encode(record))
+
+    def _listen(self) -> None:
+        """Take ``cancel``; once the line ends the launcher is gone (killed, or it stopped the
+        group): leave now, without the interpreter's teardown."""
+        with self._sock.makefile("rb") as lines:
+            try:
+                for line in lines:
+                    if json.loads(line).get("kind") == "cancel":
+                        self._cancel.set()
+            except (OSError, ValueError):
+                pass
+        if not self._closing:
+            print("the process that launched this group is gone: exiting", file=sys.stderr, flush=True)
+            os._exit(ORPHANED_EXIT)
+
+    # -- the engine's TelemetrySink (rank 0) ------------------------------------------------------
+    def metrics(self, report: Report) -> None:
+        self._send({"kind": "metrics", **asdict(report)})
+
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
+        self._send({"kind": "checkpoint", "step": step, "path": str(path), "bytes": nbytes, "metrics": metrics})
+
+    def log(self, level: str, message: str) -> None:
+        self._send({"kind": "log", "level": level, "message": message})
+
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        self._send({"kind": "sample", "step": step, "prompt": prompt, "text": text})
+
+    def should_cancel(self) -> bool:
+        """Asked before every step: a pulse to the launcher now and then, and its answer so far."""
+        now = time.monotonic()
+        if now - self._pulsed >= PULSE_SECONDS:
+            self._pulsed = now
+            self._send({"kind": "pulse"})
+        return self._cancel.is_set()
+
+    # -- the outcome (rank 0) -----------------------------------------------------------------------
+    def result(self, result: RunResult) -> None:
+        self._send({"kind": "result", **asdict(result)})
+
+    def error(self, code: str, message: str) -> None:
+        self._send({"kind": "error", "code": code, "message": message})
+
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # ends the listening thread's read
+        self._sock.close()
+
+
+def deliver(record: dict[str, Any], sink: TelemetrySink) -> None:
+    """Hand a record of rank 0's telemetry to the launcher's sink, as the trainer would have."""
+    kind = record["kind"]
+    if kind == "metrics":
+        sink.metrics(Report(record["step"], record["values"], record["completed"], record["summary"]))
+    elif kind == "checkpoint":
+        sink.checkpoint(record["step"], Path(record["path"]), record["bytes"], record["metrics"])
+    elif kind == "log":
+        sink.log(record["level"], record["message"])
+    elif kind == "sample":
+        sink.sample(record["step"], record["prompt"], record["text"])

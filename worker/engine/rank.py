@@ -1,0 +1,65 @@
+"""One rank of a job's torch.distributed group: ``python -m worker.engine.rank``, as torchrun
+starts it for launch.run_group. It joins the group, connects to the launcher, and trains its
+share of the job; rank 0 streams the telemetry, checkpoints and the outcome back."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from .channel import ADDRESS_ENV, TOKEN_ENV, RankChannel
+from .config import job_config_from_dict
+from .distributed import join_group, leave_group
+from .run import run_process
+from .trainer import TrainingError, resolve_device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.engine.rank")
+    parser.add_argument("--spec", type=Path, required=True, help="the validated JobSpec, as JSON")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--corpus", type=Path)
+    parser.add_argument("--fresh", action="store_true", help="do not resume from a checkpoint")
+    parser.add_argument("--init-from", type=Path, help="a warm start's checkpoint file (every rank loads it)")
+    args = parser.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    rank = int(os.environ["RANK"])
+    channel = RankChannel(os.environ[ADDRESS_ENV], os.environ[TOKEN_ENV], rank)
+    lead = rank == 0
+    try:
+        device, _ = resolve_device(job_config_from_dict(spec).train)
+        group = join_group(device.type == "cuda")
+        result = run_process(
+            spec, args.out, args.corpus, sink=channel if lead else None,
+            should_cancel=channel.should_cancel if lead else None, resume=not args.fresh, group=group,
+            init_from=args.init_from,
+        )  # fmt: skip
+        if lead:
+            channel.result(result)
+        return 0
+    except TrainingError as exc:
+        # Every rank raises it at the same step (the decisions are collective): rank 0 reports it,
+        # the others leave quietly, so that torchrun does not stop rank 0 before it has.
+        if lead:
+            channel.error(exc.code, str(exc))
+        return 1 if lead else 0
+    except torch.OutOfMemoryError as exc:
+        if lead:
+            channel.error("out_of_memory", str(exc))
+        raise
+    except Exception as exc:
+        if lead:
+            channel.error("internal", f"rank 0: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        leave_group()
+        channel.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
