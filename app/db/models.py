@@ -96,6 +96,11 @@ class Job(Timestamped, Base):
     parent_job_id: Mapped[str | None] = mapped_column(IdColumn)
     parent_step: Mapped[int | None] = mapped_column(Integer)
 
+    @property
+    def nnodes(self) -> int:
+        """The workers that train the job together (``resources.nnodes``): its tasks per enqueue."""
+        return int((self.spec.get("resources") or {}).get("nnodes", 1))
+
     __table_args__ = (
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
         Index("ix_jobs_tenant_id_status_id", "tenant_id", "status", "id"),
@@ -104,6 +109,24 @@ class Job(Timestamped, Base):
         Index("ix_jobs_parent_job_id", "parent_job_id"),  # the checkpoints a job's retention keeps for others
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_id_idempotency_key"),
     )
+
+
+class JobNode(Base):
+    """A node slot of a job of several nodes (``resources.nnodes``) in its current attempt: the
+    worker that holds it, under a lease of its own. Node 0 is the worker that claimed the job (the
+    job's lease is its lease); it publishes where the others meet it: the c10d rendezvous, and the
+    socket of its launcher, which global rank 0 reports to."""
+
+    __tablename__ = "job_nodes"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    node: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    owner: Mapped[str | None] = mapped_column(String(200))  # None: free
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    rendezvous: Mapped[str | None] = mapped_column(String(300))  # node 0: host:port of the c10d store
+    run_id: Mapped[str | None] = mapped_column(String(64))  # node 0: the rendezvous's id
+    report: Mapped[str | None] = mapped_column(String(300))  # node 0: host:port of its launcher's socket
+    token: Mapped[str | None] = mapped_column(String(64))  # node 0: what a rank shows that socket
 
 
 class JobEvent(Base):

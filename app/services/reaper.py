@@ -10,7 +10,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 
-from app.broker import send_train_tasks
+from app.broker import send_train_tasks, train_tasks
 from app.db.base import utcnow
 from app.db.models import Job
 from app.db.session import transaction
@@ -39,16 +39,17 @@ def after_lost_attempt(job: Job, cause: str) -> tuple[JobStatus, dict | None]:
     return JobStatus.QUEUED, None
 
 
-def release(settings: Settings, job: Job, now: datetime) -> tuple[str, str] | None:
+def release(settings: Settings, job: Job, now: datetime) -> list[tuple[str, str]]:
     """Release the expired lease of ``job`` in a transaction of its own: back to the queue, or
-    to its final state. Returns (job id, queue) where its task must be sent again, else None."""
+    to its final state. Returns its tasks (job id, queue), one per node, where they must be sent
+    again, else none."""
     status, error = after_lost_attempt(job, f"the worker of attempt {job.attempt} stopped renewing its lease")
     with transaction(settings) as session:
         if not JobRepository(session).release_expired(job, now, status, error):
-            return None  # another reaper, or the attempt itself, changed it first
+            return []  # another reaper, or the attempt itself, changed it first
         log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
         record_status(session, live_bus(settings), job.id)
-    return (job.id, job.queue) if status == JobStatus.QUEUED else None
+    return train_tasks(job.id, job.queue, job.nnodes) if status == JobStatus.QUEUED else []
 
 
 def release_attempt(settings: Settings, job_id: str, attempt: int, cause: str) -> JobStatus | None:
@@ -59,12 +60,12 @@ def release_attempt(settings: Settings, job_id: str, attempt: int, cause: str) -
         repo = JobRepository(session)
         job = repo.fresh(job_id)
         status, error = after_lost_attempt(job, cause)
-        queue = job.queue
+        tasks = train_tasks(job_id, job.queue, job.nnodes)
         if job.attempt != attempt or not repo.release(job_id, attempt, utcnow(), status, error):
             return None
         record_status(session, live_bus(settings), job_id)
     if status == JobStatus.QUEUED:  # after commit
-        send_train_tasks(settings, [(job_id, queue)])
+        send_train_tasks(settings, tasks)
     return status
 
 
@@ -77,9 +78,10 @@ def reap_once(settings: Settings) -> int:
     now = utcnow()
     with transaction(settings) as session:
         expired = JobRepository(session).expired_leases(now)
-    resend = [task for job in expired if (task := release(settings, job, now))]
+    resend = [task for job in expired for task in release(settings, job, now)]
     with transaction(settings) as session:  # no status change: locks queued jobs' rows only
-        resend += JobRepository(session).stale_queued(now - timedelta(seconds=settings.requeue_after_seconds))
+        for job in JobRepository(session).stale_queued(now - timedelta(seconds=settings.requeue_after_seconds)):
+            resend += train_tasks(job.id, job.queue, job.nnodes)
     if resend:  # after commit
         send_train_tasks(settings, resend)
     return len(resend)

@@ -179,7 +179,7 @@ INVALID = [
     (_with("train.early_stop", {"metric": "accuracy"}), "train.early_stop.metric"),
     (_with("resources.nproc", 0), "resources.nproc"),
     (_with("resources.nproc", 16) | {"train": {"batch_size": 16}}, "resources.nproc"),  # over the server's 8
-    (_with("resources.nnodes", 2), "resources.nnodes"),  # over the server's 1
+    (_with("resources.nnodes", 8) | {"train": {"batch_size": 8}}, "resources.nnodes"),  # over the server's 4
     (_with("resources.nnodes", 0), "resources.nnodes"),
     (_with("resources.size", 2), "resources.size"),
     # The global batch of 4 does not split over 3 processes.

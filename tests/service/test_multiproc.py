@@ -1,21 +1,38 @@
-"""Jobs of two processes (resources.nproc: 2) run by a real Celery worker through torchrun: end to
-end with one telemetry record per step, a rank killed mid-run, cancel, a worker killed."""
+"""Jobs of two processes run by real Celery workers through torchrun: two processes on one worker
+(resources.nproc: 2) and one on each of two workers (resources.nnodes: 2). End to end with one
+telemetry record per step, a rank killed mid-run, cancel, a worker killed."""
 
 from __future__ import annotations
 
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
+from app.db.base import utcnow
 from app.db.session import transaction
 from app.repositories.jobs import JobRepository
+from app.services.reaper import release_attempt
 from muonforge.client import Client
 from tests.service.conftest import tiny_spec, wait_for
+from worker.engine.launch import Meeting
+from worker.gang import this_node
+from worker.lease import GangBroken, Lease
 
 
-def group_spec(steps: int, **train) -> dict:
-    return tiny_spec(steps=steps, **train) | {"resources": {"nproc": 2}}
+def group_spec(steps: int, nnodes: int = 1, **train) -> dict:
+    return tiny_spec(steps=steps, **train) | {"resources": {"nproc": 2 // nnodes, "nnodes": nnodes}}
+
+
+def follow(api_url, auth, job_id, until):
+    """The job's events, as a client streamed them while ``until()`` ran."""
+    with Client(api_url, auth["Authorization"].split()[1]) as follower, ThreadPoolExecutor(1) as pool:
+        streamed = pool.submit(lambda: list(follower.events(job_id)))
+        value = until()
+        return value, streamed.result(timeout=60)
 
 
 def job(client, auth, job_id):
@@ -109,7 +126,7 @@ def test_a_rank_killed_mid_run_makes_the_job_resume_from_its_checkpoint(
         done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=240)
         received = streamed.result(timeout=60)
     assert done["attempt"] == 2 and done["progress"]["step"] == 300
-    assert "lost a process of its group" in worker.log_path.read_text()  # given back at once, no lease to lapse
+    assert "lost a process or a node of its group" in worker.log_path.read_text()  # given back at once
     assert not any(running(pid) for pid in first["torchrun"] + first["ranks"])
     history = events(settings, created["id"])
     assert [p["status"] for kind, p in history if kind == "status"] == ["queued", "running", "queued", "running",
@@ -149,3 +166,91 @@ def test_a_killed_worker_leaves_no_process_of_its_group_behind(client, auth, sta
     wait_for(lambda: not any(running(pid) for pid in processes["torchrun"] + processes["ranks"]), timeout=30)
     client.post(f"/v1/jobs/{created['id']}/cancel", headers=auth)  # the reaper ends it once the lease lapses
     wait_for(lambda: job(client, auth, created["id"])["status"] == "cancelled", timeout=60)
+
+
+def test_a_two_node_job_runs_on_two_workers_with_one_record_per_step(client, api_url, settings, auth, start_worker):
+    workers = [start_worker(), start_worker()]
+    created = client.post("/v1/jobs", json=group_spec(30, nnodes=2), headers=auth).json()
+    done, received = follow(
+        api_url, auth, created["id"],
+        lambda: wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=240),
+    )  # fmt: skip
+    assert done["progress"] == {"step": 30, "total_steps": 30} and done["attempt"] == 1
+    assert [e.data["step"] for e in received if e.event == "metrics"] == list(range(31))
+    kinds = events(settings, created["id"])
+    assert [p["step"] for kind, p in kinds if kind == "checkpoint"] == [10, 20, 30]
+    assert [p["status"] for kind, p in kinds if kind == "status"] == ["queued", "running", "succeeded"]
+    # Each worker held one node of the gang.
+    with transaction(settings) as session:
+        owners = [n.owner for n in JobRepository(session).nodes(created["id"], 1)]
+    assert sorted(int(owner.split(":")[1]) for owner in owners) == sorted(w.proc.pid for w in workers)
+
+
+def test_a_worker_lost_mid_run_fails_the_attempt_on_all_nodes_and_the_job_resumes(
+    client, api_url, settings, auth, start_worker
+):  # fmt: skip
+    workers = {w.proc.pid: w for w in (start_worker(), start_worker())}
+    created = client.post("/v1/jobs", json=group_spec(300, nnodes=2, checkpoint_every=50, eval_every=100),
+                          headers=auth).json()  # fmt: skip
+
+    def kill_a_node_and_wait():
+        wait_for(lambda: job(client, auth, created["id"])["progress"]["step"] >= 80, timeout=240, interval=0.05)
+        with transaction(settings) as session:
+            owner = JobRepository(session).nodes(created["id"], 1)[1].owner
+        lost = workers[int(owner.split(":")[1])]  # node 1's worker
+        group = group_processes(lost)
+        assert len(group["torchrun"]) == 1 and len(group["ranks"]) == 1, group
+        lost.kill()  # SIGKILL: its ranks go with it, node 0's group fails
+        start_worker()  # the resumed attempt needs two workers again
+        done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=300)
+        return done, group
+
+    (done, group), received = follow(api_url, auth, created["id"], kill_a_node_and_wait)
+    assert done["attempt"] == 2 and done["progress"]["step"] == 300
+    assert not any(running(pid) for pid in group["torchrun"] + group["ranks"])
+    history = events(settings, created["id"])
+    assert [p["status"] for kind, p in history if kind == "status"] == ["queued", "running", "queued", "running",
+                                                                         "succeeded"]  # fmt: skip
+    resumed = [p["message"] for kind, p in history if kind == "log" and "resumed from" in p["message"]]
+    assert len(resumed) == 1 and int(resumed[0].split("at step ")[1]) % 50 == 0
+    assert [e.data["step"] for e in received if e.event == "metrics"] == list(range(301))
+
+
+def test_the_gang_gathers_through_the_database_or_gives_the_job_back(client, settings, auth):
+    """Node 0's claim opens the slots; each other worker takes a free one; node 0 waits for all of
+    them (MUONFORGE_GANG_WAIT_SECONDS) and the others for node 0's meeting point."""
+    quick = settings.model_copy(update={"gang_wait_seconds": 1.0})
+    created = client.post("/v1/jobs", json=group_spec(30, nnodes=2), headers=auth).json()
+    lease = timedelta(seconds=30)
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        attempt = repo.claim(created["id"], "w0", lease)
+        repo.open_nodes(created["id"], attempt, 2, "w0")
+    mine = Meeting("127.0.0.1:1", "run", "127.0.0.1:2", "token")
+
+    def meet(index, lease, meeting):
+        return this_node(quick, created["id"], attempt, index, lease, 2).meet(meeting)
+
+    with pytest.raises(GangBroken, match="1 of the job's 2 nodes joined within 1 s"):
+        meet(0, Lease(quick, created["id"], attempt, nnodes=2), mine)
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        assert repo.claim_node(created["id"], "w1", lease) == (attempt, 1)
+        assert repo.claim_node(created["id"], "w2", lease) is None  # the gang is full
+    assert meet(0, Lease(quick, created["id"], attempt, nnodes=2), mine) == mine
+    assert meet(1, Lease(quick, created["id"], attempt, node=1, owner="w1"), None) == mine
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        assert repo.heartbeat_node(created["id"], attempt, 1, "w1", lease)
+        assert not repo.heartbeat_node(created["id"], attempt, 1, "w2", lease)  # not its slot
+        repo.leave_node(created["id"], attempt, 1, "w1")  # node 1 cannot go on
+    wait_for(lambda: transaction_lost_nodes(settings, created["id"], attempt) == [1], timeout=5)
+    assert release_attempt(settings, created["id"], attempt, "node 1 stopped renewing its lease") == "queued"
+    with transaction(settings) as session:
+        assert not JobRepository(session).heartbeat_node(created["id"], attempt, 1, "w1", lease)  # the attempt is over
+    assert client.post(f"/v1/jobs/{created['id']}/cancel", headers=auth).json()["status"] == "cancelled"
+
+
+def transaction_lost_nodes(settings, job_id, attempt):
+    with transaction(settings) as session:
+        return JobRepository(session).lost_nodes(job_id, attempt, utcnow())

@@ -1,10 +1,11 @@
 """The line between a job's ranks and the process that launched their group (launch.run_group).
 
-Every rank connects to the launcher's local socket and says who it is (rank, pid, the launch's
-token); rank 0 then streams what the trainer hands its sink, a pulse before its steps and the
-run's outcome, as JSON lines, and the launcher answers ``cancel`` when the job is to stop. A
-rank whose launcher is gone (the line ends) exits at once: nothing outlives the attempt that
-started it.
+Every rank connects to its node's launcher and says who it is (rank, pid, the launch's token);
+rank 0 then streams what the trainer hands its sink, a pulse before its steps and the run's
+outcome, as JSON lines, and the launcher answers ``cancel`` when the job is to stop. In a job of
+several nodes rank 0 streams to node 0's launcher (the reporting one), wherever the rendezvous put
+it, over a second line when that is not its own node's. A rank whose launcher is gone (a line
+ends) exits at once: nothing outlives the attempt that started it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import Any
 from .telemetry import Report, TelemetrySink
 from .trainer import RunResult
 
-ADDRESS_ENV = "MUONFORGE_GROUP_ADDRESS"  # host:port of the launcher's socket
+ADDRESS_ENV = "MUONFORGE_GROUP_ADDRESS"  # host:port of the node's launcher's socket
 TOKEN_ENV = "MUONFORGE_GROUP_TOKEN"  # proves a connection is one of this launch's ranks
+REPORT_ENV = "MUONFORGE_GROUP_REPORT"  # host:port of the reporting launcher's socket, where it is another
+REPORT_TOKEN_ENV = "MUONFORGE_GROUP_REPORT_TOKEN"
 PULSE_SECONDS = 0.25  # rank 0 asks whether to stop at most this often (the launcher pulses the lease)
 ORPHANED_EXIT = 75  # a rank's exit status once its launcher is gone
 
@@ -36,22 +39,33 @@ def encode(record: dict[str, Any]) -> bytes:
 class RankChannel:
     """A rank's end of the line; on rank 0 also the trainer's sink and its should_cancel."""
 
-    def __init__(self, address: str, token: str, rank: int) -> None:
-        host, port = address.rsplit(":", 1)
-        self._sock = socket.create_connection((host, int(port)), timeout=30)
-        self._sock.settimeout(None)
+    def __init__(self, address: str, token: str, rank: int, report: tuple[str, str] | None = None) -> None:
+        """``address``, ``token``: the node's launcher; ``report``: the reporting launcher's, when
+        it is another (rank 0 of a job of several nodes)."""
         self._cancel, self._closing = threading.Event(), False
         self._pulsed = 0.0
-        self._send({"kind": "hello", "rank": rank, "pid": os.getpid(), "token": token})
-        threading.Thread(target=self._listen, name="launcher", daemon=True).start()
+        lead, elsewhere = rank == 0, report is not None and report[0] != address
+        self._lines = [self._connect(address, token, rank, local=True, reports=lead and not elsewhere)]
+        if lead and elsewhere:
+            self._lines.append(self._connect(*report, rank, local=False, reports=True))
+        self._sock = self._lines[-1]  # what rank 0 reports on
+
+    def _connect(self, address: str, token: str, rank: int, local: bool, reports: bool) -> socket.socket:
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.settimeout(None)
+        hello = {"kind": "hello", "rank": rank, "pid": os.getpid(), "token": token, "local": local, "reports": reports}
+        sock.sendall(encode(hello))
+        threading.Thread(target=self._listen, args=(sock,), name="launcher", daemon=True).start()
+        return sock
 
     def _send(self, record: dict[str, Any]) -> None:
         self._sock.sendall(encode(record))
 
-    def _listen(self) -> None:
-        """Take ``cancel``; once the line ends the launcher is gone (killed, or it stopped the
+    def _listen(self, sock: socket.socket) -> None:
+        """Take ``cancel``; once a line ends its launcher is gone (killed, or it stopped the
         group): leave now, without the interpreter's teardown."""
-        with self._sock.makefile("rb") as lines:
+        with sock.makefile("rb") as lines:
             try:
                 for line in lines:
                     if json.loads(line).get("kind") == "cancel":
@@ -92,9 +106,10 @@ class RankChannel:
 
     def close(self) -> None:
         self._closing = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # ends the listening thread's read
-        self._sock.close()
+        for sock in self._lines:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # ends the listening thread's read
+            sock.close()
 
 
 def deliver(record: dict[str, Any], sink: TelemetrySink) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .channel import ADDRESS_ENV, TOKEN_ENV, RankChannel
+from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, RankChannel
 from .config import job_config_from_dict
 from .distributed import join_group, leave_group
 from .run import run_process
@@ -20,6 +20,11 @@ from .trainer import TrainingError, resolve_device
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Rank 0 reports the outcome: the result, a TrainingError (with its code) or running out of
+    memory. Anything else ends a rank with its traceback in ranks.log, unreported: once one rank
+    dies a collective fails on every other, and such a failure cannot be told from a fault of the
+    run's own here; the group then ends as a lost rank's does, and the job resumes (up to
+    train.max_restarts)."""
     parser = argparse.ArgumentParser(prog="python -m worker.engine.rank")
     parser.add_argument("--spec", type=Path, required=True, help="the validated JobSpec, as JSON")
     parser.add_argument("--out", type=Path, required=True)
@@ -29,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = json.loads(args.spec.read_text())
     rank = int(os.environ["RANK"])
-    channel = RankChannel(os.environ[ADDRESS_ENV], os.environ[TOKEN_ENV], rank)
+    report = (os.environ[REPORT_ENV], os.environ[REPORT_TOKEN_ENV]) if REPORT_ENV in os.environ else None
+    channel = RankChannel(os.environ[ADDRESS_ENV], os.environ[TOKEN_ENV], rank, report)
     lead = rank == 0
     try:
         device, _ = resolve_device(job_config_from_dict(spec).train)
@@ -43,18 +49,15 @@ def main(argv: list[str] | None = None) -> int:
             channel.result(result)
         return 0
     except TrainingError as exc:
-        # Every rank raises it at the same step (the decisions are collective): rank 0 reports it,
-        # the others leave quietly, so that torchrun does not stop rank 0 before it has.
+        # Every rank raises it at the same step (the decisions are collective): rank 0 reports it
+        # and every rank leaves quietly, so that torchrun stops no rank before it is done and no
+        # node takes the group's end for a lost rank: the outcome is in the report.
         if lead:
             channel.error(exc.code, str(exc))
-        return 1 if lead else 0
+        return 0
     except torch.OutOfMemoryError as exc:
         if lead:
             channel.error("out_of_memory", str(exc))
-        raise
-    except Exception as exc:
-        if lead:
-            channel.error("internal", f"rank 0: {type(exc).__name__}: {exc}")
         raise
     finally:
         leave_group()

@@ -11,7 +11,7 @@ from typing import Any
 from .config import job_config_from_dict
 from .data import load_data
 from .distributed import Group
-from .launch import run_group
+from .launch import Node, run_group
 from .telemetry import FanOut, JsonlSink, TelemetrySink
 from .trainer import RunResult, Trainer
 
@@ -30,16 +30,18 @@ def run_job(
     resume: bool = True,
     init_from: Path | None = None,
     watch: Callable[[], None] | None = None,
-) -> RunResult:
+    node: Node | None = None,
+) -> RunResult | None:
     """Train ``spec`` (a JobSpec's ``model_dump()``) with artifacts under ``out_dir``:
     ``metrics.jsonl``, ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and the tokenized
     corpus cache. ``init_from``: the checkpoint file of the spec's ``init_from`` (a warm start,
     unless the run resumes from a checkpoint of its own). A job of one process trains here; a
     job of more (``resources``) trains in a torch.distributed group that this process launches
     and follows (launch.run_group, which calls ``watch`` every fraction of a second: it raises to
-    stop the group at once); every rank starts from ``init_from``'s file."""
+    stop the group at once), on this process's ``node`` of a job of several (None: a node other
+    than 0 is done); every rank starts from ``init_from``'s file."""
     if job_config_from_dict(spec).resources.world_size > 1:
-        return run_group(spec, out_dir, corpus, sink, should_cancel, resume, watch, init_from=init_from)
+        return run_group(spec, out_dir, corpus, sink, should_cancel, resume, watch, node, init_from=init_from)
     return run_process(spec, out_dir, corpus, sink, should_cancel, resume, init_from=init_from)
 
 
