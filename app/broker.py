@@ -25,6 +25,12 @@ def _client(broker_url: str) -> Celery:
     return Celery("muonforge-api", broker=broker_url, set_as_current=False)
 
 
+def train_tasks(job_id: str, queue_name: str, nnodes: int = 1) -> list[tuple[str, str]]:
+    """A job's tasks, (job id, queue): one per node slot (a job of several nodes is trained by as
+    many workers, each of which claims a slot of it)."""
+    return [(job_id, queue_name)] * nnodes
+
+
 def send_train_tasks(settings: Settings, jobs: Iterable[tuple[str, str]]) -> None:
     """Send the train task of every (job id, queue) pair, in one producer batch."""
     app = _client(settings.broker_url)

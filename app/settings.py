@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     max_job_minutes: float = Field(
         1440.0, gt=0, description="Wall time a job may take (train.max_minutes: its default and its cap)."
     )
+    max_nproc: int = Field(
+        8, ge=1, description="Processes per node of a job (resources.nproc; more than one: torch.distributed)."
+    )
+    max_nnodes: int = Field(4, ge=1, description="Workers one job may train on together (resources.nnodes).")
     tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
     upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
     tenant_storage_bytes: int = Field(
@@ -96,6 +100,17 @@ class Settings(BaseSettings):
         gt=0,
         description="A running attempt that completes no step for this long stops renewing its lease: "
         "the reaper gives the job to another worker (it resumes from its checkpoint).",
+    )
+    gang_wait_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="How long the first worker of a job of several nodes waits for the others to join; then it "
+        "gives the job back to the queue (an attempt counted against train.max_restarts).",
+    )
+    node_address: str | None = Field(
+        None,
+        description="The address other workers reach this one at, for jobs of several nodes (the rendezvous "
+        "and the socket rank 0 reports to); unset: this host's name, resolved.",
     )
     reaper_seconds: float = Field(10.0, description="How often expired leases are looked for.")
     requeue_after_seconds: float = Field(300.0, description="Re-send a queued job's task after this long.")

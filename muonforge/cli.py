@@ -36,6 +36,7 @@ MUONFORGE_DEBUG=1 (as --debug); the service's settings are listed in the README.
 
 def cmd_train(args: argparse.Namespace) -> int:
     from muonforge.progress import ProgressSink
+    from worker.engine.launch import RankFailed
     from worker.engine.run import run_job
     from worker.engine.trainer import TrainingError
 
@@ -47,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with ProgressSink(spec["train"]["steps"]) as progress:
         try:
             result = run_job(spec, args.out, sink=progress, resume=args.resume)
-        except (TrainingError, FileNotFoundError, ValueError) as exc:
+        except (TrainingError, RankFailed, FileNotFoundError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     print(json.dumps(result.as_dict()))

@@ -24,6 +24,7 @@ from worker.engine.config import (
     EarlyStopConfig,
     ModelConfig,
     OptimizerConfig,
+    ResourcesConfig,
     TelemetryConfig,
     TrainConfig,
     job_config_from_dict,
@@ -92,6 +93,7 @@ def spec_defaults(section: str) -> dict:
         ("model", ModelConfig, {"arch", "n_experts", "top_k"}),
         ("train", TrainConfig, set()),
         ("telemetry", TelemetryConfig, set()),
+        ("resources", ResourcesConfig, set()),
         # lr: the spec's default depends on the optimizer (below); qk_clip_tau: muonclip only.
         ("optimizer", OptimizerConfig, {"qk_clip_tau"}),
     ],

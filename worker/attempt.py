@@ -2,14 +2,22 @@
 while keeping the job's progress and summary current in the database, then record the outcome.
 
 Every write is fenced by the attempt number: an attempt that lost its lease (the reaper gave the
-job to another) changes nothing and stops at its next step."""
+job to another) changes nothing and stops at its next step.
+
+A job of several processes (``resources.nproc``) trains in a torch.distributed group that the
+engine launches as a child process group of this one (worker.engine.launch): the lease, the sink
+and the cancel flag stay here, rank 0's telemetry comes back over a local socket, a lost lease
+kills the group, and a rank that dies gives the job back to the queue at once (it resumes from its
+latest checkpoint, as after a lost worker, and the attempt counts against ``max_restarts``). A job
+of several nodes (``resources.nnodes``) is gang-scheduled (worker.gang): this attempt is its node 0,
+and a task that finds the job running takes one of its other nodes instead."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,11 +31,15 @@ from app.repositories.tenants import DatasetRepository
 from app.services import sweeps
 from app.services.caps import gib, peak_memory_bytes, vocabulary
 from app.services.job_events import record_status
+from app.services.reaper import release_attempt
 from app.settings import Settings
 from worker.engine.checkpoints import checkpoint_path
 from worker.engine.early_stop import RungCheck
+from worker.engine.launch import RankFailed
 from worker.engine.run import checkpoint_dir, run_job
 from worker.engine.trainer import TrainingError, device_type
+from worker.gang import nnodes_of, run_node, this_node
+from worker.lease import GangBroken, Lease
 from worker.sink import JobSink, LeaseLost
 
 log = logging.getLogger("muonforge.worker")
@@ -47,62 +59,13 @@ INTERNAL_ERROR = (
 )
 
 
-class Lease:
-    """Renews the attempt's lease from a background thread while the trainer makes progress;
-    remembers whether it was lost.
-
-    The trainer ``pulse()``s before every step. An attempt with no pulse for ``stall_seconds``
-    (a hung kernel, a deadlock, a step that will never end) stops renewing: its lease lapses and
-    the reaper gives the job to another worker, which resumes it from its checkpoint. Were the
-    thread to renew regardless, a stalled trainer would hold its job for ever."""
-
-    def __init__(self, settings: Settings, job_id: str, attempt: int) -> None:
-        self.settings, self.job_id, self.attempt = settings, job_id, attempt
-        self.lost = threading.Event()
-        self.stalled = threading.Event()
-        self._pulse = time.monotonic()  # loading the data counts as progress until the first step
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
-
-    def __enter__(self) -> Lease:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def pulse(self) -> None:
-        """The trainer is making progress (it is about to run a step)."""
-        self._pulse = time.monotonic()
-
-    def _run(self) -> None:
-        lease = timedelta(seconds=self.settings.lease_seconds)
-        while not self._stop.wait(self.settings.heartbeat_seconds):
-            idle = time.monotonic() - self._pulse
-            if idle > self.settings.stall_seconds:
-                log.error(
-                    "job %s: attempt %d completed no step for %.0f s; its lease is left to lapse (the job resumes "
-                    "elsewhere)", self.job_id, self.attempt, idle,
-                )  # fmt: skip
-                self.stalled.set()
-                return
-            try:
-                with transaction(self.settings) as session:
-                    if not JobRepository(session).heartbeat(self.job_id, self.attempt, lease):
-                        self.lost.set()
-                        return
-            except Exception:  # a database blip: try again next beat; the lease has slack
-                log.exception("job %s: heartbeat failed", self.job_id)
-
-
 def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     """Claim and run ``job_id``; returns what happened ("skipped" if another attempt holds it,
     "handed_back" if the database stayed out of reach: the job resumes once its lease lapses)."""
     patience = settings.outage_patience_seconds
     claimed = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
-    if claimed is None:
-        return "skipped"  # a redelivery, a finished job, or another worker's live lease
+    if claimed is None:  # a redelivery, a finished job, another worker's live lease, or a node of a gang to join
+        return run_node(settings, job_id, owner)
     attempt, spec, corpus, progress, summary, needed, sweep = claimed
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
@@ -121,24 +84,25 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     out_dir = settings.artifact_dir / "jobs" / job_id
     sink = JobSink(settings, job_id, attempt, progress, summary, spec["train"].get("keep_checkpoints", 3))
-    with Lease(settings, job_id, attempt) as lease:
+    nnodes = nnodes_of(spec)
+    with Lease(settings, job_id, attempt, nnodes=nnodes) as lease:
         should_cancel = _cancel_flag(settings, job_id, lease)
+        node = this_node(settings, job_id, attempt, 0, lease, nnodes) if nnodes > 1 else None
         try:
             try:
                 sink.adopt_checkpoints(checkpoint_dir(out_dir))
                 result = run_job(
-                    spec,
-                    out_dir,
-                    corpus=corpus,
-                    sink=sink,
-                    should_cancel=should_cancel,
-                    init_from=init_from,
-                    rungs=rung_check(settings, job_id, sweep) if sweep else None,
-                )
+                    spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel, init_from=init_from,
+                    rungs=rung_check(settings, job_id, sweep) if sweep else None, watch=lease.check, node=node,
+                )  # fmt: skip
             finally:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
             return "lease_lost"
+        except RankFailed as exc:
+            log.warning("job %s: attempt %d lost a process or a node of its group: %s", job_id, attempt, exc)
+            cause = str(exc) if isinstance(exc, GangBroken) else f"a process of attempt {attempt}'s group exited early"
+            return _release(settings, job_id, attempt, cause)
         except TrainingError as exc:
             error = {"code": exc.code, "message": str(exc)}
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
@@ -192,10 +156,13 @@ def _claim(
     a CPU run or None for a CUDA one, its sweep's (id, asha, metric) if it is a trial of a sweep
     with ASHA), or None if it is not to be run (finished, or another attempt's live lease)."""
     with transaction(settings) as session:
-        attempt = JobRepository(session).claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
+        repo = JobRepository(session)
+        attempt = repo.claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
         if attempt is None:
             return None
         job = record_status(session, live_bus(settings), job_id)
+        if job.nnodes > 1:  # this worker is node 0 of the attempt's gang
+            repo.open_nodes(job_id, attempt, job.nnodes, owner)
         dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
         corpus = settings.artifact_dir / dataset.path if dataset else None
         needed = None
@@ -233,6 +200,22 @@ def _finish(
     return status
 
 
+def _release(settings: Settings, job_id: str, attempt: int, cause: str) -> str:
+    """Give the job up now (app.services.reaper.release_attempt), through a database outage of up
+    to the outage patience; past it the lease lapses and the reaper does the same."""
+    try:
+        release = partial(release_attempt, settings, job_id, attempt, cause)
+        status = retrying(release, f"job {job_id}: giving it up", settings.outage_patience_seconds)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return "handed_back"
+    if status is None:
+        return "lease_lost"
+    log.info("job %s: attempt %d gave the job up: %s", job_id, attempt, status)
+    return status
+
+
 def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
     """should_cancel for the trainer: the job's cancel flag, read at most every cancel_poll_seconds,
     or a lost lease (LeaseLost, also once the attempt stalled and let its lease lapse); every call
@@ -241,8 +224,7 @@ def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
 
     def should_cancel() -> bool:
         lease.pulse()  # asked before every step: the trainer is making progress
-        if lease.lost.is_set() or lease.stalled.is_set():
-            raise LeaseLost(f"job {job_id}: the lease was lost")
+        lease.check()
         now = time.monotonic()
         if now - state["at"] >= settings.cancel_poll_seconds:
             state["at"] = now

@@ -98,6 +98,11 @@ class Job(Timestamped, Base):
     # A sweep's trial: its sweep (no foreign key, for the same reason).
     sweep_id: Mapped[str | None] = mapped_column(IdColumn)
 
+    @property
+    def nnodes(self) -> int:
+        """The workers that train the job together (``resources.nnodes``): its tasks per enqueue."""
+        return int((self.spec.get("resources") or {}).get("nnodes", 1))
+
     __table_args__ = (
         Index("ix_jobs_tenant_id_id", "tenant_id", "id"),
         Index("ix_jobs_tenant_id_status_id", "tenant_id", "status", "id"),
@@ -107,6 +112,24 @@ class Job(Timestamped, Base):
         Index("ix_jobs_sweep_id", "sweep_id"),  # a sweep's trials
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_id_idempotency_key"),
     )
+
+
+class JobNode(Base):
+    """A node slot of a job of several nodes (``resources.nnodes``) in its current attempt: the
+    worker that holds it, under a lease of its own. Node 0 is the worker that claimed the job (the
+    job's lease is its lease); it publishes where the others meet it: the c10d rendezvous, and the
+    socket of its launcher, which global rank 0 reports to."""
+
+    __tablename__ = "job_nodes"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    node: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    owner: Mapped[str | None] = mapped_column(String(200))  # None: free
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    rendezvous: Mapped[str | None] = mapped_column(String(300))  # node 0: host:port of the c10d store
+    run_id: Mapped[str | None] = mapped_column(String(64))  # node 0: the rendezvous's id
+    report: Mapped[str | None] = mapped_column(String(300))  # node 0: host:port of its launcher's socket
+    token: Mapped[str | None] = mapped_column(String(64))  # node 0: what a rank shows that socket
 
 
 class JobEvent(Base):

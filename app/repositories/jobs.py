@@ -19,7 +19,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
-from app.db.models import Checkpoint, Job, JobEvent
+from app.db.models import Checkpoint, Job, JobEvent, JobNode
 from app.job_status import ACTIVE, FINISHED, RUNNING, JobStatus
 
 
@@ -143,6 +143,73 @@ class JobRepository:
             lease_owner=None, lease_expires_at=None, **values,
         )  # fmt: skip
 
+    def release(self, job_id: str, attempt: int, now: datetime, status: str, error: dict | None = None) -> bool:
+        """An attempt that cannot go on (a process of its group died) gives its job up at once,
+        as the reaper does once a lease lapses: back to queued (to resume), or to its final state."""
+        return self._cas(job_id, RUNNING, attempt, **_released(now, status, error))
+
+    # -- the node slots of a job of several nodes (fenced by the attempt number) ------------------
+    def open_nodes(self, job_id: str, attempt: int, nnodes: int, owner: str) -> None:
+        """The slots of a new attempt: node 0 held by ``owner``, the worker that claimed the job
+        (the job's lease is its lease), the others free. The previous attempt's slots go."""
+        self.session.execute(delete(JobNode).where(JobNode.job_id == job_id))
+        rows = [
+            {"job_id": job_id, "node": n, "attempt": attempt, "owner": owner if n == 0 else None} for n in range(nnodes)
+        ]
+        self.session.execute(insert(JobNode), rows)
+
+    def claim_node(self, job_id: str, owner: str, lease: timedelta) -> tuple[int, int] | None:
+        """A free slot of the job's running attempt, under a lease: (attempt, node), or None (the
+        job is not running, or every slot is held)."""
+        running = select(Job.attempt).where(Job.id == job_id, Job.status == JobStatus.RUNNING).scalar_subquery()
+        free = select(JobNode.node).where(JobNode.job_id == job_id, JobNode.attempt == running, JobNode.owner.is_(None))
+        for node in self.session.scalars(free.order_by(JobNode.node)).all():
+            claimed = self.session.execute(
+                update(JobNode)
+                .where(
+                    JobNode.job_id == job_id, JobNode.node == node, JobNode.owner.is_(None), JobNode.attempt == running
+                )
+                .values(owner=owner, lease_expires_at=utcnow() + lease)
+                .returning(JobNode.attempt)
+            ).scalar_one_or_none()
+            if claimed is not None:
+                return claimed, node
+        return None
+
+    def publish_meeting(self, job_id: str, attempt: int, rendezvous: str, run_id: str, report: str, token: str) -> bool:
+        """Node 0 says where the others meet it."""
+        stmt = update(JobNode).where(JobNode.job_id == job_id, JobNode.node == 0, JobNode.attempt == attempt)
+        values = {"rendezvous": rendezvous, "run_id": run_id, "report": report, "token": token}
+        return self.session.execute(stmt.values(**values)).rowcount == 1
+
+    def nodes(self, job_id: str, attempt: int) -> list[JobNode]:
+        query = select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt)
+        return list(self.session.scalars(query.order_by(JobNode.node)))
+
+    def heartbeat_node(self, job_id: str, attempt: int, node: int, owner: str, lease: timedelta) -> bool:
+        """Renew a slot's lease; False once the job has left this attempt (finished, given back,
+        claimed again) or the slot is another's: the node must stop."""
+        live = select(Job.id).where(Job.id == job_id, Job.attempt == attempt, Job.status.in_(RUNNING)).exists()
+        stmt = update(JobNode).where(
+            JobNode.job_id == job_id, JobNode.node == node, JobNode.attempt == attempt, JobNode.owner == owner, live
+        )
+        return self.session.execute(stmt.values(lease_expires_at=utcnow() + lease)).rowcount == 1
+
+    def leave_node(self, job_id: str, attempt: int, node: int, owner: str) -> None:
+        """A node that cannot go on lets its slot's lease lapse now (node 0 then gives the job back)."""
+        stmt = update(JobNode).where(
+            JobNode.job_id == job_id, JobNode.node == node, JobNode.attempt == attempt, JobNode.owner == owner
+        )
+        self.session.execute(stmt.values(lease_expires_at=utcnow()))
+
+    def lost_nodes(self, job_id: str, attempt: int, now: datetime) -> list[int]:
+        """The held slots of the attempt (node 0's aside: the job's lease is its) whose lease lapsed."""
+        query = select(JobNode.node).where(
+            JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node > 0, JobNode.owner.is_not(None),
+            JobNode.lease_expires_at < now,
+        )  # fmt: skip
+        return list(self.session.scalars(query.order_by(JobNode.node)))
+
     # -- writes by the reaper -------------------------------------------------------------------
     def expired_leases(self, now: datetime) -> Sequence[Job]:
         query = select(Job).where(Job.status.in_(RUNNING), Job.lease_expires_at < now)
@@ -150,21 +217,16 @@ class JobRepository:
 
     def release_expired(self, job: Job, now: datetime, status: str, error: dict | None = None) -> bool:
         """A dead attempt's job: back to queued (to resume), or to its final state."""
-        values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None}
-        if status == JobStatus.QUEUED:
-            values["enqueued_at"] = now
-        else:
-            values.update(finished_at=now, error=error)
         stmt = (
             update(Job)
             .where(Job.id == job.id, Job.attempt == job.attempt, Job.status.in_(RUNNING), Job.lease_expires_at < now)
-            .values(**values)
+            .values(**_released(now, status, error))
         )
         return self.session.execute(stmt).rowcount == 1
 
-    def stale_queued(self, before: datetime) -> list[tuple[str, str]]:
-        """(id, queue) of queued jobs whose task was sent before ``before`` (lost, or not yet
-        taken): their send time is reset, the caller re-sends."""
+    def stale_queued(self, before: datetime) -> list[Job]:
+        """Queued jobs whose task was sent before ``before`` (lost, or not yet taken): their send
+        time is reset, the caller re-sends."""
         # SKIP LOCKED: two reapers split the stale jobs instead of locking them in scan orders
         # that could cross (Postgres; SQLite serialises writers and has no row locks).
         stale = (
@@ -172,13 +234,13 @@ class JobRepository:
             .where(Job.status == JobStatus.QUEUED, func.coalesce(Job.enqueued_at, Job.created_at) < before)
             .with_for_update(skip_locked=True)
         )
-        result = self.session.execute(
+        result = self.session.scalars(
             update(Job)
             .where(Job.id.in_(stale), Job.status == JobStatus.QUEUED)
             .values(enqueued_at=utcnow())
-            .returning(Job.id, Job.queue)
+            .returning(Job)
         )
-        return [(row[0], row[1]) for row in result]
+        return list(result)
 
     def mark_enqueued(self, job_id: str) -> None:
         self.session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
@@ -249,3 +311,14 @@ class JobRepository:
         if attempt is not None:
             stmt = stmt.where(Job.attempt == attempt)
         return self.session.execute(stmt.values(**values)).rowcount == 1
+
+
+def _released(now: datetime, status: str, error: dict | None) -> dict[str, Any]:
+    """The values of a job whose attempt ended without finishing it: the lease dropped, and queued
+    again (sent now) or final."""
+    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None}
+    if status == JobStatus.QUEUED:
+        values["enqueued_at"] = now
+    else:
+        values.update(finished_at=now, error=error)
+    return values

@@ -1,5 +1,5 @@
 """Request and response schemas; JobSpec is the training job contract."""
 
-from .job_spec import DataSpec, JobSpec, ModelSpec, OptimizerSpec, TelemetrySpec, TrainSpec
+from .job_spec import DataSpec, JobSpec, ModelSpec, OptimizerSpec, ResourcesSpec, TelemetrySpec, TrainSpec
 
-__all__ = ["DataSpec", "JobSpec", "ModelSpec", "OptimizerSpec", "TelemetrySpec", "TrainSpec"]
+__all__ = ["DataSpec", "JobSpec", "ModelSpec", "OptimizerSpec", "ResourcesSpec", "TelemetrySpec", "TrainSpec"]

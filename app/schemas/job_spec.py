@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -221,6 +231,23 @@ class InitFromSpec(_Strict):
     )
 
 
+class ResourcesSpec(_Strict):
+    """The processes that train the job. More than one in all makes it a torch.distributed job:
+    PyTorch's launcher (torchrun) starts ``nproc`` ranks on each of ``nnodes`` workers, DDP keeps
+    their replicas equal (gloo on the CPU, nccl on CUDA), and ``train.batch_size`` is the global
+    batch, split evenly over the ranks, so the run sees the batches one process would."""
+
+    nproc: int = Field(1, ge=1, description="Processes per node (one per GPU on CUDA). Cap: MUONFORGE_MAX_NPROC.")
+    nnodes: int = Field(
+        1, ge=1, description="Workers that train the job together, each running nproc processes; it starts once "
+        "that many hold it (gang-scheduled). Cap: MUONFORGE_MAX_NNODES.",
+    )  # fmt: skip
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
 class JobSpec(_Strict):
     """A training job: what to train, on what, with which optimizer, for how long."""
 
@@ -236,6 +263,24 @@ class JobSpec(_Strict):
         "model and vocabulary), to continue or fine-tune on other data. The run is a new one: its steps, "
         "schedule, evaluations and checkpoints count from 0. null: a freshly initialised model.",
     )
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _batch_splits_over_ranks(cls, data: object, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        """train.batch_size is the global batch: each rank takes an equal share. The error names
+        train.batch_size (a rule across sections, raised where pydantic keeps its location)."""
+        spec = handler(data)
+        batch, ranks = spec.train.batch_size, spec.resources.world_size
+        if batch % ranks:
+            message = (
+                f"batch_size ({batch}) is the global batch, split evenly over resources.nproc x resources.nnodes = "
+                f"{ranks} processes: use a multiple of {ranks}"
+            )
+            error = PydanticCustomError("value_error", message)
+            details = InitErrorDetails(type=error, loc=("train", "batch_size"), input=batch)
+            raise ValidationError.from_exception_data(cls.__name__, [details])
+        return spec
 
     model_config = ConfigDict(
         extra="forbid",

@@ -36,6 +36,10 @@ ATTENTION_TRANSIENT = 3  # score matrices alive at once beyond those kept: scale
 LOGIT_FLOATS = 5  # per token x vocab: logits, log-softmax, gradients and the telemetry's copy
 CORPUS_BYTES_BYTE = 3  # per corpus byte while it is tokenized: the file, its text and its ids
 CORPUS_BYTES_CHAR = 24  # per corpus byte, char tokenizer: text, UTF-32 codes, 64-bit search indexes
+# A torch.distributed job's node (resources.nproc > 1): each rank is a process of its own.
+RANK_PROCESS_BYTES = 384 << 20  # a rank's interpreter, torch and its process group (measured: about 300 MiB)
+LAUNCHER_BYTES = 256 << 20  # torchrun's agent (measured: about 220 MiB)
+DDP_COPIES = 1  # DDP's gradient buckets: one more fp32 copy of the parameters per rank
 
 
 def vocabulary(data: dict[str, Any], dataset_char_vocab: int | None = None) -> int:
@@ -64,21 +68,37 @@ def parameter_count(model: dict[str, Any], vocab: int) -> int:
 
 
 def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0, on_cuda: bool | None = None) -> int:
-    """An upper estimate of the memory a training run of ``spec`` takes beyond the worker's own,
-    in bytes: weights, gradients and optimizer state (4 fp32 copies of the parameters: Muon keeps
-    one momentum, AdamW two moments); the Newton–Schulz work of the largest matrix; the
-    activations the backward pass keeps, including the attention scores (B x H x T x T per layer
-    on a CPU, where attention is computed plainly; fused attention on CUDA keeps none) and the
-    logits (B x T x vocab, with their softmax and gradients); and the tokenized corpus.
+    """An upper estimate of the memory a training run of ``spec`` takes on one worker beyond the
+    worker's own, in bytes: weights, gradients and optimizer state (4 fp32 copies of the
+    parameters: Muon keeps one momentum, AdamW two moments); the Newton–Schulz work of the largest
+    matrix; the activations the backward pass keeps, including the attention scores (B x H x T x T
+    per layer on a CPU, where attention is computed plainly; fused attention on CUDA keeps none)
+    and the logits (B x T x vocab, with their softmax and gradients); and the tokenized corpus.
+
+    A torch.distributed job runs ``resources.nproc`` rank processes on each worker, each with a
+    full replica of the model and its state (and DDP's gradient buckets) but only its share of the
+    batch, plus torchrun's agent; the corpus is tokenized once per worker.
 
     The coefficients are measured (peak resident memory of real runs, tests/engine/
     test_memory_estimate.py checks the estimate against it): the estimate is above the measured
     peak and within a small factor of it."""
+    resources = spec.get("resources") or {"nproc": 1, "nnodes": 1}
+    nproc, ranks = resources["nproc"], resources["nproc"] * resources["nnodes"]
+    data = corpus_bytes * (CORPUS_BYTES_CHAR if spec["data"].get("tokenizer") == "char" else CORPUS_BYTES_BYTE)
+    if ranks == 1:
+        return run_memory_bytes(spec, vocab, spec["train"]["batch_size"], on_cuda) + data
+    rank = RANK_PROCESS_BYTES + run_memory_bytes(spec, vocab, spec["train"]["batch_size"] // ranks, on_cuda, DDP_COPIES)
+    return LAUNCHER_BYTES + nproc * rank + data
+
+
+def run_memory_bytes(spec: dict[str, Any], vocab: int, B: int, on_cuda: bool | None, copies: int = 0) -> int:
+    """peak_memory_bytes of one process training ``spec`` on batches of ``B`` sequences, its
+    corpus aside; ``copies``: more fp32 copies of the parameters it keeps."""
     model, train = spec["model"], spec["train"]
-    d, L, T, B = model["d_model"], model["n_layer"], model["seq_len"], train["batch_size"]
+    d, L, T = model["d_model"], model["n_layer"], model["seq_len"]
     tokens = B * T
     params = parameter_count(model, vocab)
-    state = STATE_COPIES * params + NS_WORK * max_matrix(model, vocab)
+    state = (STATE_COPIES + copies) * params + NS_WORK * max_matrix(model, vocab)
     if on_cuda is None:  # where the run will go is not known before a worker takes it: a CPU's cost
         on_cuda = train.get("device") == "cuda"
     if model["arch"] == "mlp":
@@ -93,8 +113,7 @@ def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0, o
         scores = B * model["n_head"] * T * (min(T, MAX_LOGIT_BLOCK) if on_cuda else T)
         attention = scores * (L * (0 if on_cuda else 1) + ATTENTION_TRANSIENT)
     logits = LOGIT_FLOATS * tokens * vocab
-    data = corpus_bytes * (CORPUS_BYTES_CHAR if spec["data"].get("tokenizer") == "char" else CORPUS_BYTES_BYTE)
-    return RUN_OVERHEAD_BYTES + BYTES_PER_FLOAT * (state + layer_floats + attention + logits) + data
+    return RUN_OVERHEAD_BYTES + BYTES_PER_FLOAT * (state + layer_floats + attention + logits)
 
 
 def max_matrix(model: dict[str, Any], vocab: int) -> int:
@@ -122,6 +141,14 @@ def series_per_step(spec: dict[str, Any]) -> int:
 def check_caps(spec: dict[str, Any], vocab: int, corpus_bytes: int, settings: Settings) -> None:
     """Every cap a job's spec must fit before it is queued; the first one it misses is a 422
     naming the field and giving the limit."""
+    resources = spec["resources"]
+    for name, cap in (("nproc", settings.max_nproc), ("nnodes", settings.max_nnodes)):
+        if resources[name] > cap:
+            setting = f"MUONFORGE_MAX_{name.upper()}"
+            raise ValidationFailed(
+                f"resources.{name} {resources[name]} exceeds this server's cap of {cap} ({setting})",
+                param=f"resources.{name}",
+            )
     params = parameter_count(spec["model"], vocab)
     if params > settings.max_params:
         raise ValidationFailed(

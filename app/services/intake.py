@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 
-from app.broker import send_train_tasks
+from app.broker import send_train_tasks, train_tasks
 from app.db.base import new_id, utcnow
 from app.db.models import Job
 from app.db.session import transaction
@@ -264,7 +264,8 @@ class JobWriter:
                 batch[0][1].set_exception(exc)
             return
         created = [r[0] for r in results if isinstance(r, tuple) and r[1]]
-        self.publisher.submit((job.id, job.queue) for job in created)  # committed: send their tasks
+        # Committed: send their tasks.
+        self.publisher.submit(task for job in created for task in train_tasks(job.id, job.queue, job.nnodes))
         for (_, future), result in zip(batch, results):
             if isinstance(result, Exception):
                 future.set_exception(result)

@@ -11,7 +11,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 
-from app.broker import send_train_tasks
+from app.broker import send_train_tasks, train_tasks
 from app.db.base import utcnow
 from app.db.models import Job
 from app.db.session import transaction
@@ -27,36 +27,55 @@ log = logging.getLogger("muonforge.reaper")
 SWEEP_SECONDS = 600.0  # how often the dataset files are swept (a directory listing per tenant)
 
 
-def release(settings: Settings, job: Job, now: datetime) -> tuple[str, str] | None:
-    """Release the expired lease of ``job`` in a transaction of its own: back to the queue, or
-    to its final state. Returns (job id, queue) where its task must be sent again, else None.
-    The outcome is decided on the job's row as locked in that transaction, not on ``job`` (read
-    earlier): a cancel requested in between ends the job cancelled instead of queuing it again."""
-    with transaction(settings) as session:
-        repo = JobRepository(session)
-        current = repo.locked(job.id)
-        if current is None or current.attempt != job.attempt:
-            return None  # deleted, or another reaper released it and a new attempt began
-        status, error = released_status(current)
-        if not repo.release_expired(current, now, status, error):
-            return None  # another reaper, or the attempt itself, changed it first
-        log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
-        record_status(session, live_bus(settings), job.id)
-    return (job.id, job.queue) if status == JobStatus.QUEUED else None
-
-
-def released_status(job: Job) -> tuple[JobStatus, dict | None]:
-    """Where a job whose attempt was lost goes: cancelled if a cancel was requested, failed once
-    its restarts are used up (with the error), else back to the queue."""
+def after_lost_attempt(job: Job, cause: str) -> tuple[JobStatus, dict | None]:
+    """Where a job goes once its attempt is lost (``cause`` says how): cancelled if a cancel was
+    asked, failed once ``max_restarts`` resumes are used up, else back to the queue to resume from
+    its latest checkpoint."""
     if job.cancel_requested:
         return JobStatus.CANCELLED, None
     if job.attempt > job.max_restarts:
         return JobStatus.FAILED, {
             "code": "worker_lost",
-            "message": f"the worker of attempt {job.attempt} stopped renewing its lease; "
-            f"max_restarts ({job.max_restarts}) used up",
+            "message": f"{cause}; max_restarts ({job.max_restarts}) used up",
         }
     return JobStatus.QUEUED, None
+
+
+def release(settings: Settings, job: Job, now: datetime) -> list[tuple[str, str]]:
+    """Release the expired lease of ``job`` in a transaction of its own: back to the queue, or
+    to its final state. Returns its tasks (job id, queue), one per node, where they must be sent
+    again, else none. The outcome is decided on the job's row as locked in that transaction, not
+    on ``job`` (read earlier): a cancel requested in between ends the job cancelled instead of
+    queuing it again."""
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        current = repo.locked(job.id)
+        if current is None or current.attempt != job.attempt:
+            return []  # deleted, or another reaper released it and a new attempt began
+        cause = f"the worker of attempt {job.attempt} stopped renewing its lease"
+        status, error = after_lost_attempt(current, cause)
+        if not repo.release_expired(current, now, status, error):
+            return []  # another reaper, or the attempt itself, changed it first
+        log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
+        record_status(session, live_bus(settings), job.id)
+    return train_tasks(job.id, job.queue, job.nnodes) if status == JobStatus.QUEUED else []
+
+
+def release_attempt(settings: Settings, job_id: str, attempt: int, cause: str) -> JobStatus | None:
+    """A live attempt that cannot go on (a process of its group died) gives its job up now, by the
+    rule of a lapsed lease (after_lost_attempt), instead of leaving it to lapse; a job sent back
+    to the queue has its task sent at once. None if the attempt no longer held the job."""
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        job = repo.locked(job_id)
+        status, error = after_lost_attempt(job, cause)
+        tasks = train_tasks(job_id, job.queue, job.nnodes)
+        if job.attempt != attempt or not repo.release(job_id, attempt, utcnow(), status, error):
+            return None
+        record_status(session, live_bus(settings), job_id)
+    if status == JobStatus.QUEUED:  # after commit
+        send_train_tasks(settings, tasks)
+    return status
 
 
 def reap_once(settings: Settings) -> int:
@@ -68,9 +87,10 @@ def reap_once(settings: Settings) -> int:
     now = utcnow()
     with transaction(settings) as session:
         expired = JobRepository(session).expired_leases(now)
-    resend = [task for job in expired if (task := release(settings, job, now))]
+    resend = [task for job in expired for task in release(settings, job, now)]
     with transaction(settings) as session:  # no status change: locks queued jobs' rows only
-        resend += JobRepository(session).stale_queued(now - timedelta(seconds=settings.requeue_after_seconds))
+        for job in JobRepository(session).stale_queued(now - timedelta(seconds=settings.requeue_after_seconds)):
+            resend += train_tasks(job.id, job.queue, job.nnodes)
     if resend:  # after commit
         send_train_tasks(settings, resend)
     advance_running(settings)

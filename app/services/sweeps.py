@@ -89,6 +89,12 @@ def trial_spec(spec: SweepSpec, number: int, params: search.Params) -> dict[str,
             f"every rung must come before the trial's last step (train.steps {job.train.steps}, trial {number})",
             "asha.rungs",
         )
+    if spec.asha is not None and job.resources.world_size > 1:
+        raise ValidationFailed(
+            f"ASHA stops trials of one process only; this trial runs on resources.nproc x nnodes = "
+            f"{job.resources.world_size} (trial {number}): drop asha or train each trial in one process",
+            "asha",
+        )
     return job.model_dump(mode="json")
 
 

@@ -41,6 +41,20 @@ def test_train_runs_a_spec_and_writes_its_outputs(tmp_path):
     assert len(list((tmp_path / "out" / "checkpoints").glob("step_*.pt"))) == 2
 
 
+def test_train_runs_a_two_process_spec_through_torchrun(tmp_path):
+    spec = yaml.safe_load((ROOT / "examples" / "synthetic-muon-2proc.yaml").read_text())
+    spec["model"].update(d_model=16, n_head=2, seq_len=16)
+    spec["train"].update(steps=4, batch_size=4, eval_every=2, checkpoint_every=2)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    proc = muonforge("train", str(path), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 4
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(5))  # rank 0 alone writes them
+    assert (tmp_path / "out" / "ranks.log").exists()
+
+
 def test_data_flag_names_the_corpus(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)

@@ -177,6 +177,13 @@ INVALID = [
     (_with("train.early_stop", {"patience": 2}), "train.early_stop"),  # 2 x eval_every 10 is all of the 20 steps
     (_with("train.early_stop", {"mode": "median"}), "train.early_stop.mode"),
     (_with("train.early_stop", {"metric": "accuracy"}), "train.early_stop.metric"),
+    (_with("resources.nproc", 0), "resources.nproc"),
+    (_with("resources.nproc", 16) | {"train": {"batch_size": 16}}, "resources.nproc"),  # over the server's 8
+    (_with("resources.nnodes", 8) | {"train": {"batch_size": 8}}, "resources.nnodes"),  # over the server's 4
+    (_with("resources.nnodes", 0), "resources.nnodes"),
+    (_with("resources.size", 2), "resources.size"),
+    # The global batch of 4 does not split over 3 processes.
+    (_with("resources.nproc", 3), "train.batch_size"),
 ]
 
 

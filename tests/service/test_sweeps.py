@@ -96,6 +96,7 @@ def check_decisions(settings, sweep: dict) -> dict[str, list[SweepRung]]:
         ({"base": {**base(), "train": {"steps": 0}}}, "base.train.steps"),
         ({"asha": {"rungs": [10, 5]}}, "asha.rungs"),
         ({"asha": {"rungs": [20]}}, "asha.rungs"),  # not before the last step
+        ({"base": {**base(), "resources": {"nproc": 2}}, "asha": {"rungs": [5]}}, "asha"),  # one process per trial
         ({"base": {**base(), "data": {"dataset_id": "ds_nope"}}}, "base.data.dataset_id"),
     ],
 )

@@ -15,9 +15,9 @@ from app.db.session import transaction
 from app.repositories.jobs import JobRepository
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
-from worker.attempt import Lease
 from worker.engine.checkpoints import save_checkpoint
 from worker.engine.run import checkpoint_dir
+from worker.lease import Lease
 from worker.sink import JobSink
 
 

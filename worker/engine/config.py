@@ -95,12 +95,24 @@ class InitFromConfig:
 
 
 @dataclass(frozen=True)
+class ResourcesConfig:
+    nproc: int = 1  # processes per node (torchrun's --nproc-per-node)
+    nnodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the job's torch.distributed group; 1: the job runs in one process, no group."""
+        return self.nproc * self.nnodes
+
+
+@dataclass(frozen=True)
 class JobConfig:
     model: ModelConfig
     data: DataConfig
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     name: str | None = None
     init_from: InitFromConfig | None = None  # the caller hands the engine the checkpoint's file
 
@@ -133,6 +145,7 @@ def job_config_from_dict(spec: dict[str, Any]) -> JobConfig:
         optimizer=_build(OptimizerConfig, spec.get("optimizer")),
         train=_build(TrainConfig, spec.get("train")),
         telemetry=_build(TelemetryConfig, spec.get("telemetry")),
+        resources=_build(ResourcesConfig, spec.get("resources")),
         name=spec.get("name"),
         init_from=_build(InitFromConfig, spec["init_from"]) if spec.get("init_from") else None,
     )

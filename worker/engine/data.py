@@ -102,13 +102,21 @@ class TokenData:
             return self.tokenizer.decode(ids)
         return "".join(SYNTHETIC_ALPHABET[i] for i in ids)
 
-    def batch(self, split: str, index: int, batch_size: int, seq_len: int, seed: int) -> tuple[Tensor, Tensor]:
-        """(x, y) int64 [batch_size, seq_len], y = x shifted by one; a function of its arguments only."""
+    def batch(
+        self, split: str, index: int, batch_size: int, seq_len: int, seed: int, rank: int = 0, world: int = 1
+    ) -> tuple[Tensor, Tensor]:
+        """(x, y) int64 [batch_size / world, seq_len], y = x shifted by one: rank ``rank``'s rows of
+        the global batch of ``batch_size`` sequences (every row of it for one process), so that a
+        group of ``world`` ranks trains on the very batches one process does. A function of its
+        arguments only."""
         tokens = self.train if split == "train" else self.val
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+        if batch_size % world:
+            raise ValueError(f"batch_size {batch_size} does not split evenly over {world} ranks")
         rng = np.random.default_rng([seed, 0 if split == "train" else 1, index])
-        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+        share = batch_size // world
+        starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)[rank * share : (rank + 1) * share]
         windows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # [B, T + 1]
         w = torch.from_numpy(windows)
         return w[:, :-1], w[:, 1:]

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 import optim
 
 from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import JobConfig, OptimizerConfig, TrainConfig
 from .data import TokenData
+from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
 from .models import build_model
 from .sample import PROMPT_TOKENS, generate
@@ -28,6 +30,7 @@ STOP_KEYS = ("stopped_at", "stop_reason")  # in the summary of a run that stoppe
 
 NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
+STOPS = (None, "time_limit", "cancel")  # why a run stops before a step (Trainer._stop), by number
 
 
 class TrainingError(RuntimeError):
@@ -87,18 +90,23 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r}")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """muon / muonclip: optim.Muon(Clip) over role-split groups; adamw: AdamW on every parameter."""
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, distributed: bool = False, ns_dtype: torch.dtype | None = None
+) -> torch.optim.Optimizer:
+    """muon / muonclip: optim.Muon(Clip) over role-split groups; adamw: AdamW on every parameter.
+    ``distributed``: data-parallel Muon over the default process group (each rank orthogonalizes
+    the matrices it owns; the gradients must arrive averaged, as DDP leaves them). ``ns_dtype``:
+    the Newton-Schulz precision in place of ``cfg.ns_dtype``'s (a group pins rank 0's choice)."""
     if cfg.name == "adamw":
         return torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps, weight_decay=cfg.weight_decay
         )
     kwargs = dict(
         lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-        ns_coefficients=cfg.ns_coefficients, ns_method=cfg.ns_method, ns_dtype=NS_DTYPES[cfg.ns_dtype],
+        ns_coefficients=cfg.ns_coefficients, ns_method=cfg.ns_method, ns_dtype=ns_dtype or NS_DTYPES[cfg.ns_dtype],
         adjust_lr=cfg.adjust_lr,
         weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr, adamw_betas=cfg.adamw_betas,
-        adamw_eps=cfg.adamw_eps, adamw_weight_decay=cfg.adamw_weight_decay,
+        adamw_eps=cfg.adamw_eps, adamw_weight_decay=cfg.adamw_weight_decay, distributed=distributed,
     )  # fmt: skip
     groups = optim.split_params(model)
     if cfg.name == "muonclip":
@@ -114,18 +122,25 @@ def device_type(device: str) -> str:
     return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def resolve_device(cfg: TrainConfig) -> tuple[torch.device, torch.dtype | None]:
-    """(device, autocast dtype or None for plain fp32)."""
+def resolve_device(cfg: TrainConfig, index: int | None = None) -> tuple[torch.device, torch.dtype | None]:
+    """(device, autocast dtype or None for plain fp32); ``index``: the CUDA device of a rank."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("train.device is 'cuda' but no CUDA device is available")
-    device = torch.device(device_type(cfg.device))
+    kind = device_type(cfg.device)
+    device = torch.device(kind, index) if kind == "cuda" and index is not None else torch.device(kind)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     return device, torch.bfloat16 if bf16 else None
 
 
 class Trainer:
     """Runs one job. ``sink`` receives telemetry, ``should_cancel`` is asked before every step,
-    checkpoints go to ``checkpoint_dir`` and the latest one there is resumed from."""
+    checkpoints go to ``checkpoint_dir`` and the latest one there is resumed from.
+
+    In a torch.distributed ``group`` every rank runs this same loop on its share of each global
+    batch, under DDP; rank 0 alone asks ``should_cancel``, writes checkpoints and samples (the
+    other ranks' sinks drop what they get), and every rank resumes from the same checkpoint. The
+    loss, val_loss and attention maxima reported are the global batch's, as one process reports
+    them; the other per-batch statistics (logits/*, router/*) are rank 0's share's."""
 
     def __init__(
         self,
@@ -134,15 +149,28 @@ class Trainer:
         checkpoint_dir: Path | None,
         sink: TelemetrySink,
         should_cancel: Callable[[], bool] | None = None,
+        group: Group | None = None,
         rungs: RungCheck | None = None,
     ) -> None:
         self.job = replace(job, model=replace(job.model, vocab_size=data.vocab_size))
-        self.data, self.sink, self.checkpoint_dir = data, sink, checkpoint_dir
+        self.data, self.sink, self.checkpoint_dir, self.group = data, sink, checkpoint_dir, group
+        self.lead = group is None or group.lead
         self.should_cancel = should_cancel or (lambda: False)
-        self.device, self.autocast_dtype = resolve_device(job.train)
-        torch.manual_seed(job.train.seed)
+        self.device, self.autocast_dtype = resolve_device(job.train, group.local_rank if group else None)
+        torch.manual_seed(job.train.seed)  # the same on every rank: the replicas start equal
         self.model = build_model(self.job.model).to(self.device)
-        self.optimizer = build_optimizer(self.model, job.optimizer)
+        # The training forward and backward: through DDP in a group (the gradients arrive averaged
+        # over the ranks), the model itself otherwise. Evaluation and sampling use the model.
+        self.net: nn.Module = self.model
+        if group is not None:
+            on_cuda = self.device.type == "cuda"
+            self.net = DistributedDataParallel(self.model, device_ids=[self.device] if on_cuda else None)
+        # The one place the optimizer is built. In a group Muon is data-parallel: DDP averages the
+        # gradients, each rank orthogonalizes the matrices it owns and the owners' parameters are
+        # all-gathered (AdamW parameters are stepped on every rank, on the same gradients).
+        self.optimizer = build_optimizer(
+            self.model, job.optimizer, distributed=group is not None, ns_dtype=self._group_ns_dtype()
+        )
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.step = 0
         self.last: dict[str, float] = {}  # latest value of every metric (kept in checkpoints)
@@ -152,6 +180,16 @@ class Trainer:
         self.stop_reason: str | None = None
         self.rungs = rungs
         self.stopped_at_rung = False  # stopped by ``rungs`` (status stopped_early), not by early_stop
+
+    def _group_ns_dtype(self) -> torch.dtype | None:
+        """In a group, the Newton-Schulz precision of ``ns_dtype: auto`` is rank 0's (its device's
+        probe, optim.auto_dtype), taken by every rank: each process probes on its own and could
+        choose otherwise. None: the spec's own choice (one process, or an explicit ns_dtype)."""
+        if self.group is None or self.job.optimizer.name == "adamw" or self.job.optimizer.ns_dtype != "auto":
+            return None
+        choices = (torch.float32, torch.bfloat16)
+        mine = choices.index(optim.auto_dtype(self.device)) if self.lead else 0
+        return choices[self.group.decide(mine)]
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -187,13 +225,14 @@ class Trainer:
             if step in (cfg.steps, self.stopped_at):
                 self._report(step, values)
                 break
-            if self._past_time_limit():
+            stop = self._stop()
+            if stop == "time_limit":
                 if step > first and step % cfg.checkpoint_every:
                     self.save_checkpoint()
                 kept = "; its state at that step is kept in a checkpoint" if step and self.checkpoint_dir else ""
                 limit = f"train.max_minutes ({cfg.max_minutes:g})"
                 raise TimeLimitReached(f"the run reached {limit} after {step:,} of {cfg.steps:,} steps{kept}")
-            if self.should_cancel():
+            if stop == "cancel":
                 if step > first and step % cfg.checkpoint_every:
                     self.save_checkpoint()
                 self.sink.log("info", f"cancelled before step {step}")
@@ -213,16 +252,31 @@ class Trainer:
     def _judge(self, step: int, values: dict[str, Any]) -> None:
         """Early stopping (``train.early_stop``), then the rung decider (``rungs``, at its steps),
         on the evaluation at ``step``: the run stops here if it is to stop before its last step (at
-        the last step it simply ends)."""
+        the last step it simply ends). Every rank keeps the early-stop rule's state on the same
+        all-reduced value, but in a group the stop is rank 0's decision, taken by all
+        (Group.decide), like a cancel: no rank can stop at another step. Rungs come with trials of
+        one process only (sweeps with ASHA take no others)."""
         stop, rungs = self.early_stop, self.rungs
-        if stop is not None and stop.judge(step, float(values[stop.metric])) and step < self.job.train.steps:
-            self.stopped_at, self.stop_reason = step, stop.reason()
-            self.sink.log("info", f"stopped early at step {step}: {self.stop_reason}")
+        if stop is not None:
+            stopping = stop.judge(step, float(values[stop.metric])) and step < self.job.train.steps
+            if self.group is not None:
+                stopping = bool(self.group.decide(int(stopping)))
+            if stopping:
+                self.stopped_at, self.stop_reason = step, stop.reason()
+                self.sink.log("info", f"stopped early at step {step}: {self.stop_reason}")
         if self.stopped_at is None and rungs is not None and step in rungs.steps and 0 < step < self.job.train.steps:
             reason = rungs.decide(step, float(values[rungs.metric]))
             if reason is not None:
                 self.stopped_at, self.stop_reason, self.stopped_at_rung = step, reason, True
                 self.sink.log("info", f"stopped early at step {step}: {reason}")
+
+    def _stop(self) -> str | None:
+        """Why the run stops before this step: "time_limit", "cancel" or None. In a group, rank 0
+        decides for all (its clock, its cancel flag), so that every rank stops at the same step."""
+        stop = None
+        if self.lead:
+            stop = "time_limit" if self._past_time_limit() else "cancel" if self.should_cancel() else None
+        return stop if self.group is None else STOPS[self.group.decide(STOPS.index(stop))]
 
     def _past_time_limit(self) -> bool:
         """Whether the run's wall time (``elapsed_s``, attempts end to end) passed ``max_minutes``."""
@@ -248,18 +302,26 @@ class Trainer:
             layer.record_max_logits = clipping or report
         x, y = self._batch("train", step)
         with self._autocast():
-            logits = self.model(x)  # [B, T, V]
+            logits = self.net(x)  # [B, T, V]
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             aux = self.model.aux_loss()
             total = loss if aux is None else loss + self.job.model.router_aux_weight * aux
-        if not torch.isfinite(total):
-            raise TrainingError(f"non-finite loss ({total.item()}) at step {step}")
+        # The global batch's losses: every rank of a group sees the same, so all stop together on
+        # a non-finite one.
+        batch_loss, batch_total = loss.detach(), total.detach()
+        if self.group is not None:
+            batch_loss, batch_total = self.group.mean(torch.stack([batch_loss, batch_total])).unbind()
+        if not torch.isfinite(batch_total):
+            raise TrainingError(f"non-finite loss ({batch_total.item()}) at step {step}")
         total.backward()
         max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         values: dict[str, Tensor | float] = {}
         if report:  # measured in this forward, before this step's clip
-            values = {"loss": loss.detach(), "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+            if self.group is not None:  # the global batch's maxima, in the layers' own tensors (QK-Clip reads them)
+                maxima = [layer.qk_max_logits() for layer in self.model.attention_layers()]
+                self.group.max_([m for m in maxima if m is not None])
+            values = {"loss": batch_loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
             telemetry = self.job.telemetry
             values.update(model_metrics(self.model, logits, telemetry.per_head, telemetry.per_expert))
         self.optimizer.step()
@@ -283,13 +345,14 @@ class Trainer:
                 logits = self.model(x)
             losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
         self.model.train()
-        return torch.stack(losses).mean()
+        loss = torch.stack(losses).mean()
+        return loss if self.group is None else self.group.mean(loss)
 
     def write_sample(self) -> None:
         """Hand the sink what the model writes after the fixed prompt now (telemetry.sample_tokens)."""
         n_tokens = self.job.telemetry.sample_tokens
         prompt = torch.from_numpy(self.data.val[:PROMPT_TOKENS].astype("int64"))
-        if n_tokens == 0 or len(prompt) == 0:
+        if n_tokens == 0 or len(prompt) == 0 or not self.lead:
             return
         self.model.eval()
         with self._autocast():
@@ -300,7 +363,7 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        if self.checkpoint_dir is None:
+        if self.checkpoint_dir is None or not self.lead:  # the replicas are equal: rank 0 writes for all
             return
         payload = {
             "model": self.model.state_dict(),
@@ -352,7 +415,8 @@ class Trainer:
     # -- helpers --------------------------------------------------------------------------------
     def _batch(self, split: str, index: int) -> tuple[Tensor, Tensor]:
         cfg = self.job.train
-        x, y = self.data.batch(split, index, cfg.batch_size, self.job.model.seq_len, cfg.seed)
+        rank, world = (self.group.rank, self.group.world) if self.group else (0, 1)
+        x, y = self.data.batch(split, index, cfg.batch_size, self.job.model.seq_len, cfg.seed, rank, world)
         return x.to(self.device), y.to(self.device)
 
     def _autocast(self):

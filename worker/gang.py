@@ -1,0 +1,134 @@
+"""Jobs of several nodes (``resources.nnodes``), gang-scheduled on as many workers through the
+database.
+
+A job's task goes out once per node. The worker that claims the job is node 0: its claim opens the
+attempt's node slots (``JobRepository.open_nodes``), the job's lease is its lease, and it publishes
+where the others meet it: its c10d rendezvous and its launcher's socket, which global rank 0
+reports to. Each other worker that takes one of the job's tasks claims a free slot of the running
+attempt under a lease of its own, and nothing starts until every slot is held. Node 0 alone
+records the outcome. A node whose group fails lets its slot lapse at once, and a node whose worker
+is lost stops renewing it: either way node 0 sees the lapsed slot, gives the job back (the attempt
+fails on every node: the others' slot leases end with it, which kills their groups) and the job
+resumes from its latest checkpoint with a new gang.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+from app.db.session import retrying, transaction
+from app.repositories.jobs import JobRepository
+from app.repositories.tenants import DatasetRepository
+from app.settings import Settings
+from worker.engine.launch import Meeting, Node
+from worker.engine.run import run_job
+from worker.lease import GangBroken, Lease
+from worker.sink import LeaseLost
+
+log = logging.getLogger("muonforge.worker")
+POLL_SECONDS = 0.5  # how often a node waiting for the others looks
+
+
+def nnodes_of(spec: dict) -> int:
+    return int((spec.get("resources") or {}).get("nnodes", 1))
+
+
+def node_address(settings: Settings) -> str:
+    """Where the other nodes reach this worker: MUONFORGE_NODE_ADDRESS, or this host's name resolved."""
+    if settings.node_address:
+        return settings.node_address
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def this_node(settings: Settings, job_id: str, attempt: int, index: int, lease: Lease, nnodes: int) -> Node:
+    """The engine's Node of this attempt: node ``index`` of ``nnodes``, meeting the others here."""
+    return Node(index, node_address(settings), partial(_meet, settings, job_id, attempt, lease, nnodes))
+
+
+def _meet(settings: Settings, job_id: str, attempt: int, lease: Lease, nnodes: int, mine: Meeting | None) -> Meeting:
+    """Node 0 (``mine``: where it is met) publishes it and waits up to ``gang_wait_seconds`` for
+    every slot to be held (GangBroken then, or on a cancel meanwhile); another node waits for node
+    0's meeting until the attempt is over (LeaseLost)."""
+    patience = settings.outage_patience_seconds
+    if mine is not None:
+        publish = partial(_publish, settings, job_id, attempt, mine)
+        if not retrying(publish, f"job {job_id}: publishing where its nodes meet", patience):
+            raise LeaseLost(f"job {job_id}: attempt {attempt} is over")
+    deadline = time.monotonic() + settings.gang_wait_seconds
+    while True:
+        lease.pulse()  # waiting for the gang is progress of a kind: no stall
+        lease.check()
+        nodes, cancel = retrying(partial(_gang, settings, job_id, attempt), f"job {job_id}: its nodes", patience)
+        held = sum(n.owner is not None for n in nodes)
+        if held == nnodes and nodes[0].rendezvous:
+            first = nodes[0]
+            return Meeting(first.rendezvous, first.run_id, first.report, first.token)
+        if mine is not None and cancel:
+            raise GangBroken("the job was cancelled before every node joined")
+        if mine is not None and time.monotonic() > deadline:
+            raise GangBroken(f"{held} of the job's {nnodes} nodes joined within {settings.gang_wait_seconds:g} s")
+        time.sleep(POLL_SECONDS)
+
+
+def _publish(settings: Settings, job_id: str, attempt: int, mine: Meeting) -> bool:
+    with transaction(settings) as session:
+        return JobRepository(session).publish_meeting(
+            job_id, attempt, mine.rendezvous, mine.run_id, mine.report, mine.token
+        )  # fmt: skip
+
+
+def _gang(settings: Settings, job_id: str, attempt: int) -> tuple[list, bool]:
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        return repo.nodes(job_id, attempt), repo.cancel_requested(job_id)
+
+
+def run_node(settings: Settings, job_id: str, owner: str) -> str:
+    """Take a free slot of a running job of several nodes and train as that node until the attempt
+    ends; what happened ("skipped": no slot to take). A node other than 0 records no outcome."""
+    patience = settings.outage_patience_seconds
+    joined = retrying(partial(_join, settings, job_id, owner), f"job {job_id}: joining", patience)
+    if joined is None:
+        return "skipped"  # a redelivery, a finished job, a full gang
+    attempt, index, spec, corpus = joined
+    log.info("job %s: attempt %d: node %d joined by %s", job_id, attempt, index, owner)
+    from worker.attempt import warm_start_file  # run_attempt calls this module: imported once both are loaded
+
+    out_dir, init_from = settings.artifact_dir / "jobs" / job_id, warm_start_file(settings, spec)
+    with Lease(settings, job_id, attempt, node=index, owner=owner) as lease:
+        node = this_node(settings, job_id, attempt, index, lease, nnodes_of(spec))
+        try:
+            run_job(spec, out_dir, corpus=corpus, init_from=init_from, watch=lease.check, node=node)
+        except LeaseLost:
+            return "lease_lost"  # the attempt is over: node 0 ended it or gave the job back
+        except Exception as exc:
+            log.warning("job %s: attempt %d: node %d cannot go on: %s", job_id, attempt, index, exc)
+            leave = partial(_leave, settings, job_id, attempt, index, owner)
+            retrying(leave, f"job {job_id}: leaving", patience)
+            return "left"
+    return "node_done"
+
+
+def _join(settings: Settings, job_id: str, owner: str) -> tuple[int, int, dict, Path | None] | None:
+    """(attempt, node, spec, corpus) of a slot taken, or None."""
+    with transaction(settings) as session:
+        repo = JobRepository(session)
+        claimed = repo.claim_node(job_id, owner, timedelta(seconds=settings.lease_seconds))
+        if claimed is None:
+            return None
+        job = repo.get(job_id)
+        dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
+        return *claimed, job.spec, settings.artifact_dir / dataset.path if dataset else None
+
+
+def _leave(settings: Settings, job_id: str, attempt: int, node: int, owner: str) -> None:
+    with transaction(settings) as session:
+        JobRepository(session).leave_node(job_id, attempt, node, owner)
