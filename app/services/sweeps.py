@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from app import search
-from app.broker import send_train_tasks
+from app.broker import send_train_tasks, train_tasks
 from app.db.base import utcnow
 from app.db.models import Job, Sweep, SweepRung, SweepTrial, Tenant
 from app.db.session import on_commit, transaction
@@ -170,10 +170,10 @@ def advance(session: Session, sweep_id: str, settings: Settings, skip_locked: bo
     for (trial, _), result in zip(submissions, insert_submissions(session, [s for _, s in submissions])):
         if isinstance(result, tuple):
             repo.start_trial(sweep_id, trial.number, result[0].id)
-            started.append((result[0].id, result[0].queue))
+            started += train_tasks(result[0].id, result[0].queue, result[0].nnodes)  # one per node
     if started:
         on_commit(session, partial(send_train_tasks, settings, started))
-    return len(started)
+    return len({job_id for job_id, _ in started})
 
 
 def advance_after(settings: Settings, sweep_id: str) -> int:
