@@ -246,7 +246,7 @@ def test_stale_queued_jobs_are_sent_again_once_and_one_locked_elsewhere_is_skipp
         with transaction(db) as session:
             if db.sqlalchemy_url.startswith("postgresql"):
                 session.execute(text("SET LOCAL lock_timeout = '5s'"))  # a wait fails instead of hanging
-            return {job_id for job_id, _ in JobRepository(session).stale_queued(before)} & ids
+            return {job.id for job in JobRepository(session).stale_queued(before)} & ids
 
     if db.sqlalchemy_url.startswith("postgresql"):
         with transaction(db) as other:
