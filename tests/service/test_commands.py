@@ -54,8 +54,8 @@ def test_migrations_upgrade_and_downgrade_cleanly():
         assert seqs == [("job_a", 1), ("job_b", 1), ("job_a", 2), ("job_a", 3)]
         assert counters == {"job_a": 3, "job_b": 1}
         expected = {"tenants", "api_keys", "datasets", "jobs", "job_events", "checkpoints", "metric_series",
-                    "metric_chunks", "webhook_endpoints", "webhook_deliveries", "webhook_attempts", "job_nodes",
-                    "alembic_version"}  # fmt: skip
+                    "metric_chunks", "webhook_endpoints", "webhook_deliveries", "webhook_attempts", "sweeps",
+                    "sweep_trials", "sweep_rungs", "job_nodes", "alembic_version"}  # fmt: skip
         assert tables(name) == expected
         command.check(alembic_config(s.sqlalchemy_url))  # the models and the migrations agree
         downgrade(s)
