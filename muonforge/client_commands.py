@@ -81,6 +81,14 @@ def show_list(args: argparse.Namespace, items: list, table: Callable[[list], Any
         print(empty, file=sys.stderr)
 
 
+def show_one(args: argparse.Namespace, item: Any, view: Callable[[Any], Any]) -> None:
+    """A show command's output: JSON with --json, else ``view`` of it."""
+    if args.json:
+        print_json(item)
+    else:
+        console().print(view(item))
+
+
 def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2))
 
@@ -112,10 +120,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     with connect(args) as client:
         job = client.get_job(args.job_id)
-    if args.json:
-        print_json(job)
-    else:
-        console().print(job_details(job))
+    show_one(args, job, job_details)
     return 0
 
 
@@ -261,10 +266,7 @@ def cmd_sweeps_list(args: argparse.Namespace) -> int:
 def cmd_sweeps_show(args: argparse.Namespace) -> int:
     with connect(args) as client:
         sweep = client.get_sweep(args.sweep_id)
-    if args.json:
-        print_json(sweep)
-    else:
-        console().print(sweep_view(sweep))
+    show_one(args, sweep, sweep_view)
     return 0
 
 
