@@ -33,8 +33,7 @@ import torch.multiprocessing as mp
 from optim_step import LR, make_params
 
 import optim
-
-NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+from worker.engine.optimizer import NS_DTYPES
 
 
 def usable_cores() -> int:

@@ -32,8 +32,8 @@ from worker.engine.config import (
 from worker.engine.models import attention as engine_attention
 from worker.engine.models import build_model
 from worker.engine.models import gpt as engine_gpt
+from worker.engine.optimizer import NS_DTYPES
 from worker.engine.run import run_job
-from worker.engine.trainer import NS_DTYPES
 
 SHAPES = {  # (n_layer, n_head, d_model, seq_len), a grid that crosses every term of the count
     "gpt": list(itertools.product((1, 3), (1, 4), (8, 48), (2, 9, 64))),

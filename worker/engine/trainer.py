@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -18,18 +17,17 @@ from torch.nn.parallel import DistributedDataParallel
 import optim
 
 from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
-from .config import JobConfig, OptimizerConfig, TrainConfig
+from .config import JobConfig, TrainConfig
 from .data import TokenData
 from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
 from .models import build_model
+from .optimizer import build_optimizer, lr_factor
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import SUMMARY_KEYS, Report, TelemetrySink, model_metrics, to_floats
 
 STOP_KEYS = ("stopped_at", "stop_reason")  # in the summary of a run that stopped early
 
-NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
-WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
 STOPS = (None, "time_limit", "cancel")  # why a run stops before a step (Trainer._stop), by number
 
 
@@ -73,48 +71,6 @@ class RunResult:
             "attn_max_logit": self.attn_max_logit, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
             **{k: self.summary[k] for k in STOP_KEYS if k in self.summary},
         }  # fmt: skip
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier on every group's base lr before optimizer step ``step`` (0-based)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    if cfg.lr_schedule == "cosine":
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    if cfg.lr_schedule == "wsd":
-        decay_start = cfg.steps - int(WSD_DECAY_FRACTION * cfg.steps)
-        return 1.0 if step < decay_start else max(0.0, (cfg.steps - step) / max(1, cfg.steps - decay_start))
-    raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r}")
-
-
-def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, distributed: bool = False, ns_dtype: torch.dtype | None = None
-) -> torch.optim.Optimizer:
-    """muon / muonclip: optim.Muon(Clip) over role-split groups; adamw: AdamW on every parameter.
-    ``distributed``: data-parallel Muon over the default process group (each rank orthogonalizes
-    the matrices it owns; the gradients must arrive averaged, as DDP leaves them). ``ns_dtype``:
-    the Newton-Schulz precision in place of ``cfg.ns_dtype``'s (a group pins rank 0's choice)."""
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps, weight_decay=cfg.weight_decay
-        )
-    kwargs = dict(
-        lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-        ns_coefficients=cfg.ns_coefficients, ns_method=cfg.ns_method, ns_dtype=ns_dtype or NS_DTYPES[cfg.ns_dtype],
-        adjust_lr=cfg.adjust_lr,
-        weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr, adamw_betas=cfg.adamw_betas,
-        adamw_eps=cfg.adamw_eps, adamw_weight_decay=cfg.adamw_weight_decay, distributed=distributed,
-    )  # fmt: skip
-    groups = optim.split_params(model)
-    if cfg.name == "muonclip":
-        tau = {} if cfg.qk_clip_tau is None else {"qk_clip_tau": cfg.qk_clip_tau}  # else MuonClip's default
-        return optim.MuonClip(groups, model, **tau, **kwargs)
-    if cfg.name == "muon":
-        return optim.Muon(groups, **kwargs)
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 
 def device_type(device: str) -> str:
