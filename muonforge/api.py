@@ -161,9 +161,11 @@ def deliveries_page(webhook_id: str, limit: int, after: str | None) -> Call:
 
 
 # -- sweeps ---------------------------------------------------------------------------------------
-def create_sweep(spec: dict[str, Any]) -> Call:
-    # Not repeated after an unanswered attempt: had it created the sweep, a repeat would start a second one.
-    return Call("POST", "/v1/sweeps", json=spec, repeat=Repeat.UNSENT)
+def create_sweep(spec: dict[str, Any], idempotency_key: str | None = None) -> Call:
+    # As for a job: a fresh key per call unless the caller gives one, so a retried POST answers
+    # with the sweep the first attempt created instead of starting a second one.
+    key = idempotency_key or f"mf-{uuid.uuid4().hex}"
+    return Call("POST", "/v1/sweeps", json=spec, headers={"Idempotency-Key": key})
 
 
 def sweeps_page(status: str | None, limit: int, after: str | None) -> Call:

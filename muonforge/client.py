@@ -223,9 +223,10 @@ class Client(_ClientBase):
         return self._call(api.deliveries_page(webhook_id, limit, after))
 
     # -- sweeps -----------------------------------------------------------------------------------
-    def create_sweep(self, spec: Json) -> Json:
-        """Submit a SweepSpec (a dict: base, space, method, ...); returns the Sweep with its trials."""
-        return self._call(api.create_sweep(spec))
+    def create_sweep(self, spec: Json, idempotency_key: str | None = None) -> Json:
+        """Submit a SweepSpec (a dict: base, space, method, ...); returns the Sweep with its trials.
+        Without ``idempotency_key`` the client makes one, so its own retries cannot start it twice."""
+        return self._call(api.create_sweep(spec, idempotency_key))
 
     def get_sweep(self, sweep_id: str) -> Json:
         """The sweep, its trials (parameters, job, status, metric) and its best trial."""
@@ -420,8 +421,8 @@ class AsyncClient(_ClientBase):
         return await self._call(api.deliveries_page(webhook_id, limit, after))
 
     # -- sweeps -----------------------------------------------------------------------------------
-    async def create_sweep(self, spec: Json) -> Json:
-        return await self._call(api.create_sweep(spec))
+    async def create_sweep(self, spec: Json, idempotency_key: str | None = None) -> Json:
+        return await self._call(api.create_sweep(spec, idempotency_key))
 
     async def get_sweep(self, sweep_id: str) -> Json:
         return await self._call(api.get_sweep(sweep_id))

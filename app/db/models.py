@@ -262,10 +262,13 @@ class Sweep(Timestamped, Base):
     max_concurrent: Mapped[int] = mapped_column(Integer)
     asha: Mapped[dict[str, Any] | None] = mapped_column(JSONDoc)  # {rungs, reduction_factor} or null
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    request_hash: Mapped[str | None] = mapped_column(String(64))  # of the validated request
 
     __table_args__ = (
         Index("ix_sweeps_tenant_id_id", "tenant_id", "id"),
         Index("ix_sweeps_status", "status"),  # the running sweeps the reaper advances
+        Index("uq_sweeps_tenant_id_idempotency_key", "tenant_id", "idempotency_key", unique=True),
     )
 
 

@@ -36,6 +36,10 @@ class SweepRepository:
             query = query.where(Sweep.id < after)
         return list(self.session.scalars(query.order_by(Sweep.id.desc()).limit(limit + 1)))
 
+    def by_idempotency_key(self, tenant_id: str, key: str) -> Sweep | None:
+        query = select(Sweep).where(Sweep.tenant_id == tenant_id, Sweep.idempotency_key == key)
+        return self.session.scalars(query).one_or_none()
+
     def lock(self, sweep_id: str, skip_locked: bool = False) -> Sweep | None:
         """The sweep's row, locked until the transaction ends and read as committed now; None if
         it is gone, or (``skip_locked``) if another transaction holds it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query, Response
 
 from app.deps import After, SweepId, Work
 from app.job_status import SweepStatus
@@ -17,8 +17,18 @@ from app.services import sweeps as service
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 
 
-@router.post("", status_code=201, response_model=schemas.SweepDetail, responses={**ERRORS, 403: ERRORS[401]})
-async def create_sweep(spec: SweepSpec, work: Work) -> schemas.SweepDetail:
+REPLAY = {
+    "model": schemas.SweepDetail, "description": "A replay of an `Idempotency-Key` with the same body: its sweep.",
+}  # fmt: skip
+
+
+@router.post(
+    "", status_code=201, response_model=schemas.SweepDetail, responses={200: REPLAY, **ERRORS, 403: ERRORS[401]}
+)
+async def create_sweep(
+    spec: SweepSpec, work: Work, response: Response,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> schemas.SweepDetail:  # fmt: skip
     """Validate the sweep and every trial's JobSpec (the base with the trial's values; a 422
     names `space.<path>` or `base.<field>`, and nothing is stored), store it and start its first
     trials: at most `max_concurrent` of its trials are queued or running at once, and never more
@@ -27,8 +37,11 @@ async def create_sweep(spec: SweepSpec, work: Work) -> schemas.SweepDetail:
     max(1, floor(n / reduction_factor)) of the n results recorded at that rung so far (itself
     included); otherwise it ends `stopped_early`. Each decision is taken once, by the database.
     Once every trial has finished, the sweep is `completed` and `sweep.completed` is sent to
-    the webhooks that take it."""
-    return await work(service.create_sweep, spec, work.settings)
+    the webhooks that take it. A replay with the same `Idempotency-Key` and body answers 200
+    with the same sweep; the same key with another body is 409."""
+    sweep, created = await work(service.create_sweep, spec, work.settings, idempotency_key)
+    response.status_code = 201 if created else 200
+    return sweep
 
 
 @router.get("", response_model=schemas.SweepList, responses=ERRORS)

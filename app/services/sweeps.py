@@ -30,13 +30,14 @@ from app.job_status import JobStatus, SweepStatus
 from app.live import LiveBus
 from app.repositories.jobs import JobRepository
 from app.repositories.sweeps import SweepRepository
+from app.repositories.tenants import TenantRepository
 from app.schemas import JobSpec
 from app.schemas import api as schemas
 from app.schemas.sweep import SweepSpec
 from app.services import webhooks
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
-from app.services.intake import data_facts, insert_submissions, prepare_submission
+from app.services.intake import data_facts, insert_submissions, prepare_submission, request_hash
 from app.services.job_events import record_status
 from app.services.tenants import job_cap
 from app.services.warm_start import parent_columns
@@ -109,9 +110,23 @@ def check_trial(session: Session, tenant: TenantRef, spec: dict[str, Any], setti
     parent_columns(session, tenant, dumped, vocab)
 
 
-def create_sweep(session: Session, tenant: TenantRef, spec: SweepSpec, settings: Settings) -> schemas.SweepDetail:
+def create_sweep(
+    session: Session, tenant: TenantRef, spec: SweepSpec, settings: Settings, idempotency_key: str | None = None
+) -> tuple[schemas.SweepDetail, bool]:
     """Validate every trial, store the sweep and its trials, and start the first ones (their
-    tasks go out once the transaction has committed). Nothing is stored on a 422."""
+    tasks go out once the transaction has committed). Nothing is stored on a 422. Returns the
+    sweep and whether this request created it: a repeated ``idempotency_key`` with the same
+    request answers with the sweep the first one created (the same key with another request is
+    a 409)."""
+    request = spec.model_dump(mode="json")
+    digest = request_hash(request)
+    repo = SweepRepository(session)
+    if idempotency_key:
+        TenantRepository(session).lock([tenant.id])  # one keyed submission of the tenant at a time
+        if (existing := repo.by_idempotency_key(tenant.id, idempotency_key)) is not None:
+            if existing.request_hash != digest:
+                raise Conflict("this Idempotency-Key was used with a different request body", param="Idempotency-Key")
+            return sweep_detail(session, existing), False
     if job_cap(tenant.job_cap, settings.tenant_job_cap) <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
     trials = []
@@ -125,13 +140,13 @@ def create_sweep(session: Session, tenant: TenantRef, spec: SweepSpec, settings:
             raise
         trials.append({"number": number, "params": params, "spec": job_spec})
     sweep = Sweep(
-        tenant_id=tenant.id, name=spec.name, status=SweepStatus.RUNNING, request=spec.model_dump(mode="json"),
-        metric=spec.metric, mode=spec.mode, max_concurrent=spec.max_concurrent,
-        asha=spec.asha.model_dump() if spec.asha else None,
+        tenant_id=tenant.id, name=spec.name, status=SweepStatus.RUNNING, request=request, metric=spec.metric,
+        mode=spec.mode, max_concurrent=spec.max_concurrent, asha=spec.asha.model_dump() if spec.asha else None,
+        idempotency_key=idempotency_key, request_hash=digest,
     )  # fmt: skip
-    SweepRepository(session).add(sweep, trials)
+    repo.add(sweep, trials)
     advance(session, sweep.id, settings)
-    return sweep_detail(session, sweep)
+    return sweep_detail(session, sweep), True
 
 
 # -- starting trials -----------------------------------------------------------------------------

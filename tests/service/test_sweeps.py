@@ -110,6 +110,26 @@ def test_a_bad_search_space_is_a_422_naming_the_field_and_nothing_is_stored(clie
     assert client.get("/v1/jobs", headers=auth).json()["data"] == []
 
 
+def test_a_repeated_idempotency_key_answers_with_the_sweep_it_created(client, auth, settings):
+    """The same key and body: 200 with the same sweep and no second trial job; the same key with
+    another body: 409 naming the header; another tenant's same key is its own."""
+    keyed = {**auth, "Idempotency-Key": "sweep-once"}
+    first = client.post("/v1/sweeps", json=sweep_body(), headers=keyed)
+    assert first.status_code == 201, first.text
+    again = client.post("/v1/sweeps", json=sweep_body(), headers=keyed)
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"], again.text
+    assert [t["job_id"] for t in again.json()["trials"]] == [t["job_id"] for t in first.json()["trials"]]
+    other = client.post("/v1/sweeps", json=sweep_body(name="other"), headers=keyed)
+    assert other.status_code == 409 and other.json()["error"]["param"] == "Idempotency-Key", other.text
+    assert [s["id"] for s in client.get("/v1/sweeps", headers=auth).json()["data"]] == [first.json()["id"]]
+    assert len(client.get("/v1/jobs", headers=auth).json()["data"]) == 1  # max_concurrent 1: one trial started
+    theirs = {"Authorization": f"Bearer {new_key(settings)}", "Idempotency-Key": "sweep-once"}
+    mine_too = client.post("/v1/sweeps", json=sweep_body(), headers=theirs)
+    assert mine_too.status_code == 201 and mine_too.json()["id"] != first.json()["id"]
+    for sweep_id, headers in ((first.json()["id"], auth), (mine_too.json()["id"], theirs)):
+        assert client.post(f"/v1/sweeps/{sweep_id}/cancel", headers=headers).status_code == 200
+
+
 def test_asha_stops_the_trials_behind_at_the_first_rung_and_the_sweep_completes_once(
     client, auth, settings, start_worker
 ):
