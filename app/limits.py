@@ -11,8 +11,10 @@ sits in front of the routes:
    the event loop (else one lookup per key at a time, in a thread), a request-rate token taken,
    and for a stream a slot taken and held until the stream ends; else the answer is 401 or 429
    with no routing and no dependency (and, for a cached key, no thread and no query). Under a
-   flood of refused requests from one tenant the refusals are the only work, and they are the
-   cheapest the server can do, so other tenants keep their latency (bench/abuse.py). The tenant
+   flood of refused requests from one tenant the refusals are the only work, they are the
+   cheapest the server can do, and a tenant refused again within a second gets its refusals
+   after a pause (``RefusalPacer``), so that a client retrying at once makes about one attempt a
+   second per connection and other tenants keep their latency (bench/abuse.py). The tenant
    is kept in the request's state, where the unit of work takes it (one admission, not two). A
    request with a body is authenticated before its body is read. The web app's sign-in
    (/v1/session), whose body is the key, is only bounded;
@@ -38,7 +40,7 @@ from app.db.session import open_session
 from app.deps import SESSION_COOKIE, request_key
 from app.errors import DomainError, Unauthorized, error_response
 from app.services.auth import MISSING_KEY, KeyCache, TenantRef, authenticate, bearer_digest, cached_tenant
-from app.services.quotas import RequestRate, StreamSlots
+from app.services.quotas import RefusalPacer, RequestRate, StreamSlots
 from app.settings import Settings
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -50,10 +52,11 @@ MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fie
 
 class Limits:
     def __init__(
-        self, app: ASGIApp, settings: Settings, key_cache: KeyCache, request_rate: RequestRate, streams: StreamSlots
-    ) -> None:
+        self, app: ASGIApp, settings: Settings, key_cache: KeyCache, request_rate: RequestRate, streams: StreamSlots,
+        pacer: RefusalPacer,
+    ) -> None:  # fmt: skip
         self.app, self.settings, self.key_cache = app, settings, key_cache
-        self.request_rate, self.streams = request_rate, streams
+        self.request_rate, self.streams, self.pacer = request_rate, streams, pacer
         self._lookups: dict[str, asyncio.Future[TenantRef]] = {}  # key digest -> its lookup in flight
 
     def limit_for(self, path: str) -> int:
@@ -71,6 +74,7 @@ class Limits:
         if declared.isdigit() and int(declared) > limit:
             return await too_large(limit)(scope, receive, send)
         if path.startswith("/v1/") and path != SIGN_IN:
+            tenant = None
             try:
                 session_key = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE)
                 authorization = request_key(headers.get("authorization"), session_key)
@@ -85,6 +89,8 @@ class Limits:
                         return await self.app(scope, receive, send)
             except DomainError as exc:
                 response = error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
+                if exc.status == 429 and tenant is not None and not await self.pacer.pause(tenant.id):
+                    response.headers["Connection"] = "close"
                 return await response(scope, receive, send)
         if not with_body:
             return await self.app(scope, receive, send)

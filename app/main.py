@@ -16,7 +16,7 @@ from app.observability import install_metrics
 from app.routes import checkpoints, datasets, health, jobs, session, sweeps, webhooks
 from app.services.auth import KeyCache
 from app.services.intake import Intake
-from app.services.quotas import RequestRate, StreamSlots, TenantThreads
+from app.services.quotas import RefusalPacer, RequestRate, StreamSlots, TenantThreads
 from app.services.reaper import run_reaper
 from app.services.webhook_delivery import run_deliveries
 from app.settings import Settings, get_settings
@@ -47,7 +47,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     install_error_handlers(app)
     app.add_middleware(
         Limits, settings=settings, key_cache=app.state.key_cache, request_rate=app.state.request_rate,
-        streams=app.state.streams,
+        streams=app.state.streams, pacer=RefusalPacer(settings.refusal_pace_seconds),
     )  # fmt: skip
     install_metrics(app, settings)
     return app

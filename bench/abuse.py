@@ -10,7 +10,10 @@ Postgres and Redis.
 4. memory: a spec within the parameter and batch caps built to exhaust a worker's memory
    (attention scores of 128 x 64 x 8192^2 floats per layer): refused at intake, what it cost.
 
-    python bench/abuse.py [--attempts 5000] [--json out.json]
+    python bench/abuse.py [--attempts 5000] [--refusal-pace SECONDS] [--json out.json]
+
+``--refusal-pace 0`` answers every refusal at once (MUONFORGE_REFUSAL_PACE_SECONDS), to compare
+with the default pace on the same code.
 """
 
 from __future__ import annotations
@@ -204,9 +207,11 @@ async def cap_attack(url: str, key: str, n: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attempts", type=int, default=5000)
+    parser.add_argument("--refusal-pace", type=float, help="MUONFORGE_REFUSAL_PACE_SECONDS (default: the service's)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    with Stack("abuse", REDIS) as stack:
+    env = {} if args.refusal_pace is None else {"MUONFORGE_REFUSAL_PACE_SECONDS": str(args.refusal_pace)}
+    with Stack("abuse", REDIS, env) as stack:
         attacker, victim, capped, greedy = (stack.api_key(t) for t in ("attacker", "victim", "capped", "greedy"))
         with psycopg.connect(stack.db_url, autocommit=True) as db:
             db.execute("UPDATE tenants SET job_cap = 8 WHERE name = 'capped'")
@@ -218,6 +223,7 @@ def main() -> int:
             "cap": asyncio.run(cap_attack(url, capped, 100)),
             "memory": memory_attack(url, pid, greedy),
             "cores": os.cpu_count(),
+            "refusal_pace_s": args.refusal_pace,
         }
     worst = max(result["body"], key=lambda b: b["ms"])
     memory = result["memory"]

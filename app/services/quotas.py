@@ -1,5 +1,5 @@
-"""Per-tenant limits an API process enforces on its own: open event streams, request rate and
-threads of the thread pool.
+"""Per-tenant limits an API process enforces on its own: open event streams, request rate, threads
+of the thread pool, and the pace of a tenant's refusals.
 
 Both are counted per process (no round trip per request): with P API processes a tenant may hold
 up to P x the stream cap and make up to P x the rate. That bounds what one tenant can take of a
@@ -9,7 +9,9 @@ keep their latency.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import random
 import threading
 import time
 from collections import Counter
@@ -89,6 +91,46 @@ class RequestRate:
                 raise RateLimited(f"this tenant is over {self.rate:g} requests a second; slow down", retry_after=wait)
             self._buckets[tenant_id] = (tokens - 1.0, now)
             forget_oldest_half(self._buckets, at=lambda entry: entry[1])
+
+
+PACED_PER_TENANT = 1000  # a tenant's refusals held back at once; past it, answered at once
+
+
+class RefusalPacer:
+    """The pace of a tenant's refusals (used from the event loop only). A tenant refused again
+    within ``seconds`` of its previous refusal gets the answer after a pause, between half and all
+    of ``seconds`` (spread, so that the paused requests do not come back together). A client that
+    retries the moment it is refused, as a flood does, is then paced by the server: each of its
+    connections makes about one attempt a second instead of as many as the process can refuse,
+    and refusing is no longer the process's main work while other tenants wait for it. A tenant's
+    first refusal, and any after a quiet ``seconds``, comes at once. At most ``cap`` of one
+    tenant's refusals wait at a time (each holds a connection); past that, the answer comes at
+    once and closes its connection, so a tenant cannot turn the pauses into a pile of them."""
+
+    def __init__(self, seconds: float, cap: int = PACED_PER_TENANT) -> None:
+        self.seconds, self.cap = seconds, cap
+        self._last: dict[str, float] = {}  # tenant -> its last refusal (monotonic)
+        self.waiting: Counter[str] = Counter()
+
+    async def pause(self, tenant_id: str) -> bool:
+        """Before a refusal to ``tenant_id``: wait as above. False when the refusal should close
+        its connection (the tenant has ``cap`` refusals waiting already)."""
+        now = time.monotonic()
+        last = self._last.get(tenant_id)
+        self._last[tenant_id] = now
+        forget_oldest_half(self._last, at=lambda at: at)
+        if self.seconds <= 0 or last is None or now - last > self.seconds:
+            return True
+        if self.waiting[tenant_id] >= self.cap:
+            return False
+        self.waiting[tenant_id] += 1
+        try:
+            await asyncio.sleep(self.seconds * random.uniform(0.5, 1.0))
+        finally:
+            self.waiting[tenant_id] -= 1
+            if not self.waiting[tenant_id]:
+                del self.waiting[tenant_id]
+        return True
 
 
 class TenantThreads:

@@ -1,9 +1,10 @@
-"""Per-tenant limits of an API process: open event streams, request rate and threads. One tenant
-at its limit gets 429 with Retry-After (or, for threads, waits for its own); another tenant is not
-affected."""
+"""Per-tenant limits of an API process: open event streams, request rate, threads and the pace of
+refusals. One tenant at its limit gets 429 with Retry-After (or, for threads, waits for its own;
+refused again at once, its refusals wait); another tenant is not affected."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 
@@ -11,7 +12,7 @@ import anyio
 import httpx
 import pytest
 
-from app.services.quotas import TenantThreads
+from app.services.quotas import RefusalPacer, TenantThreads
 from tests.service.conftest import new_key, running_api, tiny_spec, wait_for
 
 
@@ -23,10 +24,11 @@ def few_streams_api(settings, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def slow_rate_api(settings, tmp_path_factory):
-    """A token every 5 s after a burst of 20: a busy machine cannot refill the bucket mid-test."""
+    """A token every 5 s after a burst of 20: a busy machine cannot refill the bucket mid-test.
+    Refusals come at once (the pace is tested on its own below)."""
     with running_api(
         settings, tmp_path_factory.mktemp("rate-api"),
-        MUONFORGE_TENANT_RATE_PER_SECOND="0.2", MUONFORGE_TENANT_BURST="20",
+        MUONFORGE_TENANT_RATE_PER_SECOND="0.2", MUONFORGE_TENANT_BURST="20", MUONFORGE_REFUSAL_PACE_SECONDS="0",
     ) as url:  # fmt: skip
         yield url
 
@@ -39,9 +41,12 @@ def test_a_tenant_holds_at_most_its_cap_of_open_streams(few_streams_api, setting
         path = f"/v1/jobs/{job}/events"
         held = [streams.enter_context(client.stream("GET", path, headers=mine)) for _ in range(3)]
         assert all(r.status_code == 200 for r in held)
-        refused = client.get(path, headers=mine)
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
-        assert refused.headers["retry-after"] == "5" and "3 open event streams" in refused.json()["error"]["message"]
+        for _ in range(2):  # the second refusal comes after a pause (the default pace), the same answer
+            refused = client.get(path, headers=mine)
+            error = refused.json()["error"]
+            assert refused.status_code == 429 and error["code"] == "rate_limited"
+            assert refused.headers["retry-after"] == "5" and "3 open event streams" in error["message"]
+            assert refused.headers.get("connection") != "close"
         with client.stream("GET", f"/v1/jobs/{other}/events", headers=theirs) as r:
             assert r.status_code == 200  # another tenant is not affected
         held[0].close()  # a closed stream frees its slot, once the server has seen the disconnect
@@ -104,3 +109,22 @@ def test_a_tenant_uses_at_most_its_share_of_the_thread_pool():
     results = anyio.run(scenario)
     assert sorted(results) == ["a0", "a1", "a2", "a3", "b"] and most[0] == 2
     assert not threads._held  # nothing kept for tenants with no call in flight
+
+
+def test_a_tenant_refused_again_at_once_gets_its_refusals_after_a_pause():
+    """Tenant a's first refusal comes at once; refused again, its answers wait (two at most here,
+    the third comes at once and closes its connection) while tenant b's first refusal is not held
+    behind them; after the pause both of a's held refusals are answered."""
+    pacer = RefusalPacer(0.3, cap=2)
+
+    async def scenario() -> None:
+        assert await asyncio.wait_for(pacer.pause("a"), 5)  # the first: no pause
+        held = [asyncio.create_task(pacer.pause("a")) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert not any(task.done() for task in held) and pacer.waiting["a"] == 2
+        assert await asyncio.wait_for(pacer.pause("a"), 5) is False  # past the cap: at once, close
+        assert await asyncio.wait_for(pacer.pause("b"), 5)  # another tenant's first: at once
+        assert await asyncio.wait_for(asyncio.gather(*held), 5) == [True, True]
+        assert not pacer.waiting
+
+    asyncio.run(scenario())
