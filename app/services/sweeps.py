@@ -122,7 +122,10 @@ def create_sweep(
     digest = request_hash(request)
     repo = SweepRepository(session)
     if idempotency_key:
-        TenantRepository(session).lock([tenant.id])  # one keyed submission of the tenant at a time
+        # One keyed submission of the tenant at a time. The tenant's row before a sweep's is the
+        # other order from advance()'s, but the only sweep this transaction then locks is its own
+        # new one, which no other transaction can see: no cycle.
+        TenantRepository(session).lock([tenant.id])
         if (existing := repo.by_idempotency_key(tenant.id, idempotency_key)) is not None:
             if existing.request_hash != digest:
                 raise Conflict("this Idempotency-Key was used with a different request body", param="Idempotency-Key")
