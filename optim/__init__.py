@@ -7,6 +7,7 @@ from .muon import Muon, as_matrices, matrix_shape
 from .newton_schulz import (
     KELLER,
     POLAR_EXPRESS,
+    Scratch,
     auto_dtype,
     choose_method,
     orthogonalize,
@@ -34,6 +35,7 @@ __all__ = [
     "MuonClip",
     "QKClipSource",
     "QKClipTarget",
+    "Scratch",
     "StepStats",
     "adamw_update",
     "as_matrices",

@@ -7,8 +7,10 @@ Two equivalent forms of the quintic iteration X <- a X + (b A + c A^2) X, A = X 
   loop runs on m x m matrices only and touches the m x n data twice (R once, Q_K X_0 once).
   Fewer flops for wide (or, transposed, tall) matrices; see docs/optimizer.md.
 
-Every m x m product in both forms is symmetric (polynomials in one symmetric matrix commute),
-so it is computed from three of its four half-size blocks: 3/4 of the flops.
+Every product writes into scratch carved once per call (:class:`Scratch`): given one that lives
+across calls, as the optimizer's does, a step allocates nothing. The Gram form needs four m x m
+matrices and computes its result in place, a block of m columns at a time; the standard form
+two m x m matrices and one m x n.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ POLAR_EXPRESS_NORM_FACTOR = 1.02
 METHODS = ("auto", "standard", "gram")
 COEFFICIENT_SETS = ("keller", "polar_express")
 
-# "auto" picks gram once n >= GRAM_MIN_ASPECT * m: the flop model (3/4-cost symmetric
-# products, 5 steps) breaks even near n = 1.3 m; measured on CPU fp32 the gain starts near 1.5.
+# "auto" picks gram once n >= GRAM_MIN_ASPECT * m: 5 steps cost 10 m^2 n + 5 m^3 multiply-adds in the
+# standard form and 2 m^2 n + 17 m^3 in the gram form, even at n = 1.5 m (and measured so on CPU fp32).
 GRAM_MIN_ASPECT = 1.5
 # Low precision drifts in the gram form: rebuild R from a fresh X every 2 iterations
 # (the restart of Dao-AILab/gram-newton-schulz).
@@ -55,10 +57,13 @@ PROBE_SIZE = 512
 PROBE_REPEATS = 10
 # /proc/cpuinfo flags of CPUs with native bf16 matrix instructions.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# Below this size a symmetric product is cheaper as one plain GEMM than as three blocks. In bf16
-# (CPU, AVX512-BF16) the three smaller GEMMs and the copies cost more than the flops saved:
-# 384 x 1536 standard iterations took 11.6 ms blocked against 9.1 ms plain, so bf16 stays plain.
-SYMMETRIC_BLOCK_MIN = 128
+# From this size on a symmetric product is computed as three blocks (3/4 of the flops); below it
+# as one plain GEMM. On CPU fp32 the half-size GEMMs of m = 128 ran no faster than the plain one
+# at 1 thread and slower at 2; from m = 256 the blocks gained a few per cent (docs/optimizer.md).
+SYMMETRIC_BLOCK_MIN = 256
+# Scratch views start at multiples of this many elements (256 bytes in fp32): every matrix a
+# product reads or writes is aligned as a fresh allocation would be.
+SCRATCH_ALIGN = 64
 # Clamp for the normaliser; the references' "+ 1e-7" collapses inputs with a tiny norm.
 TINY = 1e-30
 
@@ -180,6 +185,34 @@ def choose_method(m: int, n: int, method: str = "auto", dtype: torch.dtype = tor
     return "gram" if wide_enough and torch.finfo(dtype).bits >= 32 else "standard"
 
 
+class Scratch:
+    """Reusable scratch memory: one flat buffer per (dtype, device), grown to the largest request
+    and carved into the views one call needs. A carve invalidates the views of the previous carve
+    of the same dtype and device, so each user of scratch owns its own instance."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def carve(self, dtype: torch.dtype, device: torch.device, *shapes: tuple[int, ...]) -> list[Tensor]:
+        """Contiguous views of the given shapes, side by side in this dtype and device's buffer."""
+        sizes = [math.prod(shape) for shape in shapes]
+        spans = [-(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN for size in sizes]
+        key = (dtype, torch.device(device))
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < sum(spans):
+            self._flat.pop(key, None)  # free the smaller buffer before allocating its successor
+            flat = self._flat[key] = torch.empty(sum(spans), dtype=dtype, device=device)
+        views, offset = [], 0
+        for shape, size, span in zip(shapes, sizes, spans):
+            views.append(flat[offset : offset + size].view(shape))
+            offset += span
+        return views
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
 def orthogonalize(
     G: Tensor,
     steps: int = 5,
@@ -189,6 +222,7 @@ def orthogonalize(
     *,
     overwrite_input: bool = False,
     out_dtype: torch.dtype | None = None,
+    scratch: Scratch | None = None,
 ) -> Tensor:
     """Approximate the orthogonal polar factor of G over its last two dims.
 
@@ -197,9 +231,11 @@ def orthogonalize(
     about [0.855, 1.143]) with G's singular vectors. Zero input gives exact zeros. Runs in
     ``dtype``; None is the automatic choice (fp64 for fp64 input, else :func:`auto_dtype`: bf16
     where the device measures faster in bf16, fp32 elsewhere). The norm is always taken in fp32
-    or wider. ``overwrite_input=True`` lets it normalise G in place (one copy less: the
-    optimizer's own stacked batch); ``out_dtype`` (default G's dtype) saves the optimizer a
-    conversion.
+    or wider. ``out_dtype`` is the result's dtype (default G's). ``overwrite_input=True`` lets it
+    use G's memory: to normalise G in place (one copy less: the optimizer's own stacked batch)
+    and to hold the result. With a ``scratch`` the work allocates nothing once the scratch has
+    grown, and the result may be a view into the scratch or into G (valid until the scratch's
+    next use); without one the result is a tensor of its own.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs at least 2 dims, got shape {tuple(G.shape)}")
@@ -207,86 +243,147 @@ def orthogonalize(
     work_dtype = dtype or default_dtype(G)
     rows, cols = G.shape[-2:]
     tall = rows > cols
-    X = G.mT if tall else G
-    m, n = X.shape[-2:]
-    X = X.reshape(-1, m, n)  # [B, m, n], m <= n
-    X = normalize(X, schedule.norm_factor, in_place=overwrite_input).to(work_dtype)
+    m, n = min(rows, cols), max(rows, cols)
+    X = (G.mT if tall else G).reshape(-1, m, n)  # [B, m, n], m <= n
     form = choose_method(m, n, method, work_dtype)
+    own_scratch = scratch is None
+    X, mats = _carve(X, schedule.norm_factor, work_dtype, form, scratch or Scratch(), in_place=overwrite_input)
     if form == "gram":
         restart = GRAM_RESTART_EVERY_LOW_PRECISION if torch.finfo(work_dtype).bits < 32 else None
-        X = _gram_newton_schulz(X, schedule.steps, restart)
+        X = _gram_newton_schulz(X, schedule.steps, restart, mats)
     else:
-        X = _standard_newton_schulz(X, schedule.steps)
+        X = _standard_newton_schulz(X, schedule.steps, mats)
     X = X.reshape(*G.shape[:-2], m, n)
-    return (X.mT if tall else X).to(out_dtype or G.dtype)
+    out = X.mT if tall else X
+    out_dtype = out_dtype or G.dtype
+    if own_scratch:  # a tensor of its own, not a view that keeps the scratch alive
+        return torch.empty(out.shape, dtype=out_dtype, device=out.device).copy_(out)
+    if out.dtype != out_dtype and overwrite_input and G.dtype == out_dtype:
+        return G.copy_(out)  # converted into G's own memory rather than a new tensor
+    return out.to(out_dtype)
 
 
-def normalize(X: Tensor, factor: float = 1.0, in_place: bool = False) -> Tensor:
-    """X / (factor * ||X||_F) per matrix of a [B, m, n] batch, computed in fp32 (or fp64).
+def _carve(
+    X: Tensor, factor: float, work_dtype: torch.dtype, form: str, scratch: Scratch, in_place: bool
+) -> tuple[Tensor, list]:
+    """The iterate normalised (by ``factor`` x its norm) in the working precision and the form's matrices: S, P, Q, W
+    [B, m, m] for gram; A, P [B, m, m] and the next iterate [B, m, n] for standard. The
+    normalisation runs in fp32 or wider: in X itself where allowed, else in the scratch; a lower
+    working precision gets a copy."""
+    B, m, n = X.shape
+    wide = torch.float64 if X.dtype == torch.float64 else torch.float32
+    mats = [(B, m, m)] * 4 if form == "gram" else [(B, m, m), (B, m, m), (B, m, n)]
+    if in_place and X.dtype == wide:
+        normalized = normalize(X, factor)
+    elif work_dtype == wide:
+        normalized, *views = scratch.carve(wide, X.device, (B, m, n), *mats)
+        return normalize(X, factor, dst=normalized), views
+    else:
+        (normalized,) = scratch.carve(wide, X.device, (B, m, n))
+        normalize(X, factor, dst=normalized)
+    if work_dtype == wide:
+        return normalized, scratch.carve(wide, X.device, *mats)
+    low, *views = scratch.carve(work_dtype, X.device, (B, m, n), *mats)
+    return low.copy_(normalized), views
 
-    Scaling by the max-abs entry first keeps the norm free of underflow (a matrix with
-    Frobenius norm 1e-20 has squares below fp32's range) and of overflow; zero stays zero.
+
+def normalize(X: Tensor, factor: float = 1.0, *, dst: Tensor | None = None) -> Tensor:
+    """X / (factor * ||X||_F) per matrix of a [B, m, n] batch, written into ``dst`` (default: X,
+    in place), whose dtype must be fp32 or wider: fp64 for fp64 input, else fp32 (the norm's).
+
+    Dividing by the largest entry first keeps the norm free of underflow (a matrix with Frobenius
+    norm 1e-20 has squares below fp32's range) and of overflow; zero stays zero. The largest
+    entry is max(max, -min): two vectorised reductions, where a max-abs norm is not vectorised on
+    CPU (about 20x slower).
     """
     wide = torch.float64 if X.dtype == torch.float64 else torch.float32
-    peak = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True, dtype=wide)
-    peak = peak.clamp_min(TINY)
-    Y = X.div_(peak) if in_place and X.dtype == wide else X.to(wide) / peak  # entries in [-1, 1]
-    norm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True)
-    return Y.div_((norm * factor).clamp_min(TINY))
+    dst = X if dst is None else dst
+    dims = (-2, -1)
+    peak = torch.maximum(X.amax(dim=dims, keepdim=True), X.amin(dim=dims, keepdim=True).neg())
+    torch.div(X, peak.to(wide).clamp_min(TINY), out=dst)  # entries in [-1, 1]
+    norm = torch.linalg.vector_norm(dst, dim=dims, keepdim=True)
+    return dst.div_((norm * factor).clamp_min(TINY))
 
 
-def _standard_newton_schulz(X: Tensor, steps: Sequence[Triple]) -> Tensor:
-    # X: [B, m, n], m <= n. Per step: A = X X^T, B = b A + c A^2, X = a X + B X.
+def _standard_newton_schulz(X: Tensor, steps: Sequence[Triple], mats: list[Tensor]) -> Tensor:
+    # X: [B, m, n], m <= n. Per step: A = X X^T, P = b A + c A^2, X = a X + P X (into Y, then swapped).
+    A, P, Y = mats
     for a, b, c in steps:
-        A = symmetric_matmul(X, X.mT)  # [B, m, m]
-        B = symmetric_matmul(A, A, add=A, alpha=c, beta=b)  # [B, m, m]
-        X = torch.baddbmm(X, B, X, beta=a)  # [B, m, n]
+        symmetric_product(X, X.mT, A)  # [B, m, m]
+        symmetric_product(A, A, P, add=A, alpha=c, beta=b)  # [B, m, m]
+        torch.baddbmm(X, P, X, beta=a, out=Y)  # [B, m, n]
+        X, Y = Y, X
     return X
 
 
-def _gram_newton_schulz(X: Tensor, steps: Sequence[Triple], restart: int | None) -> Tensor:
-    # X: [B, m, n], m <= n. S_k = X_k X_k^T, P_k = a I + b S_k + c S_k^2,
-    # Q_{k+1} = P_k Q_k, S_{k+1} = P_k S_k P_k; X_K = Q_K X_0 (all m x m but the ends).
-    S = symmetric_matmul(X, X.mT)  # [B, m, m]
-    Q = None
+def _gram_newton_schulz(X: Tensor, steps: Sequence[Triple], restart: int | None, mats: list[Tensor]) -> Tensor:
+    # X: [B, m, n], m <= n, overwritten with the result. S_k = X_k X_k^T, P_k = a I + b S_k + c S_k^2,
+    # Q_{k+1} = P_k Q_k, S_{k+1} = P_k (P_k S_k); X_K = Q_K X_0. All [B, m, m] but the ends; W is the
+    # temporary every product needs (out= may not alias its inputs).
+    S, P, Q, W = mats
+    symmetric_product(X, X.mT, S)
+    fresh = True  # Q is still the identity
     last = len(steps) - 1
     for k, (a, b, c) in enumerate(steps):
-        P = symmetric_matmul(S, S, add=S, alpha=c, beta=b)
+        symmetric_product(S, S, P, add=S, alpha=c, beta=b)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
-        Q = P if Q is None else symmetric_matmul(P, Q)
+        if fresh:
+            Q.copy_(P)
+        else:
+            symmetric_product(P, Q, W)
+            Q, W = W, Q
+        fresh = False
         if k == last:
             break
         if restart and (k + 1) % restart == 0:
-            X = torch.bmm(Q, X)
-            S, Q = symmetric_matmul(X, X.mT), None
+            _left_multiply_(Q, X, W)
+            symmetric_product(X, X.mT, S)
+            fresh = True
         else:
-            S = symmetric_matmul(P, symmetric_matmul(P, S))
-    return torch.bmm(Q, X)
+            symmetric_product(P, S, W)
+            symmetric_product(P, W, S)
+    return _left_multiply_(Q, X, W)
 
 
-def symmetric_matmul(A: Tensor, B: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0) -> Tensor:
-    """beta * add + alpha * (A @ B) for [B, m, k] x [B, k, m] whose result is symmetric.
+def symmetric_product(
+    A: Tensor, B: Tensor, out: Tensor, add: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0
+) -> Tensor:
+    """out = beta * add + alpha * (A @ B) for [B, m, k] x [B, k, m] products known to be symmetric.
 
-    Computes the top half-rows and the bottom-right block (3/4 of the GEMM flops) and mirrors
-    the bottom-left block, so the result is exactly symmetric; small or 16-bit products are one
-    plain GEMM.
+    From SYMMETRIC_BLOCK_MIN rows on (fp32 and wider), only the top half-rows and the bottom-right
+    block are multiplied (3/4 of the flops) and the bottom-left block is mirrored, which also makes
+    the result exactly symmetric; smaller or 16-bit products are one plain GEMM. ``out`` must not
+    alias A or B; every block is written straight into it.
     """
     m = A.shape[-2]
     if m < SYMMETRIC_BLOCK_MIN or A.element_size() < 4:
         if add is None:
-            return torch.bmm(A, B) if alpha == 1.0 else torch.bmm(A, B).mul_(alpha)
-        return torch.baddbmm(add, A, B, beta=beta, alpha=alpha)
+            return torch.bmm(A, B, out=out) if alpha == 1.0 else torch.bmm(A, B, out=out).mul_(alpha)
+        return torch.baddbmm(add, A, B, beta=beta, alpha=alpha, out=out)
     h = m // 2
     if add is None:
-        upper = torch.bmm(A[:, :h], B)  # [B, h, m]
-        lower = torch.bmm(A[:, h:], B[:, :, h:])  # [B, m-h, m-h]
+        torch.bmm(A[:, :h], B, out=out[:, :h])  # [B, h, m]
+        torch.bmm(A[:, h:], B[:, :, h:], out=out[:, h:, h:])  # [B, m-h, m-h]
         if alpha != 1.0:
-            upper.mul_(alpha)
-            lower.mul_(alpha)
+            out[:, :h].mul_(alpha)
+            out[:, h:, h:].mul_(alpha)
     else:
-        upper = torch.baddbmm(add[:, :h], A[:, :h], B, beta=beta, alpha=alpha)
-        lower = torch.baddbmm(add[:, h:, h:], A[:, h:], B[:, :, h:], beta=beta, alpha=alpha)
-    return torch.cat([upper, torch.cat([upper[:, :, h:].mT, lower], dim=2)], dim=1)
+        torch.baddbmm(add[:, :h], A[:, :h], B, beta=beta, alpha=alpha, out=out[:, :h])
+        torch.baddbmm(add[:, h:, h:], A[:, h:], B[:, :, h:], beta=beta, alpha=alpha, out=out[:, h:, h:])
+    out[:, h:, :h].copy_(out[:, :h, h:].mT)
+    return out
+
+
+def _left_multiply_(M: Tensor, X: Tensor, W: Tensor) -> Tensor:
+    """X <- M X in place ([B, m, m] x [B, m, n]), a block of W's m columns at a time through W:
+    each column block of the product depends only on the same block of X."""
+    n, width = X.shape[-1], W.shape[-1]
+    for j in range(0, n, width):
+        block = X[:, :, j : j + width]  # [B, m, w]
+        tmp = W.view(-1)[: block.numel()].view(block.shape)
+        torch.bmm(M, block, out=tmp)
+        block.copy_(tmp)
+    return X
 
 
 def scalar_map(x: Tensor, coefficients: str | Sequence = "keller", steps: int = 5) -> Tensor:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import optim.newton_schulz as ns
 from optim import KELLER, POLAR_EXPRESS, Muon, orthogonalize, resolve_coefficients, scalar_map, singular_value_band
-from optim.newton_schulz import auto_dtype, choose_method, symmetric_matmul
+from optim.newton_schulz import Scratch, _left_multiply_, auto_dtype, choose_method, normalize
 
 CPU = torch.device("cpu")
 FP32 = torch.float32
@@ -220,12 +220,46 @@ def test_the_probe_measures_a_positive_speedup():
     assert ns.bf16_speedup(CPU) > 0
 
 
-def test_symmetric_matmul_equals_plain_product():
-    S = gaussian(2, 300, 300)
-    S = S + S.mT
-    out = symmetric_matmul(S, S, add=S, alpha=2.0, beta=-3.0)
-    assert torch.equal(out, out.mT)
-    assert torch.allclose(out, -3.0 * S + 2.0 * S @ S, rtol=1e-5, atol=1e-3)
+def test_left_multiply_in_place_equals_the_product():
+    M, X = gaussian(2, 24, 24), gaussian(2, 24, 61, seed=1)  # 61 columns: two full blocks of 24 and one of 13
+    expected = M @ X
+    W = torch.empty(2, 24, 24)
+    assert _left_multiply_(M, X, W) is X
+    assert torch.allclose(X, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalize_survives_tiny_entries_and_keeps_zero_exact(dtype):
+    X = (gaussian(3, 20, 50) * 1e-30).to(dtype)  # squares below fp32's range
+    X[1] = 0
+    dst = torch.empty(3, 20, 50)
+    normalize(X, dst=dst)
+    norms = torch.linalg.vector_norm(dst, dim=(-2, -1))
+    assert torch.allclose(norms[[0, 2]], torch.ones(2), atol=1e-5) and norms[1] == 0
+    if dtype == torch.float32:
+        assert normalize(X) is X and torch.equal(X, dst)  # in place
+
+
+@pytest.mark.parametrize("shape", [(96, 400), (400, 96), (3, 64, 64)])  # gram, gram transposed, standard
+def test_a_scratch_is_reused_and_changes_nothing(shape):
+    G = gaussian(*shape)
+    scratch = Scratch()
+    first = orthogonalize(G, dtype=FP32, scratch=scratch).clone()
+    pointers = {key: t.data_ptr() for key, t in scratch._flat.items()}
+    again = orthogonalize(G, dtype=FP32, scratch=scratch)
+    assert {key: t.data_ptr() for key, t in scratch._flat.items()} == pointers
+    assert torch.equal(first, again) and torch.equal(again, orthogonalize(G, dtype=FP32))
+    assert 0 < scratch.nbytes <= (4 * 96 * 96 + 96 * 400 + 4 * ns.SCRATCH_ALIGN) * 4  # m x m matrices, one copy of G
+
+
+def test_a_smaller_carve_reuses_the_buffer_and_a_larger_one_replaces_it():
+    scratch = Scratch()
+    a, b = scratch.carve(FP32, CPU, (10, 10), (3,))
+    assert b.data_ptr() - a.data_ptr() == 2 * ns.SCRATCH_ALIGN * 4  # 100 elements: two aligned spans of 64
+    (c,) = scratch.carve(FP32, CPU, (5, 5))
+    assert c.data_ptr() == a.data_ptr()
+    (d,) = scratch.carve(FP32, CPU, (100, 100))
+    assert d.shape == (100, 100) and 100 * 100 * 4 <= scratch.nbytes < (100 * 100 + ns.SCRATCH_ALIGN) * 4
 
 
 def test_explicit_coefficients_one_triple_or_one_per_step():
