@@ -10,10 +10,15 @@ Postgres and Redis.
 4. memory: a spec within the parameter and batch caps built to exhaust a worker's memory
    (attention scores of 128 x 64 x 8192^2 floats per layer): refused at intake, what it cost.
 
-    python bench/abuse.py [--attempts 5000] [--refusal-pace SECONDS] [--json out.json]
+    python bench/abuse.py [--attempts 5000] [--refusal-pace SECONDS] [--pin] [--json out.json]
 
 ``--refusal-pace 0`` answers every refusal at once (MUONFORGE_REFUSAL_PACE_SECONDS), to compare
-with the default pace on the same code.
+with the default pace on the same code. ``--pin`` keeps the load generator off the API's CPU, as
+an attacker on another host would be: the API runs on CPU 0 alone, this process (the victim's
+client) and the attacker's on the others, the attacker at nice 10 so that it cannot delay the
+victim's client in reading its answers; Postgres and Redis stay where the system puts them.
+Without it every process shares every CPU, and on a 2-core machine the figure measures the
+machine as much as the API.
 """
 
 from __future__ import annotations
@@ -134,11 +139,12 @@ async def attack_streams(url: str, attacker: str, job: str, attempts: int, start
             await response.aclose()
 
 
-def run_attacker(*args) -> None:
+def run_attacker(*args, niceness: int = 0) -> None:
+    os.nice(niceness)
     asyncio.run(attack_streams(*args))
 
 
-async def stream_attack(url: str, attacker: str, victim: str, attempts: int) -> dict:
+async def stream_attack(url: str, attacker: str, victim: str, attempts: int, niceness: int = 0) -> dict:
     """The victim's GET /v1/jobs latency, idle and while the attacker's process makes its
     attempts. The attacker runs in a process of its own: in this process's event loop its 400
     clients would delay the victim's own reading of its answers, and the figure would measure
@@ -154,7 +160,9 @@ async def stream_attack(url: str, attacker: str, victim: str, attempts: int) -> 
         idle = await latencies(v, 200, 0.01)
         ctx = multiprocessing.get_context("spawn")
         started, out = ctx.Event(), ctx.Queue()
-        proc = ctx.Process(target=run_attacker, args=(url, attacker, job, attempts, started, out))
+        proc = ctx.Process(
+            target=run_attacker, args=(url, attacker, job, attempts, started, out), kwargs={"niceness": niceness}
+        )
         proc.start()
         await asyncio.to_thread(started.wait, 120)
         attack_start = time.perf_counter()
@@ -208,22 +216,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attempts", type=int, default=5000)
     parser.add_argument("--refusal-pace", type=float, help="MUONFORGE_REFUSAL_PACE_SECONDS (default: the service's)")
+    parser.add_argument("--pin", action="store_true", help="the API on CPU 0 alone, the load generator on the others")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     env = {} if args.refusal_pace is None else {"MUONFORGE_REFUSAL_PACE_SECONDS": str(args.refusal_pace)}
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
+        parser.error("--pin needs at least 2 CPUs")
+    api_cpus = {cpus[0]} if args.pin else None
+    if args.pin:
+        os.sched_setaffinity(0, cpus[1:])  # this process and the attacker's, spawned from it
     with Stack("abuse", REDIS, env) as stack:
         attacker, victim, capped, greedy = (stack.api_key(t) for t in ("attacker", "victim", "capped", "greedy"))
         with psycopg.connect(stack.db_url, autocommit=True) as db:
             db.execute("UPDATE tenants SET job_cap = 8 WHERE name = 'capped'")
-        url = stack.start_api(processes=1)
+        url = stack.start_api(processes=1, cpus=api_cpus)
         pid = stack.api.pid
         result = {
             "body": [body_attack(url, pid, chunked=False), body_attack(url, pid, chunked=True)],
-            "streams": asyncio.run(stream_attack(url, attacker, victim, args.attempts)),
+            "streams": asyncio.run(stream_attack(url, attacker, victim, args.attempts, 10 if args.pin else 0)),
             "cap": asyncio.run(cap_attack(url, capped, 100)),
             "memory": memory_attack(url, pid, greedy),
             "cores": os.cpu_count(),
             "refusal_pace_s": args.refusal_pace,
+            "pinned": {"api_cpus": sorted(api_cpus), "load_cpus": cpus[1:]} if args.pin else None,
         }
     worst = max(result["body"], key=lambda b: b["ms"])
     memory = result["memory"]

@@ -97,19 +97,20 @@ class Stack:
     def api_key(self, tenant: str) -> str:
         return self.muonforge("keys", "create", "--tenant", tenant).strip().splitlines()[-1]
 
-    def _start(self, args: list[str], log_name: str) -> subprocess.Popen:
+    def _start(self, args: list[str], log_name: str, cpus: set[int] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "muonforge.cli", *args]
+        pin = None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
         with (self.logs / log_name).open("ab") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
         self.procs.append(proc)
         return proc
 
-    def start_api(self, processes: int = 1, port: int | None = None) -> str:
-        """`muonforge api` (no access log) on ``port`` (else a free one); returns its URL once /readyz
-        answers 200."""
+    def start_api(self, processes: int = 1, port: int | None = None, cpus: set[int] | None = None) -> str:
+        """`muonforge api` (no access log) on ``port`` (else a free one), on the CPUs ``cpus`` alone
+        if given (its threads and processes inherit them); returns its URL once /readyz answers 200."""
         port = self.api_port = port or free_port()
         args = ["api", "--port", str(port), "--processes", str(processes), "--no-access-log"]
-        self.api = self._start(args, "api.log")
+        self.api = self._start(args, "api.log", cpus)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
