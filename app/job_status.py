@@ -2,8 +2,12 @@
 
 queued -> running -> succeeded | failed | cancelled | stopped_early, with cancelling between a
 cancel request and the worker's stop; stopped_early is a sweep's trial that ASHA stopped at a rung
-(app.search). Postgres (or the embedded SQLite file) is the single source of truth. A sweep's own
-status (running -> completed | cancelled) is spelled here too.
+(app.search). A trial of a sweep whose ASHA promotes waits at a rung as paused (running ->
+paused): on no worker, not counted against the job cap, its state in a checkpoint at the rung;
+then paused -> queued when ASHA promotes it (it resumes from the rung), -> stopped_early when its
+sweep ends without promoting it, -> cancelled when it is cancelled. Postgres (or the embedded
+SQLite file) is the single source of truth. A sweep's own status (running -> completed |
+cancelled) is spelled here too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ class JobStatus(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     STOPPED_EARLY = "stopped_early"  # a sweep's trial that ASHA stopped at a rung
+    PAUSED = "paused"  # a sweep's trial waiting at an ASHA rung to be promoted
 
     @property
     def finished(self) -> bool:

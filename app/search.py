@@ -1,13 +1,23 @@
 """A sweep's pure parts: the trials of a search space (grid or seeded random), a value set at a
-JobSpec path, and the ASHA rule. No database, no I/O (tests/test_search.py).
+JobSpec path, and the two ASHA rules. No database, no I/O (tests/test_search.py).
 
-The ASHA rule (asynchronous successive halving, stop-based, as in Li et al., "A System for
-Massively Parallel Hyperparameter Tuning", and Determined's ASHA): when a trial reaches a rung,
-its metric is recorded there and it continues iff it is within the top ``max(1, floor(n / eta))``
-of the ``n`` results recorded at that rung so far, itself included (``eta`` the reduction
-factor); otherwise it stops. "Within the top k" means fewer than k results are strictly better
-(ties continue); a non-finite value ranks below every finite one. The first trial to reach a
-rung always continues; as results accumulate, a rung keeps about one in ``eta``.
+ASHA (asynchronous successive halving; Li et al., "A System for Massively Parallel Hyperparameter
+Tuning", and Determined's ASHA) records a trial's metric when it reaches a rung and keeps about
+one trial in ``eta`` (the reduction factor) going past it. "Within the top k" of a rung's results
+means fewer than k of them are strictly better (ties go on); a non-finite value ranks below every
+finite one. Two forms:
+
+* promote (the paper's, and the default: ``stop_once: false``): a trial that reaches a rung goes
+  on at once only if it is within the top ``floor(n / eta)`` of the ``n`` results recorded there
+  so far, itself included; otherwise it waits there (paused, its state in a checkpoint), and whenever a slot is
+  free the best waiting trial that is within that top k is promoted, highest rung first, before
+  any new trial starts. A rung promotes nobody until ``eta`` results are in, so the first trials
+  to arrive cannot go on unopposed. Once nothing runs and nothing waits to start, the best waiting
+  trial of a rung with fewer results is promoted too (k is taken as at least 1), so that some
+  trial always reaches the end; the rest end stopped.
+* stop (``stop_once: true``, Determined's name): a trial goes on iff it is within the top
+  ``max(1, floor(n / eta))`` of the ``n`` results so far, else it stops there. The first trial to
+  reach a rung always goes on.
 """
 
 from __future__ import annotations
@@ -85,22 +95,38 @@ def rank_key(value: float, mode: str) -> float:
     return value if mode == "min" else -value
 
 
-def asha_keep(n: int, eta: int) -> int:
-    """How many of ``n`` results at a rung continue: the top max(1, floor(n / eta))."""
-    return max(1, n // eta)
+def asha_keep(n: int, eta: int, at_least_one: bool = True) -> int:
+    """How many of ``n`` results at a rung go on: the top floor(n / eta), at least 1 if asked
+    (always in the stop form; in the promote form only once nothing else can run)."""
+    return max(1, n // eta) if at_least_one else n // eta
 
 
-def asha_continues(recorded: Sequence[float], value: float, eta: int, mode: str) -> bool:
-    """The ASHA decision for ``value``, the newest of the results ``recorded`` at a rung (it
-    included, in the order they were recorded): whether the trial continues."""
+def within_top(recorded: Sequence[float], value: float, keep: int, mode: str) -> bool:
+    """Whether ``value`` (one of the results ``recorded`` at a rung) is within their top ``keep``:
+    fewer than ``keep`` of them are strictly better."""
     mine = rank_key(value, mode)
-    better = sum(1 for other in recorded if rank_key(other, mode) < mine)
-    return better < asha_keep(len(recorded), eta)
+    return sum(1 for other in recorded if rank_key(other, mode) < mine) < keep
 
 
-def replay(values: Sequence[float], eta: int, mode: str) -> list[bool]:
+def asha_continues(recorded: Sequence[float], value: float, eta: int, mode: str, stop_once: bool = True) -> bool:
+    """The ASHA decision for ``value``, the newest of the results ``recorded`` at a rung (it
+    included, in the order they were recorded): whether the trial goes on at once; else it stops
+    (``stop_once``, the stop form) or waits to be promoted (the promote form)."""
+    return within_top(recorded, value, asha_keep(len(recorded), eta, at_least_one=stop_once), mode)
+
+
+def replay(values: Sequence[float], eta: int, mode: str, stop_once: bool = True) -> list[bool]:
     """The decisions the rule takes on the results of one rung arriving in this order."""
-    return [asha_continues(values[: i + 1], v, eta, mode) for i, v in enumerate(values)]
+    return [asha_continues(values[: i + 1], v, eta, mode, stop_once) for i, v in enumerate(values)]
+
+
+def promotable(recorded: Sequence[float], waiting: Sequence[int], eta: int, mode: str, at_least_one: bool) -> list[int]:
+    """Which of the ``waiting`` results (indices into ``recorded``, every result of one rung) are
+    within the rung's top floor(n / eta) (at least 1 with ``at_least_one``), best first (ties in
+    the order they were recorded)."""
+    keep = asha_keep(len(recorded), eta, at_least_one)
+    chosen = [i for i in waiting if within_top(recorded, recorded[i], keep, mode)]
+    return sorted(chosen, key=lambda i: (rank_key(recorded[i], mode), i))
 
 
 def best(values: Mapping[str, float | None], mode: str) -> str | None:

@@ -9,14 +9,15 @@ each optimizer, so one lr list spans both ranges, 1e-3 .. 3.2e-2 doubling, liste
 that large and small rates alternate in trial order (asynchronous ASHA always lets the first
 results at a rung continue): 6 lr x 3 optimizers = 18 combinations, ``max_trials`` 16 keeps the
 first 16 (the last lr, 0.002, runs with muon only). With ASHA, rungs at 1/9 and 1/3 of the steps,
-reduction factor 3; without, every trial runs to the end. ``max_concurrent`` = the workers.
+reduction factor 3, in its default promote form (``--stop-once``: the stop form); without, every
+trial runs to the end. ``max_concurrent`` = the workers.
 
 Reported: steps run by each sweep (sum over trials of the steps they completed), the ratio
 ASHA / full (target <= 0.45), each sweep's best trial and val_loss, their relative gap (target
-<= 1%), each sweep's wall time, and where ASHA stopped which trial.
+<= 1%), each sweep's wall time, and at which rung ASHA held back or promoted which trial.
 
-    python bench/sweep.py [--workers 2] [--steps 360] [--json out.json]
-    python bench/sweep.py --quick      # 6 trials of 60 steps: every path, a few minutes
+    python bench/sweep.py [--workers 2] [--steps 360] [--stop-once] [--json out.json]
+    python bench/sweep.py --quick      # 6 trials of 63 steps: every path, a few minutes
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ TARGETS = {"step_ratio": 0.45, "best_gap": 0.01}
 FINISHED = ("completed", "cancelled")
 
 
-def sweep_spec(name: str, steps: int, lrs: list[float], trials: int, workers: int, asha: bool) -> dict:
+def sweep_spec(
+    name: str, steps: int, lrs: list[float], trials: int, workers: int, asha: bool, stop_once: bool = False
+) -> dict:
     rungs = [steps // 9, steps // 3]
     every = rungs[0]  # evaluations at the rungs' multiples: steps // 9 divides steps // 3 when 9 divides steps
     spec = {
@@ -64,7 +67,7 @@ def sweep_spec(name: str, steps: int, lrs: list[float], trials: int, workers: in
         "mode": "min",
     }
     if asha:
-        spec["asha"] = {"rungs": rungs, "reduction_factor": 3}
+        spec["asha"] = {"rungs": rungs, "reduction_factor": 3, "stop_once": stop_once}
     return spec
 
 
@@ -92,6 +95,7 @@ def summarize(sweep: dict) -> dict:
             "steps": t["step"] or 0,
             "val_loss": t["metric"],
             "stopped_at": next((r["rung"] for r in t.get("rungs") or [] if not r["continued"]), None),
+            "promoted_at": [r["rung"] for r in t.get("rungs") or [] if r.get("promoted")],
             "rungs": t.get("rungs") or [],
         }
         for t in sorted(sweep["trials"], key=lambda t: t["number"])
@@ -115,6 +119,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="per sweep, seconds")
     parser.add_argument("--quick", action="store_true", help="6 trials of 63 steps")
+    parser.add_argument("--stop-once", action="store_true", help="ASHA's stop form instead of the promote form")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.quick:
@@ -133,19 +138,21 @@ def main() -> None:
         client = Client(url, api_key=key)
         results = {}
         for label, asha in (("asha", True), ("full", False)):
-            spec = sweep_spec(f"lr-{label}", args.steps, lrs, args.trials, args.workers, asha)
+            spec = sweep_spec(f"lr-{label}", args.steps, lrs, args.trials, args.workers, asha, args.stop_once)
             results[label] = summarize(run_sweep(client, spec, args.timeout))
             print(f"sweep {label}: {results[label]['status']} in {results[label]['wall_s']:.0f} s", flush=True)
 
     asha, full = results["asha"], results["full"]
-    print(f"\n{args.trials} trials x {args.steps} steps, {args.workers} workers; ASHA rungs "
+    form = "stop" if args.stop_once else "promote"
+    print(f"\n{args.trials} trials x {args.steps} steps, {args.workers} workers; ASHA ({form} form) rungs "
           f"{[args.steps // 9, args.steps // 3]}, reduction factor 3")  # fmt: skip
     print(f"{'#':>3} {'optimizer':<9}{'lr':>8}  {'ASHA status':<14}{'steps':>6}{'val_loss':>10}"
-          f"{'stopped at':>11}  {'full status':<12}{'steps':>6}{'val_loss':>10}")  # fmt: skip
+          f"{'stopped at':>11}{'promoted at':>12}  {'full status':<12}{'steps':>6}{'val_loss':>10}")  # fmt: skip
     fmt = lambda v: f"{v:.4f}" if isinstance(v, int | float) else "-"  # noqa: E731
     for a, f in zip(asha["trials"], full["trials"], strict=True):
+        promoted = ",".join(map(str, a["promoted_at"])) or "-"
         print(f"{a['number']:>3} {a['optimizer']:<9}{a['lr']:>8g}  {a['status']:<14}{a['steps']:>6}"
-              f"{fmt(a['val_loss']):>10}{a['stopped_at'] or '-':>11}  {f['status']:<12}{f['steps']:>6}"
+              f"{fmt(a['val_loss']):>10}{a['stopped_at'] or '-':>11}{promoted:>12}  {f['status']:<12}{f['steps']:>6}"
               f"{fmt(f['val_loss']):>10}")  # fmt: skip
 
     ratio = asha["steps"] / full["steps"] if full["steps"] else float("nan")

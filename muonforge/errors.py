@@ -63,7 +63,7 @@ class NotFound(ApiError):
 
 class Conflict(ApiError):
     """409: the request contradicts the object's state (cancelling a finished job, deleting a
-    dataset a queued or running job uses, an Idempotency-Key reused with another body)."""
+    dataset an unfinished job uses, an Idempotency-Key reused with another body)."""
 
 
 class PayloadTooLarge(ApiError):

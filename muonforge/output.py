@@ -15,7 +15,7 @@ from rich.text import Text
 
 STATUS_STYLE = {
     "succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow", "stopped_early": "magenta",
-    "completed": "green",
+    "paused": "cyan", "completed": "green",
 }  # fmt: skip
 
 
@@ -118,13 +118,22 @@ def param_value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def rung_mark(trial: dict[str, Any], rung: dict[str, Any]) -> str:
+    """A rung result in a trials table: ``+`` went on at once, ``^`` promoted after waiting there,
+    ``=`` waits there now, ``x`` stopped there."""
+    if rung["continued"]:
+        return "^" if rung.get("promoted") else "+"
+    return "=" if trial["status"] == "paused" else "x"
+
+
 def trials_table(sweep: dict[str, Any]) -> Table:
-    """A sweep's trials: parameters, status, steps, metric and rung results; the best one marked *."""
+    """A sweep's trials: parameters, status, steps, metric and rung results (:func:`rung_mark`);
+    the best one marked *."""
     paths = list(sweep["spec"]["space"])
     best = sweep["best"]["number"] if sweep["best"] else None
     table = Table("#", "job", *paths, "status", "step", sweep["metric"], "rungs", box=None, header_style="bold")
     for t in sweep["trials"]:
-        rungs = " ".join(f"{r['rung']}:{'+' if r['continued'] else 'x'}" for r in t["rungs"])
+        rungs = " ".join(f"{r['rung']}:{rung_mark(t, r)}" for r in t["rungs"])
         mark = "*" if t["number"] == best else ""
         table.add_row(
             f"{t['number']}{mark}", Text(t["job_id"] or "-"), *(Text(param_value(t["params"].get(p))) for p in paths),

@@ -63,6 +63,25 @@ def test_asha_keeps_the_top_one_in_eta_of_the_results_so_far():
     assert search.replay([math.nan, 1.0], eta=2, mode="min") == [True, True]
 
 
+def test_the_promote_form_lets_nobody_on_before_eta_results_are_in():
+    assert [search.asha_keep(n, 3, at_least_one=False) for n in range(1, 10)] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
+    # The first two results wait whatever they are; later ones go on within the top floor(n / 3).
+    values = [4.0, 6.0, 5.0, 4.5, 7.0, 4.2]
+    assert search.replay(values, eta=3, mode="min", stop_once=False) == [False, False, False, False, False, True]
+    assert search.replay([1.0, 2.0, 0.5], eta=3, mode="min", stop_once=False) == [False, False, True]
+
+
+def test_promotable_waiting_results_are_the_rungs_top_k_best_first():
+    values = [4.0, 6.0, 5.0, 4.5, 7.0, 4.2]  # keep floor(6 / 3) = 2: 4.0 and 4.2
+    assert search.promotable(values, waiting=[0, 1, 2, 3, 4], eta=3, mode="min", at_least_one=False) == [0]
+    assert search.promotable(values, waiting=[1, 2, 3], eta=3, mode="min", at_least_one=False) == []
+    assert search.promotable(values, waiting=[5, 0], eta=3, mode="min", at_least_one=False) == [0, 5]
+    assert search.promotable(values[:2], waiting=[0, 1], eta=3, mode="min", at_least_one=False) == []
+    # Once nothing else can run, a rung with fewer than eta results promotes its best.
+    assert search.promotable(values[:2], waiting=[0, 1], eta=3, mode="min", at_least_one=True) == [0]
+    assert search.promotable([1.0, 1.0, math.nan], waiting=[2, 1, 0], eta=2, mode="max", at_least_one=True) == [0, 1]
+
+
 def test_the_best_is_the_first_of_the_best_finite_values():
     assert search.best({"a": 2.0, "b": 1.0, "c": 1.0, "d": None, "e": math.nan}, "min") == "b"
     assert search.best({"a": 2.0, "b": 1.0}, "max") == "a"

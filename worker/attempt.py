@@ -120,6 +120,8 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, error)
         if lease.lost.is_set() or lease.stalled.is_set():
             return "lease_lost"
+    if result.status == JobStatus.PAUSED:
+        return _pause(settings, job_id, attempt, result.steps, result.summary)
     return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
 
 
@@ -135,14 +137,14 @@ def warm_start_file(settings: Settings, spec: dict) -> Path | None:
 def rung_check(settings: Settings, job_id: str, sweep: tuple[str, dict, str]) -> RungCheck:
     """The engine's hook for a sweep's ASHA: at each rung, the trial's metric goes to the database,
     which decides once (app.services.sweeps.record_rung) under the sweep's lock; a retry or a
-    resumed attempt gets the stored decision. ``sweep``: (id, asha, metric)."""
+    resumed attempt gets the stored decision, a promoted one goes on. ``sweep``: (id, asha, metric)."""
     sweep_id, asha, metric = sweep
 
-    def decide(step: int, value: float) -> str | None:
+    def decide(step: int, value: float) -> tuple[str, str] | None:
         def record():
             with transaction(settings) as session:
                 decision = sweeps.record_rung(session, sweep_id, job_id, step, value)
-                return sweeps.stop_reason(decision, metric, asha["reduction_factor"])
+                return sweeps.rung_outcome(decision, metric, asha)
 
         return retrying(record, f"job {job_id}: rung {step}", settings.outage_patience_seconds)
 
@@ -182,21 +184,42 @@ def _finish(
     """The attempt's outcome, with the steps completed and the run's summary (fenced; through a
     database outage of up to the outage patience)."""
 
-    def finish() -> str | bool:
-        with transaction(settings) as session:
-            if not JobRepository(session).finish(job_id, attempt, status, error, progress_step=step, summary=summary):
-                return False
-            return record_status(session, live_bus(settings), job_id).sweep_id or True
+    def finish(session) -> str | None:
+        done = JobRepository(session).finish(job_id, attempt, status, error, progress_step=step, summary=summary)
+        return status if done else None
 
-    finished = retrying(finish, f"job {job_id}: recording {status}", settings.outage_patience_seconds)
-    if not finished:
+    return _end(settings, job_id, attempt, finish)
+
+
+def _pause(settings: Settings, job_id: str, attempt: int, step: int, summary: dict) -> str:
+    """A sweep's trial waits at a rung (ASHA's promote form): its attempt ends, the job is paused
+    (or cancelled, if a cancel came meanwhile) with the steps completed and the run's summary."""
+    return _end(settings, job_id, attempt, lambda session: JobRepository(session).pause(
+        job_id, attempt, progress_step=step, summary=summary))  # fmt: skip
+
+
+def _end(settings: Settings, job_id: str, attempt: int, change) -> str:
+    """Record how the attempt ended (``change(session)``: the status it set, or None if this
+    attempt no longer holds the job), fenced, through a database outage of up to the outage
+    patience; a sweep's trial then lets its sweep advance."""
+
+    def end() -> tuple[str, str | None] | None:
+        with transaction(settings) as session:
+            status = change(session)
+            if status is None:
+                return None
+            return status, record_status(session, live_bus(settings), job_id).sweep_id
+
+    ended = retrying(end, f"job {job_id}: recording how attempt {attempt} ended", settings.outage_patience_seconds)
+    if ended is None:
         return "lease_lost"
+    status, sweep_id = ended
     log.info("job %s: attempt %d %s", job_id, attempt, status)
-    if isinstance(finished, str):  # a sweep's trial: its next trial starts now (else at the reaper's next pass)
+    if sweep_id:  # a sweep's trial: its next trial starts (or a waiting one resumes) now, else at the reaper's pass
         try:
-            sweeps.advance_after(settings, finished)
+            sweeps.advance_after(settings, sweep_id)
         except Exception:
-            log.exception("job %s: starting the next trials of sweep %s failed", job_id, finished)
+            log.exception("job %s: advancing sweep %s failed", job_id, sweep_id)
     return status
 
 

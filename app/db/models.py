@@ -299,8 +299,9 @@ class SweepRung(Base):
     rung: Mapped[int] = mapped_column(Integer)  # the step
     position: Mapped[int] = mapped_column(Integer)
     value: Mapped[float] = mapped_column(Double)
-    go_on: Mapped[bool] = mapped_column(Boolean)  # continue (true) or stop (false)
+    go_on: Mapped[bool] = mapped_column(Boolean)  # went on at once (true); else stopped or waits (promote form)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    promoted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # a waiting trial's promotion past the rung
 
     __table_args__ = (
         UniqueConstraint("job_id", "rung", name="uq_sweep_rungs_job_id_rung"),

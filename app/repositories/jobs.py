@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Checkpoint, Job, JobEvent, JobNode
-from app.job_status import ACTIVE, FINISHED, RUNNING, JobStatus
+from app.job_status import FINISHED, RUNNING, JobStatus
 
 
 class JobRepository:
@@ -65,10 +65,11 @@ class JobRepository:
         query = select(Job).where(tuple_(Job.tenant_id, Job.idempotency_key).in_(list(keys)))
         return {(job.tenant_id, job.idempotency_key): job for job in self.session.scalars(query)}
 
-    def count_active_using(self, tenant_id: str, dataset_id: str) -> int:
-        """The tenant's queued and running jobs that train on the dataset."""
+    def count_unfinished_using(self, tenant_id: str, dataset_id: str) -> int:
+        """The tenant's unfinished jobs (queued, running, or a trial paused at a rung) that train
+        on the dataset."""
         query = select(func.count()).where(
-            Job.tenant_id == tenant_id, Job.dataset_id == dataset_id, Job.status.in_(ACTIVE)
+            Job.tenant_id == tenant_id, Job.dataset_id == dataset_id, Job.status.not_in(FINISHED)
         )
         return self.session.scalar(query) or 0
 
@@ -97,9 +98,42 @@ class JobRepository:
         return set(self.session.scalars(stmt, rows))
 
     def cancel_queued(self, job_id: str, now: datetime) -> bool:
+        """A job no worker holds (queued, or a trial paused at a rung): cancelled at once."""
         return self._cas(
-            job_id, (JobStatus.QUEUED,), status=JobStatus.CANCELLED, cancel_requested=True, finished_at=now
+            job_id, (JobStatus.QUEUED, JobStatus.PAUSED), status=JobStatus.CANCELLED, cancel_requested=True,
+            finished_at=now,
+        )  # fmt: skip
+
+    def promote(self, job_id: str) -> bool:
+        """A trial paused at a rung, promoted by ASHA: queued again (sent now), to resume there.
+        Its next attempt is no restart after a lost worker: ``max_restarts``, which the reaper
+        compares with the attempt number, grows by one with it."""
+        values = {"status": JobStatus.QUEUED, "enqueued_at": utcnow(), "max_restarts": Job.max_restarts + 1}
+        return self._cas(job_id, (JobStatus.PAUSED,), **values)
+
+    def unpromote(self, job_id: str) -> bool:
+        """Undo ``promote`` in the same transaction (the promotion passed the tenant's job cap)."""
+        return self._cas(job_id, (JobStatus.QUEUED,), status=JobStatus.PAUSED, max_restarts=Job.max_restarts - 1)
+
+    def stop_paused(self, job_id: str, summary: dict[str, Any]) -> bool:
+        """A trial paused at a rung that its sweep will not promote: stopped there."""
+        return self._cas(
+            job_id, (JobStatus.PAUSED,), status=JobStatus.STOPPED_EARLY, summary=summary, finished_at=utcnow()
         )
+
+    def lock_paused(self, job_ids: Collection[str]) -> dict[str, Job]:
+        """The paused ones of these jobs, locked in id order (before any status change of the
+        transaction, as every multi-job change here does: no cycle with a single job's change)."""
+        if not job_ids:
+            return {}
+        query = (
+            select(Job)
+            .where(Job.id.in_(list(job_ids)), Job.status == JobStatus.PAUSED)
+            .order_by(Job.id)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+        return {job.id: job for job in self.session.scalars(query)}
 
     def request_cancel(self, job_id: str) -> bool:
         return self._cas(job_id, (JobStatus.RUNNING,), status=JobStatus.CANCELLING, cancel_requested=True)
@@ -142,6 +176,18 @@ class JobRepository:
             job_id, RUNNING, attempt, status=status, error=error, finished_at=utcnow(),
             lease_owner=None, lease_expires_at=None, **values,
         )  # fmt: skip
+
+    def pause(self, job_id: str, attempt: int, **values: Any) -> str | None:
+        """The attempt of a trial that reached a rung where it waits (ASHA's promote form) ends:
+        running -> paused, the lease dropped, nothing finished; a job being cancelled is cancelled
+        instead. Returns the status it took, or None if this attempt no longer holds the job."""
+        released = {"lease_owner": None, "lease_expires_at": None, **values}
+        if self._cas(job_id, (JobStatus.RUNNING,), attempt, status=JobStatus.PAUSED, **released):
+            return JobStatus.PAUSED
+        if self._cas(job_id, (JobStatus.CANCELLING,), attempt, status=JobStatus.CANCELLED, finished_at=utcnow(),
+                     **released):  # fmt: skip
+            return JobStatus.CANCELLED
+        return None
 
     def release(self, job_id: str, attempt: int, now: datetime, status: str, error: dict | None = None) -> bool:
         """An attempt that cannot go on (a process of its group died) gives its job up at once,

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Job, Sweep, SweepRung, SweepTrial
-from app.job_status import ACTIVE, FINISHED, SweepStatus
+from app.job_status import ACTIVE, FINISHED, JobStatus, SweepStatus
 
 
 class SweepRepository:
@@ -92,6 +92,11 @@ class SweepRepository:
         query = select(SweepRung.value).where(SweepRung.sweep_id == sweep_id, SweepRung.rung == rung)
         return list(self.session.scalars(query.order_by(SweepRung.position)))
 
+    def paused_jobs(self, sweep_id: str) -> set[str]:
+        """The sweep's trials waiting at a rung (their jobs paused)."""
+        query = select(Job.id).where(Job.sweep_id == sweep_id, Job.status == JobStatus.PAUSED)
+        return set(self.session.scalars(query))
+
     def rungs(self, sweep_ids: Collection[str]) -> list[SweepRung]:
         """Every decision of the sweeps, by rung then position."""
         if not sweep_ids:
@@ -118,6 +123,9 @@ class SweepRepository:
         """running -> ``status`` (completed, cancelled); whether it changed."""
         stmt = update(Sweep).where(Sweep.id == sweep_id, Sweep.status == SweepStatus.RUNNING)
         return self.session.execute(stmt.values(status=status, finished_at=utcnow())).rowcount == 1
+
+    def mark_promoted(self, rung_id: int) -> None:
+        self.session.execute(update(SweepRung).where(SweepRung.id == rung_id).values(promoted_at=utcnow()))
 
     def add_rung(self, sweep_id: str, job_id: str, rung: int, position: int, value: float, go_on: bool) -> SweepRung:
         row = SweepRung(

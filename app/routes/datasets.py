@@ -43,7 +43,7 @@ async def get_dataset(dataset_id: DatasetId, work: Work) -> schemas.Dataset:
 
 @router.delete("/{dataset_id}", status_code=204, response_class=Response, responses=ERRORS)
 async def delete_dataset(dataset_id: DatasetId, work: Work) -> Response:
-    """Delete a dataset and its file. 409 `dataset_in_use` while a queued or running job of
+    """Delete a dataset and its file. 409 `dataset_in_use` while a queued, running or paused job of
     the tenant trains on it; finished jobs keep their spec."""
     await work(service.delete_dataset, dataset_id, work.settings)
     return Response(status_code=204)

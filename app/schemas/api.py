@@ -277,7 +277,11 @@ class SweepRung(BaseModel):
     rung: int = Field(description="The step.")
     value: float = Field(description="The trial's metric there.")
     position: int = Field(description="Its order among the results recorded at this rung (1: the first).")
-    continued: bool = Field(description="The ASHA decision: true, the trial went on; false, it stopped there.")
+    continued: bool = Field(description="Whether the trial went on past this rung (at once, or once promoted).")
+    promoted: bool = Field(
+        description="True: it waited at this rung (paused) until ASHA promoted it; false: it went on at once, "
+        "waits, or stopped there."
+    )
 
 
 class SweepTrial(BaseModel):

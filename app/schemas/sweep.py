@@ -58,14 +58,22 @@ class Param(_Strict):
 
 
 class AshaSpec(_Strict):
-    """ASHA early termination: at each rung (a step), a trial continues only if its metric is in
-    the top 1/reduction_factor of the results recorded at that rung so far (docs/service.md)."""
+    """ASHA early termination: at each rung (a step), about one trial in ``reduction_factor`` goes
+    on, the best of the results recorded there; the others wait there to be promoted, or stop
+    there with ``stop_once`` (docs/service.md, "Sweeps")."""
 
     rungs: list[PositiveInt] = Field(
         min_length=1, max_length=10, description="Steps at which trials are compared, ascending."
     )
     reduction_factor: int = Field(
         3, strict=True, ge=2, le=16, description="About one trial in this many continues at a rung."
+    )
+    stop_once: bool = Field(
+        False,
+        strict=True,
+        description="false: a trial not in the top 1/reduction_factor of its rung's results so far waits there "
+        "(status paused) and is promoted once it is, before any new trial starts; true: it stops there at once "
+        "(stopped_early), and the first result at a rung always goes on.",
     )
 
     @field_validator("rungs")

@@ -163,15 +163,17 @@ def list_datasets(session: Session, tenant: TenantRef, limit: int, after: str | 
 
 def delete_dataset(session: Session, tenant: TenantRef, dataset_id: str, settings: Settings) -> None:
     """Delete the dataset's row, then (once committed) its file. Refused (409 dataset_in_use)
-    while a queued or running job of the tenant trains on it. The tenant's row is locked first,
+    while an unfinished job of the tenant (queued, running, paused at a rung) trains on it. The
+    tenant's row is locked first,
     as a job's insert locks it: no job naming the dataset can be inserted between the count and
     the delete (one inserted after it finds no dataset)."""
     TenantRepository(session).lock([tenant.id])
     dataset = get_dataset(session, tenant, dataset_id)
     jobs = JobRepository(session)
-    if active := jobs.count_active_using(tenant.id, dataset.id):
+    if unfinished := jobs.count_unfinished_using(tenant.id, dataset.id):
         raise DatasetInUse(
-            f"dataset {dataset.id!r} is used by {active} queued or running job(s): cancel them or let them finish",
+            f"dataset {dataset.id!r} is used by {unfinished} queued, running or paused job(s): cancel them or let "
+            "them finish",
             param="dataset_id",
         )
     jobs.forget_dataset(tenant.id, dataset.id)

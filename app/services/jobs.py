@@ -39,7 +39,7 @@ def list_jobs(
 
 
 def cancel_job(session: Session, tenant: TenantRef, job_id: str, bus: LiveBus) -> Job:
-    """queued: cancelled at once; running: cancelling until the worker stops; finished: 409."""
+    """queued or paused: cancelled at once; running: cancelling until the worker stops; finished: 409."""
     repo = JobRepository(session)
     for _ in range(3):  # a concurrent status change makes the compare-and-set miss: look again
         job = get_job(session, tenant, job_id)
@@ -47,7 +47,7 @@ def cancel_job(session: Session, tenant: TenantRef, job_id: str, bus: LiveBus) -
             return job
         if JobStatus(job.status).finished:
             raise Conflict(f"job {job_id} has already finished ({job.status})")
-        if job.status == JobStatus.QUEUED:
+        if job.status in (JobStatus.QUEUED, JobStatus.PAUSED):
             changed = repo.cancel_queued(job_id, utcnow())
         else:
             changed = repo.request_cancel(job_id)

@@ -1,7 +1,7 @@
 """Sweeps: submission (every trial's spec validated, the sweep, its trials and its first jobs
-stored in one transaction), list, get, cancel; ``advance``, which starts the next trials as
-slots free up and completes the sweep; ``record_rung``, the ASHA decision of a trial at a rung.
-The rules themselves are pure functions (app.search). Services never commit.
+stored in one transaction), list, get, cancel; ``advance``, which promotes waiting trials and
+starts the next ones as slots free up and completes the sweep; ``record_rung``, the ASHA decision
+of a trial at a rung. The rules themselves are pure functions (app.search). Services never commit.
 
 Trials are ordinary jobs, inserted through the job intake's own stages (``prepare_submission``,
 ``insert_submissions``): the tenant's job cap holds exactly, and a trial beyond it or beyond the
@@ -27,7 +27,7 @@ from app.db.models import Job, Sweep, SweepRung, SweepTrial, Tenant
 from app.db.session import on_commit, transaction
 from app.errors import Conflict, DomainError, NotFound, RateLimited, TenantSuspended, ValidationFailed
 from app.job_status import JobStatus, SweepStatus
-from app.live import LiveBus
+from app.live import LiveBus, live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.sweeps import SweepRepository
 from app.repositories.tenants import TenantRepository
@@ -154,23 +154,36 @@ def create_sweep(
 
 # -- starting trials -----------------------------------------------------------------------------
 def advance(session: Session, sweep_id: str, settings: Settings, skip_locked: bool = False) -> int:
-    """Under the sweep's lock: start its next trials, as many as ``max_concurrent`` and the
-    tenant's job cap leave room for (their tasks are sent after commit), or, once every trial
-    has finished, complete the sweep (``sweep.completed`` webhook, once). Returns how many trials
-    started. ``skip_locked``: leave a sweep another transaction is advancing (the reaper)."""
+    """Under the sweep's lock: promote the trials waiting at rungs that ASHA lets go on, then
+    start its next trials, as many as ``max_concurrent`` and the tenant's job cap leave room for
+    (their tasks are sent after commit); once nothing runs and no trial waits to start, promote
+    the best waiting trial of a rung with fewer results than its reduction factor, or else stop
+    the waiting ones; once every trial has finished, complete the sweep (``sweep.completed``
+    webhook, once). Returns how many trials started or resumed. ``skip_locked``: leave a sweep
+    another transaction is advancing (the reaper)."""
     repo = SweepRepository(session)
     sweep = repo.lock(sweep_id, skip_locked=skip_locked)
     if sweep is None or sweep.status != SweepStatus.RUNNING:
         return 0
     room = sweep.max_concurrent - repo.active_trials(sweep_id)
+    promoted = 0
+    if room > 0 and waits_at_rungs(sweep):
+        promoted = promote(session, sweep, promotion_candidates(session, sweep), room, settings)
+        room -= promoted
     pending = repo.pending(sweep_id, max(room, 1))
     if not pending:
-        if not repo.unfinished_jobs(sweep_id) and repo.finish(sweep_id, SweepStatus.COMPLETED):
+        if waits_at_rungs(sweep) and not promoted and not repo.active_trials(sweep_id):
+            # Nothing runs and nothing waits to start: the last promotions, else the end of the waits.
+            if last := promotion_candidates(session, sweep, at_least_one=True):
+                promoted = promote(session, sweep, last, room, settings)  # 0 if the job cap holds them back
+            else:
+                stop_waiting(session, sweep, settings)
+        if not promoted and not repo.unfinished_jobs(sweep_id) and repo.finish(sweep_id, SweepStatus.COMPLETED):
             payload = sweep_payload(session, repo.lock(sweep_id))
             webhooks.enqueue(session, sweep.tenant_id, WebhookEventType.SWEEP_COMPLETED, payload)
-        return 0
+        return promoted
     if room <= 0:
-        return 0
+        return promoted
     row = session.get(Tenant, sweep.tenant_id)
     tenant = TenantRef(id=row.id, name=row.name, job_cap=row.job_cap)
     submissions = []
@@ -191,7 +204,7 @@ def advance(session: Session, sweep_id: str, settings: Settings, skip_locked: bo
             started += train_tasks(result[0].id, result[0].queue, result[0].nnodes)  # one per node
     if started:
         on_commit(session, partial(send_train_tasks, settings, started))
-    return len({job_id for job_id, _ in started})
+    return promoted + len({job_id for job_id, _ in started})
 
 
 def advance_after(settings: Settings, sweep_id: str) -> int:
@@ -212,10 +225,16 @@ def advance_running(settings: Settings) -> int:
 
 
 # -- ASHA ----------------------------------------------------------------------------------------
+def waits_at_rungs(sweep: Sweep) -> bool:
+    """Whether the sweep's ASHA is the promote form (trials wait at rungs; else they stop there).
+    Sweeps stored before the promote form existed have no ``stop_once``: they stop."""
+    return bool(sweep.asha) and not sweep.asha.get("stop_once", True)
+
+
 def record_rung(session: Session, sweep_id: str, job_id: str, rung: int, value: float) -> SweepRung:
     """The ASHA decision of trial ``job_id`` at ``rung`` (a step) with its metric ``value``:
     made once, under the sweep's lock, against the results recorded at the rung before it, and
-    stored; a second call (a retry, a resumed attempt) returns the stored one."""
+    stored; a second call (a retry, a resumed or promoted attempt) returns the stored one."""
     repo = SweepRepository(session)
     sweep = repo.lock(sweep_id)
     if sweep is None or not sweep.asha:
@@ -224,19 +243,86 @@ def record_rung(session: Session, sweep_id: str, job_id: str, rung: int, value: 
     if existing is not None:
         return existing
     recorded = [*repo.rung_values(sweep_id, rung), value]
-    go_on = search.asha_continues(recorded, value, sweep.asha["reduction_factor"], sweep.mode)
+    eta, stop_once = sweep.asha["reduction_factor"], not waits_at_rungs(sweep)
+    go_on = search.asha_continues(recorded, value, eta, sweep.mode, stop_once)
     return repo.add_rung(sweep_id, job_id, rung, len(recorded), value, go_on)
 
 
-def stop_reason(decision: SweepRung, metric: str, eta: int) -> str | None:
-    """None if the trial goes on, else why it stopped (its summary's stop_reason)."""
-    if decision.go_on:
+def rung_outcome(decision: SweepRung, metric: str, asha: dict[str, Any]) -> tuple[str, str] | None:
+    """None if the trial goes on past the rung (at once, or promoted), else the status its
+    attempt ends with (``stopped_early``, or ``paused`` to wait for a promotion) and why."""
+    if decision.go_on or decision.promoted_at is not None:
         return None
-    keep = search.asha_keep(decision.position, eta)
-    return (
-        f"ASHA stopped it at rung {decision.rung}: {metric} {decision.value:.4g} was not in the top {keep} of "
-        f"the {decision.position} result(s) recorded there"
-    )
+    eta, rung, value = asha["reduction_factor"], decision.rung, f"{metric} {decision.value:.4g}"
+    if asha.get("stop_once", True):
+        keep = search.asha_keep(decision.position, eta)
+        why = f"{value} was not in the top {keep} of the {decision.position} result(s) there"
+        return JobStatus.STOPPED_EARLY, f"ASHA stopped it at rung {rung}: {why}"
+    why = f"{value} was not among the best 1 in {eta} of the {decision.position} result(s) there so far"
+    return JobStatus.PAUSED, f"it waits at rung {rung} for ASHA to promote it: {why}"
+
+
+def promotion_candidates(session: Session, sweep: Sweep, at_least_one: bool = False) -> list[SweepRung]:
+    """The rung decisions of the sweep's waiting trials that ASHA promotes now: within their
+    rung's top floor(n / reduction_factor) (at least 1 with ``at_least_one``), highest rung
+    first, best first."""
+    repo = SweepRepository(session)
+    paused = repo.paused_jobs(sweep.id)
+    if not paused:
+        return []
+    rows, eta, chosen = repo.rungs([sweep.id]), sweep.asha["reduction_factor"], []
+    for rung in sorted({r.rung for r in rows}, reverse=True):
+        at = [r for r in rows if r.rung == rung]  # in the order they were recorded
+        waiting = [i for i, r in enumerate(at) if r.job_id in paused and not r.go_on and r.promoted_at is None]
+        chosen += [at[i] for i in search.promotable([r.value for r in at], waiting, eta, sweep.mode, at_least_one)]
+    return chosen
+
+
+def promote(session: Session, sweep: Sweep, chosen: list[SweepRung], room: int, settings: Settings) -> int:
+    """Promote up to ``room`` of the ``chosen`` waiting trials, in order: each goes back to the
+    queue (its task sent after commit) to resume from its rung. Stops at the tenant's job cap.
+    Returns how many it promoted."""
+    repo, jobs = SweepRepository(session), JobRepository(session)
+    locked = jobs.lock_paused([r.job_id for r in chosen])
+    cap = job_cap(session.get(Tenant, sweep.tenant_id).job_cap, settings.tenant_job_cap)
+    tasks, promoted = [], 0
+    for row in chosen:
+        if promoted == room:
+            break
+        job = locked.get(row.job_id)
+        if job is None or not jobs.promote(job.id):
+            continue
+        # The change counted the job in the tenant's active jobs (by trigger), whose row this
+        # transaction now holds: the count is exact. Over the cap, the change is undone.
+        if TenantRepository(session).active_jobs(sweep.tenant_id) > cap:
+            jobs.unpromote(job.id)
+            break
+        repo.mark_promoted(row.id)
+        record_status(session, live_bus(settings), job.id)
+        tasks += train_tasks(job.id, job.queue, job.nnodes)
+        promoted += 1
+    if tasks:
+        on_commit(session, partial(send_train_tasks, settings, tasks))
+    return promoted
+
+
+def stop_waiting(session: Session, sweep: Sweep, settings: Settings) -> None:
+    """End the sweep's waiting trials, which will not be promoted: stopped_early at their rung."""
+    repo, jobs = SweepRepository(session), JobRepository(session)
+    paused = repo.paused_jobs(sweep.id)
+    rows = repo.rungs([sweep.id])
+    waits = {r.job_id: r for r in rows if r.job_id in paused and not r.go_on and r.promoted_at is None}
+    for job in jobs.lock_paused(sorted(paused)).values():
+        row = waits.get(job.id)
+        reason = (
+            f"ASHA did not promote it past rung {row.rung}: {sweep.metric} {row.value:.4g} was not among the best "
+            f"of the results there when the sweep ran out of trials"
+            if row is not None
+            else "its sweep ended while it waited at a rung"
+        )
+        summary = dict(job.summary or {}, stopped_at=row.rung if row else job.progress_step, stop_reason=reason)
+        if jobs.stop_paused(job.id, summary):
+            record_status(session, live_bus(settings), job.id)
 
 
 # -- reads ---------------------------------------------------------------------------------------
@@ -269,9 +355,11 @@ def trial_views(session: Session, sweeps: list[Sweep]) -> dict[str, list[schemas
     ids = [s.id for s in sweeps]
     rungs: dict[str, list[schemas.SweepRung]] = {}
     for r in repo.rungs(ids):  # by rung: each trial's ascending
-        rungs.setdefault(r.job_id, []).append(
-            schemas.SweepRung(rung=r.rung, value=r.value, position=r.position, continued=r.go_on)
+        promoted = r.promoted_at is not None
+        view = schemas.SweepRung(
+            rung=r.rung, value=r.value, position=r.position, continued=r.go_on or promoted, promoted=promoted
         )
+        rungs.setdefault(r.job_id, []).append(view)
     metric = {s.id: s.metric for s in sweeps}
     return {
         sweep_id: [trial_view(t, j, metric[sweep_id], rungs.get(t.job_id or "", [])) for t, j in pairs]
@@ -315,8 +403,9 @@ def summary(sweep: Sweep, trials: list[schemas.SweepTrial]) -> schemas.Sweep:
 
 # -- cancel --------------------------------------------------------------------------------------
 def cancel_sweep(session: Session, tenant: TenantRef, sweep_id: str, bus: LiveBus) -> schemas.SweepDetail:
-    """No trial starts any more; queued trials are cancelled at once, running ones are
-    ``cancelling`` until their workers stop. A cancelled sweep answers as it is; a completed one, 409.
+    """No trial starts any more; queued and paused trials are cancelled at once, running ones
+    are ``cancelling`` until their workers stop. A cancelled sweep answers as it is; a completed
+    one, 409.
 
     Locks: the sweep, then every unfinished trial's job (by id), then the status changes (each
     job's, then, by trigger, the tenant's): no job lock is waited for while holding the tenant's."""
@@ -330,8 +419,9 @@ def cancel_sweep(session: Session, tenant: TenantRef, sweep_id: str, bus: LiveBu
         jobs = JobRepository(session)
         unfinished = repo.unfinished_jobs(sweep_id, lock=True)
         now = utcnow()
-        for job in sorted(unfinished, key=lambda j: j.status == JobStatus.QUEUED):  # running ones first
-            changed = jobs.cancel_queued(job.id, now) if job.status == JobStatus.QUEUED else jobs.request_cancel(job.id)
+        idle = (JobStatus.QUEUED, JobStatus.PAUSED)  # on no worker: cancelled at once
+        for job in sorted(unfinished, key=lambda j: j.status in idle):  # running ones first
+            changed = jobs.cancel_queued(job.id, now) if job.status in idle else jobs.request_cancel(job.id)
             if changed:
                 record_status(session, bus, job.id)
     return sweep_detail(session, repo.lock(sweep_id))

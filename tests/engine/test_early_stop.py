@@ -111,15 +111,18 @@ def test_a_run_resumed_from_its_stop_checkpoint_stops_there_again(tmp_path):
 
 
 class Decider:
-    """A rung decider that stops at ``stop_at`` and records every question (a stored decision
-    answers the same each time, as the service's does)."""
+    """A rung decider that ends the run at ``stop_at`` (stopped_early, or paused to wait with
+    ``pause``) and records every question (a stored decision answers the same each time, as the
+    service's does)."""
 
-    def __init__(self, stop_at: int | None):
-        self.stop_at, self.asked = stop_at, []
+    def __init__(self, stop_at: int | None, pause: bool = False):
+        self.stop_at, self.pause, self.asked = stop_at, pause, []
 
-    def __call__(self, step: int, value: float) -> str | None:
+    def __call__(self, step: int, value: float) -> tuple[str, str] | None:
         self.asked.append((step, value))
-        return f"behind at rung {step}" if step == self.stop_at else None
+        if step != self.stop_at:
+            return None
+        return ("paused", f"waits at rung {step}") if self.pause else ("stopped_early", f"behind at rung {step}")
 
 
 def with_rungs(tmp_path, decider: Decider, rungs=(3, 6), sink=None, cancel=None) -> Trainer:
@@ -146,3 +149,21 @@ def test_a_run_that_passes_its_rungs_succeeds_and_a_resumed_one_asks_its_checkpo
     again = with_rungs(tmp_path / "stopped", again_decider).run()  # a worker lost after the stop's checkpoint
     assert again_decider.asked == [(6, again_decider.asked[0][1])] and again.status == "stopped_early"
     assert again.steps == 6 and again.summary["stop_reason"] == first.summary["stop_reason"] == "behind at rung 6"
+
+
+def test_a_run_paused_at_a_rung_and_then_promoted_ends_as_an_uninterrupted_one(tmp_path):
+    paused_sink = ListSink()
+    paused = with_rungs(tmp_path / "paused", Decider(stop_at=6, pause=True), sink=paused_sink).run()
+    assert paused.status == "paused" and paused.steps == 6 and paused.summary["stop_reason"] == "waits at rung 6"
+    assert [step for step, _, _ in paused_sink.checkpoints] == [5, 6]  # its state at the rung, to resume from
+    assert ("info", "paused at step 6: waits at rung 6") in paused_sink.logs
+    promoted = Decider(stop_at=None)  # the service's answer once it promoted the trial
+    resumed_trainer = with_rungs(tmp_path / "paused", promoted)
+    resumed = resumed_trainer.run()
+    assert resumed.status == "succeeded" and resumed.steps == 12 and "stop_reason" not in resumed.summary
+    assert [step for step, _ in promoted.asked] == [6]  # the rung asked again, at the checkpoint's step
+    whole_trainer = with_rungs(tmp_path / "whole", Decider(stop_at=None))
+    whole = whole_trainer.run()
+    assert resumed.summary["val_loss"] == whole.summary["val_loss"]
+    for (name, a), b in zip(whole_trainer.model.state_dict().items(), resumed_trainer.model.state_dict().values()):
+        assert torch.equal(a, b), name

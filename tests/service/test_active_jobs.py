@@ -158,6 +158,47 @@ def job_row(tenant_id: str, status: str) -> dict:
     )  # fmt: skip
 
 
+def test_a_trial_paused_at_a_rung_leaves_the_cap_and_its_promotion_takes_a_place_again(db):
+    tenant = new_tenant(db)
+    with transaction(db) as session:
+        subs = [prepare_submission(session, tenant, JobSpec.model_validate(tiny_spec()), None, db) for _ in range(3)]
+        waits, cancelling, idle = (job.id for job, _ in insert_submissions(session, subs))
+    assert active_jobs(db, tenant.id) == 3
+
+    attempt = claim(db, waits)
+    with transaction(db) as session:
+        assert JobRepository(session).pause(waits, attempt, progress_step=10) == JobStatus.PAUSED  # running -> paused
+    assert active_jobs(db, tenant.id) == 2
+    with transaction(db) as session:
+        repo = JobRepository(session)
+        assert repo.pause(waits, attempt) is None  # not running any more: a stale attempt changes nothing
+        restarts = repo.get(waits).max_restarts
+        assert repo.promote(waits)  # paused -> queued: active again
+    assert active_jobs(db, tenant.id) == 3
+    with transaction(db) as session:  # the promoted attempt is no restart after a lost worker
+        assert JobRepository(session).fresh(waits).max_restarts == restarts + 1
+        assert JobRepository(session).unpromote(waits)  # over the cap: undone in the same transaction
+    assert active_jobs(db, tenant.id) == 2
+    with transaction(db) as session:
+        assert JobRepository(session).fresh(waits).max_restarts == restarts
+    with transaction(db) as session:
+        assert JobRepository(session).stop_paused(waits, {"stopped_at": 10})  # paused -> stopped_early
+        assert JobRepository(session).get(waits).status == JobStatus.STOPPED_EARLY
+    assert active_jobs(db, tenant.id) == 2
+
+    attempt = claim(db, cancelling)
+    assert cancel(db, tenant, cancelling) == JobStatus.CANCELLING
+    with transaction(db) as session:  # a cancel came before the rung: cancelled, not paused
+        assert JobRepository(session).pause(cancelling, attempt) == JobStatus.CANCELLED
+    assert active_jobs(db, tenant.id) == 1
+
+    attempt = claim(db, idle)
+    with transaction(db) as session:
+        JobRepository(session).pause(idle, attempt)
+    assert cancel(db, tenant, idle) == JobStatus.CANCELLED  # paused -> cancelled at once
+    assert active_jobs(db, tenant.id) == 0
+
+
 def test_every_status_change_moves_the_counter_as_membership_in_active_changes(db):
     """Every (from, to) pair of statuses, also those the service never makes, and a job moved to
     another tenant: the triggers' list of statuses is app.job_status.ACTIVE, nothing else."""

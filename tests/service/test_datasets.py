@@ -136,7 +136,7 @@ def test_delete_a_dataset(client, settings):
     r = client.delete(f"/v1/datasets/{ds['id']}", headers=headers)
     assert r.status_code == 409, r.text
     assert r.json()["error"]["code"] == "dataset_in_use" and r.json()["error"]["param"] == "dataset_id"
-    assert "1 queued or running job" in r.json()["error"]["message"]
+    assert "1 queued, running or paused job" in r.json()["error"]["message"]
     assert client.get(f"/v1/datasets/{ds['id']}", headers=headers).status_code == 200
 
     assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=headers).json()["status"] == "cancelled"

@@ -1,7 +1,7 @@
 """Sweeps on real Postgres and Redis with real worker processes: trials run as ordinary jobs,
-ASHA stops the expected trials at a rung with every decision taken once by the database (also
-with two API processes and two workers), the best trial, cancel, the tenant's job cap, the
-sweep.completed webhook, and the 422s of bad search spaces."""
+ASHA pauses, promotes and stops the expected trials at a rung (both forms) with every decision
+taken once by the database (also with two API processes and two workers), the best trial,
+cancel, the tenant's job cap, the sweep.completed webhook, and the 422s of bad search spaces."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def base(steps: int = 20) -> dict:
 
 
 def sweep_body(**fields) -> dict:
+    """The stop form unless ``asha`` says otherwise."""
     return {
         "name": "lr", "base": base(), "space": {"optimizer.lr": {"values": BAD_FIRST}}, "method": "grid",
-        "max_concurrent": 1, "asha": {"rungs": [10], "reduction_factor": 3}, **fields,
+        "max_concurrent": 1, "asha": {"rungs": [10], "reduction_factor": 3, "stop_once": True}, **fields,
     }  # fmt: skip
 
 
@@ -57,23 +58,33 @@ def rung_rows(settings, sweep_id: str) -> list[SweepRung]:
 
 def check_decisions(settings, sweep: dict) -> dict[str, list[SweepRung]]:
     """Exactly one decision per (trial, rung), positions 1..n at each rung, and every decision
-    the rule's replay over the recorded order; a trial stopped at a rung reached no later one and
-    ended stopped_early. Returns the decisions by rung."""
+    the rule's replay over the recorded order (the sweep's form); a trial that did not go on at
+    a rung (and, in the promote form, was not promoted there) reached no later one and ended
+    stopped_early; a promoted one was held back first; in the promote form every rung promoted
+    at least its top floor(n / eta). Returns the decisions by rung."""
     rows = rung_rows(settings, sweep["id"])
     assert len({(r.job_id, r.rung) for r in rows}) == len(rows)
     by_rung: dict[int, list[SweepRung]] = defaultdict(list)
     for r in rows:
         by_rung[r.rung].append(r)
-    eta = sweep["spec"]["asha"]["reduction_factor"]
+    asha = sweep["spec"]["asha"]
+    eta, stop_once = asha["reduction_factor"], asha.get("stop_once", False)
     for rung, at in by_rung.items():
         assert [r.position for r in at] == list(range(1, len(at) + 1)), rung
-        assert [r.go_on for r in at] == search.replay([r.value for r in at], eta, sweep["mode"]), rung
+        assert [r.go_on for r in at] == search.replay([r.value for r in at], eta, sweep["mode"], stop_once), rung
+        went_on = [r for r in at if r.go_on or r.promoted_at is not None]
+        if stop_once:
+            assert not any(r.promoted_at for r in at)
+        else:
+            assert all(r.promoted_at is None or not r.go_on for r in at)
+            ranked = sorted(at, key=lambda r: (search.rank_key(r.value, sweep["mode"]), r.position))
+            assert set(ranked[: max(1, len(at) // eta)]) <= set(went_on), rung
     status = {t["job_id"]: t["status"] for t in sweep["trials"]}
     for r in rows:
         later = [x for x in rows if x.job_id == r.job_id and x.rung > r.rung]
-        if not r.go_on:
+        if not r.go_on and r.promoted_at is None:
             assert status[r.job_id] == "stopped_early" and not later
-    stopped = {r.job_id for r in rows if not r.go_on}
+    stopped = {r.job_id for r in rows if not r.go_on and r.promoted_at is None}
     assert {j for j, s in status.items() if s == "stopped_early"} == stopped
     return by_rung
 
@@ -179,7 +190,63 @@ def test_asha_stops_the_trials_behind_at_the_first_rung_and_the_sweep_completes_
     assert delivered[0]["payload"]["data"]["status"] == "completed"
 
 
+def test_the_promote_form_holds_trials_at_the_rung_and_promotes_the_best_once_eta_results_are_in(
+    client, auth, settings, start_worker
+):
+    body = sweep_body(asha={"rungs": [10], "reduction_factor": 3})  # stop_once false: the default
+    r = client.post("/v1/sweeps", json=body, headers=auth)
+    assert r.status_code == 201, r.text
+    sweep = r.json()
+    assert sweep["spec"]["asha"]["stop_once"] is False
+    start_worker()
+    first = sweep["trials"][0]["job_id"]
+    # 1e-2 reaches the rung first: one result of three needed, it waits there, off the job cap.
+    paused = wait_for(lambda: (j := client.get(f"/v1/jobs/{first}", headers=auth).json())["status"] == "paused" and j)
+    assert paused["progress"]["step"] == 10 and "waits at rung 10" in paused["summary"]["stop_reason"]
+    listed = client.get("/v1/jobs", params={"status": "paused"}, headers=auth).json()["data"]
+    assert first in [j["id"] for j in listed]
+    done = wait_for(lambda: (s := get(client, auth, sweep["id"]))["status"] == "completed" and s, timeout=240)
+    # The third result makes the rung's top 1 promotable: 1e-2 resumes from its checkpoint at the
+    # rung and runs to the end; the 1e-7 runs never go on; 1e-3, second of six, goes on at once.
+    statuses = [t["status"] for t in done["trials"]]
+    assert statuses == ["succeeded", "stopped_early", "stopped_early", "stopped_early", "stopped_early", "succeeded"]
+    by_rung = check_decisions(settings, done)
+    rows = by_rung[10]
+    assert [r.go_on for r in rows] == [False, False, False, False, False, True]
+    assert [r.promoted_at is not None for r in rows] == [True, False, False, False, False, False]
+    assert rows[0].promoted_at > rows[2].created_at  # promoted once the third result was in
+    promoted = {"rung": 10, "value": rows[0].value, "position": 1, "continued": True, "promoted": True}
+    assert done["trials"][0]["rungs"] == [promoted]
+    job = client.get(f"/v1/jobs/{first}", headers=auth).json()
+    assert job["progress"]["step"] == 20 and job["attempt"] == 2 and "stop_reason" not in job["summary"]
+    events = client.get(f"/v1/jobs/{first}/events", headers=auth).text
+    order = [json.loads(line[5:])["status"] for line in events.splitlines()
+             if line.startswith("data:") and '"status"' in line and '"spec"' in line]  # fmt: skip
+    assert order == ["queued", "running", "paused", "queued", "running", "succeeded"]
+    assert any("resumed from" in line and "step_00000010" in line for line in events.splitlines())
+    for trial in done["trials"][1:5]:  # never promoted: stopped where they waited, when the sweep ran out of trials
+        stopped = client.get(f"/v1/jobs/{trial['job_id']}", headers=auth).json()
+        assert stopped["progress"]["step"] == 10 and stopped["summary"]["stopped_at"] == 10
+        assert "did not promote it past rung 10" in stopped["summary"]["stop_reason"]
+    assert done["counts"] == {"total": 6, "by_status": {"succeeded": 2, "stopped_early": 4}}
+
+
+def test_a_paused_trial_is_cancelled_at_once(client, auth, start_worker):
+    body = sweep_body(asha={"rungs": [10], "reduction_factor": 3}, max_concurrent=1)
+    sweep = client.post("/v1/sweeps", json=body, headers=auth).json()
+    first = sweep["trials"][0]["job_id"]
+    start_worker()
+    wait_for(lambda: client.get(f"/v1/jobs/{first}", headers=auth).json()["status"] == "paused")
+    r = client.post(f"/v1/jobs/{first}/cancel", headers=auth)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    cancelled = client.post(f"/v1/sweeps/{sweep['id']}/cancel", headers=auth).json()
+    assert cancelled["trials"][0]["status"] == "cancelled"
+    assert all(t["status"] in ("cancelled", "cancelling", "pending", "stopped_early") for t in cancelled["trials"])
+
+
 def test_two_apis_and_two_workers_decide_each_rung_once_under_the_tenants_job_cap(settings, start_worker, tmp_path):
+    """The promote form: waiting trials are promoted by whichever process advances the sweep,
+    once, and a promotion counts against the tenant's job cap like a new job."""
     tenant = f"tenant-{secrets.token_hex(4)}"
     headers = {"Authorization": f"Bearer {new_key(settings, tenant)}"}
     with transaction(settings) as session:
@@ -188,7 +255,7 @@ def test_two_apis_and_two_workers_decide_each_rung_once_under_the_tenants_job_ca
         repo.set_job_cap(tenant_id, 2)
     body = sweep_body(
         base=base(steps=16), space={"optimizer.lr": {"log_uniform": [1e-7, 3e-2]}}, method="random", seed=3,
-        max_trials=8, max_concurrent=3, asha={"rungs": [4, 8], "reduction_factor": 2},
+        max_trials=8, max_concurrent=3, asha={"rungs": [4, 8], "reduction_factor": 2},  # the promote form
     )  # fmt: skip
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -211,7 +278,7 @@ def test_two_apis_and_two_workers_decide_each_rung_once_under_the_tenants_job_ca
     assert s["counts"]["total"] == 8 and set(s["counts"]["by_status"]) <= {"succeeded", "stopped_early"}
     by_rung = check_decisions(settings, s)
     assert len(by_rung[4]) == 8  # every trial reached the first rung
-    assert len(by_rung[8]) == sum(r.go_on for r in by_rung[4])
+    assert len(by_rung[8]) == sum(r.go_on or r.promoted_at is not None for r in by_rung[4])
 
 
 def test_cancel_stops_the_queued_trials_and_starts_no_more(client, auth):

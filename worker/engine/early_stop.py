@@ -74,9 +74,11 @@ class EarlyStop:
 class RungCheck:
     """Stops decided outside the run (a sweep's ASHA): at each of ``steps`` the run evaluates,
     and ``decide(step, value)`` takes the evaluation's ``metric`` and returns None to go on, or
-    the reason to stop there. The decider answers the same for the same step every time (a
-    resumed run evaluates its checkpoint's step again)."""
+    how the run ends there and why: ("stopped_early", reason) to stop, ("paused", reason) to
+    wait there for a promotion (its state in a checkpoint at that step, to resume from). The
+    decider answers the same for the same step until a promotion (a resumed run evaluates its
+    checkpoint's step again; a promoted one is told to go on)."""
 
     steps: tuple[int, ...]
     metric: str
-    decide: Callable[[int, float], str | None]
+    decide: Callable[[int, float], tuple[str, str] | None]

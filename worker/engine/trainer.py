@@ -46,7 +46,7 @@ class TimeLimitReached(TrainingError):
 
 @dataclass
 class RunResult:
-    status: str  # "succeeded" | "cancelled" | "stopped_early" (stopped at a rung by ``rungs``)
+    status: str  # "succeeded" | "cancelled" | "stopped_early" | "paused" (ended at a rung by ``rungs``)
     steps: int  # optimizer steps completed
     summary: dict[str, Any]  # the latest value of each SUMMARY_KEYS metric (and STOP_KEYS, if it stopped early)
     tokens_per_s: float | None  # over the run's training steps (the summary's is the last step's)
@@ -135,7 +135,7 @@ class Trainer:
         self.stopped_at: int | None = None  # the step the run stopped at, early (before train.steps)
         self.stop_reason: str | None = None
         self.rungs = rungs
-        self.stopped_at_rung = False  # stopped by ``rungs`` (status stopped_early), not by early_stop
+        self.rung_status: str | None = None  # how ``rungs`` ended the run (stopped_early, paused), if they did
 
     def _group_ns_dtype(self) -> torch.dtype | None:
         """In a group, the Newton-Schulz precision of ``ns_dtype: auto`` is rank 0's (its device's
@@ -203,7 +203,7 @@ class Trainer:
                 if report:
                     values.update(step_time_ms=dt * 1e3, tokens_per_s=n_tokens / dt)
                 self._report(step, values)
-        return self._result("stopped_early" if self.stopped_at_rung else "succeeded", tokens, step_seconds, start_wall)
+        return self._result(self.rung_status or "succeeded", tokens, step_seconds, start_wall)
 
     def _judge(self, step: int, values: dict[str, Any]) -> None:
         """Early stopping (``train.early_stop``), then the rung decider (``rungs``, at its steps),
@@ -221,10 +221,12 @@ class Trainer:
                 self.stopped_at, self.stop_reason = step, stop.reason()
                 self.sink.log("info", f"stopped early at step {step}: {self.stop_reason}")
         if self.stopped_at is None and rungs is not None and step in rungs.steps and 0 < step < self.job.train.steps:
-            reason = rungs.decide(step, float(values[rungs.metric]))
-            if reason is not None:
-                self.stopped_at, self.stop_reason, self.stopped_at_rung = step, reason, True
-                self.sink.log("info", f"stopped early at step {step}: {reason}")
+            outcome = rungs.decide(step, float(values[rungs.metric]))
+            if outcome is not None:
+                self.rung_status, reason = outcome
+                self.stopped_at, self.stop_reason = step, reason
+                ended = "paused" if self.rung_status == "paused" else "stopped early"
+                self.sink.log("info", f"{ended} at step {step}: {reason}")
 
     def _stop(self) -> str | None:
         """Why the run stops before this step: "time_limit", "cancel" or None. In a group, rank 0

@@ -30,7 +30,7 @@
   function eta() {
     const done = job.progress.step;
     const total = job.progress.total_steps;
-    if (FINISHED.has(job.status) || done >= total) return null;
+    if (FINISHED.has(job.status) || job.status === "paused" || done >= total) return null;
     const seconds = latest.elapsed_s ?? (job.summary || {}).elapsed_s;
     return seconds && done > 0 ? (seconds / done) * (total - done) : null;
   }
@@ -69,10 +69,11 @@
     const error = $("job-error");
     error.hidden = !job.error;
     if (job.error) error.textContent = `${job.error.code}: ${job.error.message}`;
-    const stopped = $("job-stopped"); // early stopping (train.early_stop): where and why
+    const stopped = $("job-stopped"); // early stopping (train.early_stop, ASHA): where and why; or where it waits
     const summary = job.summary || {};
     stopped.hidden = summary.stopped_at === undefined;
-    if (!stopped.hidden) stopped.textContent = `Stopped early at step ${summary.stopped_at}: ${summary.stop_reason}`;
+    const how = job.status === "paused" ? "Paused" : "Stopped early";
+    if (!stopped.hidden) stopped.textContent = `${how} at step ${summary.stopped_at}: ${summary.stop_reason}`;
   }
 
   let headPending = null;

@@ -66,10 +66,12 @@
 
   function trialRow(t, paths) {
     const best = sweep.best && sweep.best.number === t.number;
-    const rungs = t.rungs.map((r) =>
-      el("span", { class: `rung ${r.continued ? "rung-go" : "rung-stop"}`, title: `${sweep.metric} ${r.value} (#${r.position} at this rung)` },
-        `${r.rung}: ${r.continued ? "continued" : "stopped"}`)
-    );
+    const rungs = t.rungs.map((r) => {
+      const waits = !r.continued && t.status === "paused";
+      const word = r.continued ? (r.promoted ? "promoted" : "continued") : waits ? "waits" : "stopped";
+      return el("span", { class: `rung ${r.continued ? "rung-go" : waits ? "rung-wait" : "rung-stop"}`, title: `${sweep.metric} ${r.value} (#${r.position} at this rung)` },
+        `${r.rung}: ${word}`);
+    });
     return el(
       "tr",
       { class: best ? "best" : null, dataset: { number: String(t.number) } },
@@ -88,7 +90,8 @@
     document.getElementById("sweep-status").replaceChildren(statusBadge(sweep.status));
     document.title = `${sweep.name || sweep.id} · muonforge`;
     const spec = sweep.spec;
-    const asha = spec.asha ? `ASHA at steps ${spec.asha.rungs.join(", ")} (keeps 1 in ${spec.asha.reduction_factor})` : "no early termination";
+    const others = spec.asha && spec.asha.stop_once === false ? "the others wait to be promoted" : "stops the others";
+    const asha = spec.asha ? `ASHA at steps ${spec.asha.rungs.join(", ")} (keeps 1 in ${spec.asha.reduction_factor}, ${others})` : "no early termination";
     const counts = Object.entries(sweep.counts.by_status).map(([s, n]) => `${n} ${s}`).join(", ");
     document.getElementById("sweep-facts").textContent =
       `${sweep.id} · ${spec.method}${spec.method === "random" ? ` (seed ${spec.seed})` : ""} · ` +
