@@ -121,7 +121,12 @@ LOGIT_MODEL = CONFIGS["small"].model
 LOGIT_STEPS = 400
 LOGIT_MUON_LR, LOGIT_ADAMW_LR = 0.05, 3e-3
 LOGIT_TAU = 30.0
-LOGIT_SECONDS_PER_STEP = {"muon": 0.7, "muonclip": 0.85}  # with the final-weights spread; MuonClip: its replay
+# With the final-weights spread; MuonClip: its replay; re-measured: one more forward per step (estimated).
+LOGIT_SECONDS_PER_STEP = {"muon": 0.7, "muonclip": 0.85, "muonclip-remeasure": 1.0}
+CLIPS = (
+    "muonclip",
+    "muonclip-remeasure",
+)  # part 2's clipping contenders: K2's QK-Clip, and re-measured after the update
 # The final weights' max logit re-measured on fresh training batches, at the training batch and a
 # 32x larger one (65,536 tokens); --quick takes fewer and smaller.
 SPREAD = {"batches": 16, "large_batch": 1024}
@@ -235,11 +240,14 @@ class RunRecord:
 
 
 def optimizer_section(contender: str, lr: float, adamw_lr: float, tau: float = CONVERGENCE_TAU) -> dict[str, Any]:
-    """The JobSpec ``optimizer`` section of a contender at ``lr`` (Muon's AdamW part at ``adamw_lr``)."""
+    """The JobSpec ``optimizer`` section of a contender at ``lr`` (Muon's AdamW part at ``adamw_lr``);
+    ``muonclip-remeasure`` is MuonClip with ``qk_clip_remeasure``."""
     if contender == "adamw":
         return {"name": "adamw", "lr": lr}
     muon = {"name": "muon", "lr": lr, "adamw_lr": adamw_lr}
-    return {**muon, "name": "muonclip", "qk_clip_tau": tau} if contender == "muonclip" else muon
+    if contender == "muon":
+        return muon
+    return {**muon, "name": "muonclip", "qk_clip_tau": tau, "qk_clip_remeasure": contender == "muonclip-remeasure"}
 
 
 def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: int, schedule: str = "constant",
@@ -401,13 +409,14 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
 
 # -- part 2 --------------------------------------------------------------------------------------
 def run_logits(args: argparse.Namespace, data: TokenData) -> dict[str, Any]:
-    """Plain Muon and MuonClip at the same lr on every seed, telemetry every step; MuonClip replays the ideal clip."""
-    runs: dict[str, list[RunRecord]] = {"muon": [], "muonclip": []}
+    """Plain Muon, MuonClip and MuonClip re-measured at the same lr on every seed, telemetry every
+    step; both clips replay the ideal clip."""
+    runs: dict[str, list[RunRecord]] = {"muon": [], **{name: [] for name in CLIPS}}
     for seed in args.seeds:
         for name in runs:
             opt = optimizer_section(name, LOGIT_MUON_LR, LOGIT_ADAMW_LR, args.logit_tau)
             spec = make_spec(LOGIT_MODEL, opt, args.logit_steps, seed, args.eval_every)
-            replay = args.logit_tau if name == "muonclip" else None
+            replay = args.logit_tau if name in CLIPS else None
             rec = train(name, LOGIT_MUON_LR, spec, data, args.eval_batches, replay, spread_tau=args.logit_tau)
             runs[name].append(rec)
             print(f"  [logits] seed {seed} {name:<9} final val {rec.final_val:.4f}  peak logit {rec.peak_logit:7.2f}"
@@ -423,28 +432,53 @@ def first_clip_step(record: RunRecord, tau: float) -> int | None:
     return next((step for step, v in record.attn_max_logit if v > tau), None)
 
 
+def clip_hold(clip: RunRecord, tau: float) -> tuple[int | None, dict[str, Any]]:
+    """A clipping run's first clip step and its per-step hold against the ideal clip replayed on
+    the same weights and batches."""
+    first = first_clip_step(clip, tau)
+    heads, nxt = clip.replay["heads"], clip.replay["next_heads"]
+    # Pair i (i >= first clip): the ideal reading of batch i + 1 against the actual one (step i + 1's forward).
+    pairs = range(first, len(heads) - 1) if first is not None else range(0)
+    actual = [max(heads[i + 1]) / tau for i in pairs]
+    ideal = [proto.ideal_clip(heads[i], nxt[i], tau) for i in pairs]
+    return first, proto.hold_stats(actual, ideal, HOLD_MEDIAN, HOLD_P95_FACTOR)
+
+
 def analyse_logits(runs: dict[str, list[RunRecord]], tau: float) -> dict[str, Any]:
-    """Per seed: plain Muon's peak, MuonClip's per-step hold against the ideal clip, final val losses."""
+    """Per seed: plain Muon's peak; for MuonClip (and, when run, MuonClip re-measured), the
+    per-step hold against the ideal clip and the final val loss against plain Muon's."""
     rows = []
-    for muon, clip in zip(runs["muon"], runs["muonclip"]):
-        first = first_clip_step(clip, tau)
-        heads, nxt = clip.replay["heads"], clip.replay["next_heads"]
-        # Pair i (i >= first clip): the ideal reading of batch i + 1 against the actual one (step i + 1's forward).
-        pairs = range(first, len(heads) - 1) if first is not None else range(0)
-        actual = [max(heads[i + 1]) / tau for i in pairs]
-        ideal = [proto.ideal_clip(heads[i], nxt[i], tau) for i in pairs]
+    for i, muon in enumerate(runs["muon"]):
+        clip = runs["muonclip"][i]
+        first, hold = clip_hold(clip, tau)
         rel = proto.rel_diff(clip.final_val, muon.final_val)
-        rows.append({
+        row = {
             "seed": muon.seed, "muon_peak_over_tau": muon.peak_logit / tau,
             "muon_steps_over_3tau": sum(v > GROWTH_FACTOR * tau for _, v in muon.attn_max_logit),
-            "first_clip_step": first, "hold": proto.hold_stats(actual, ideal, HOLD_MEDIAN, HOLD_P95_FACTOR),
+            "first_clip_step": first, "hold": hold,
             "muon_final_val": muon.final_val, "muonclip_final_val": clip.final_val, "val_rel_diff": rel,
             "muonclip_spread": clip.spread, "growth_ok": muon.peak_logit > GROWTH_FACTOR * tau,
             "loss_ok": rel <= LOSS_TOLERANCE,
-        })  # fmt: skip
+        }  # fmt: skip
+        if runs.get("muonclip-remeasure"):
+            again = runs["muonclip-remeasure"][i]
+            rel_again = proto.rel_diff(again.final_val, muon.final_val)
+            row["remeasure"] = {
+                "first_clip_step": clip_hold(again, tau)[0], "hold": clip_hold(again, tau)[1],
+                "final_val": again.final_val, "val_rel_diff": rel_again, "loss_ok": rel_again <= LOSS_TOLERANCE,
+                "val_rel_diff_vs_muonclip": proto.rel_diff(again.final_val, clip.final_val),
+            }  # fmt: skip
+        rows.append(row)
     medians = [r["hold"].get("median") for r in rows]
-    ok = all(r["growth_ok"] and r["loss_ok"] and r["hold"]["median_ok"] and r["hold"]["p95_ok"] for r in rows)
-    return {"tau": tau, "per_seed": rows, "mean_of_medians": proto.mean_or_none(medians), "all_ok": ok}
+
+    def met(hold_of) -> bool:
+        return all(r["growth_ok"] and hold_of(r)["loss_ok"] and hold_of(r)["hold"]["median_ok"]
+                   and hold_of(r)["hold"]["p95_ok"] for r in rows)  # fmt: skip
+
+    out = {"tau": tau, "per_seed": rows, "mean_of_medians": proto.mean_or_none(medians), "all_ok": met(lambda r: r)}
+    if rows and "remeasure" in rows[0]:
+        out["remeasure_all_ok"] = met(lambda r: r["remeasure"])
+    return out
 
 
 def report_logits(a: dict[str, Any], steps: int) -> None:
@@ -458,17 +492,27 @@ def report_logits(a: dict[str, Any], steps: int) -> None:
           f"batches (targets: median <= {HOLD_MEDIAN}, p95 <= {HOLD_P95_FACTOR} x ideal p95)")  # fmt: skip
     print(f"{'seed':>4}{'steps':>6}{'median':>8}{'p95':>7}{'max':>7}{'ideal med':>10}{'ideal p95':>10}"
           f"{'p95/ideal':>10}  median/p95 ok")  # fmt: skip
+    for label, hold_of in (("muonclip", lambda r: r), ("remeasured", lambda r: r.get("remeasure"))):
+        if any(hold_of(r) is None for r in rows):
+            continue
+        print(label)
+        for r in rows:
+            h = hold_of(r)["hold"]
+            print(f"{r['seed']:>4}{h['steps']:>6}{fmt(h.get('median')):>8}{fmt(h.get('p95')):>7}{fmt(h.get('max')):>7}"
+                  f"{fmt(h.get('ideal_median')):>10}{fmt(h.get('ideal_p95')):>10}{fmt(h.get('p95_over_ideal_p95')):>10}"
+                  f"  {'y' if h['median_ok'] else 'n'}/{'y' if h['p95_ok'] else 'n'}")  # fmt: skip
     for r in rows:
-        h = r["hold"]
-        print(f"{r['seed']:>4}{h['steps']:>6}{fmt(h.get('median')):>8}{fmt(h.get('p95')):>7}{fmt(h.get('max')):>7}"
-              f"{fmt(h.get('ideal_median')):>10}{fmt(h.get('ideal_p95')):>10}{fmt(h.get('p95_over_ideal_p95')):>10}"
-              f"  {'y' if h['median_ok'] else 'n'}/{'y' if h['p95_ok'] else 'n'}")  # fmt: skip
+        if (again := r.get("remeasure")) is not None:
+            print(f"{r['seed']:>4} re-measured MuonClip final val {again['final_val']:.4f}: "
+                  f"{100 * again['val_rel_diff']:+.2f}% against Muon, {100 * again['val_rel_diff_vs_muonclip']:+.2f}% "
+                  "against MuonClip")  # fmt: skip
     print("final weights on unseen batches: max logit spread (max / mean) and the ideal clip's worst reading / tau")
     for r in rows:
         for s in (r["muonclip_spread"] or {}).values():
             print(f"{r['seed']:>4} batch {s['batch_size']:>5}: max/mean {s['max'] / s['mean']:.3f}, "
                   f"ideal max {s['ideal_max']:.3f}, share > 1.05 {s['ideal_over_1.05']:.2f}")  # fmt: skip
-    print(f"all targets met: {a['all_ok']}")
+    print(f"all targets met: {a['all_ok']}" + (f" (re-measured MuonClip: {a['remeasure_all_ok']})"
+                                                 if "remeasure_all_ok" in a else ""))  # fmt: skip
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -519,7 +563,8 @@ def plot_convergence(runs: dict[str, list[RunRecord]], analysis: dict[str, Any],
 
 def plot_logits(runs: dict[str, list[RunRecord]], tau: float, path: Path) -> None:
     """Left: attn_max_logit per step of plain Muon and MuonClip (log scale). Right: MuonClip's
-    max logit / tau and the ideal clip's reading on the same weights and batches."""
+    max logit / tau, the ideal clip's reading on the same weights and batches, and the re-measured
+    MuonClip's max logit / tau when it ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -535,6 +580,10 @@ def plot_logits(runs: dict[str, list[RunRecord]], tau: float, path: Path) -> Non
     zoom.plot(range(1, len(heads)), [max(h) / tau for h in heads[1:]], lw=1.0, label=f"MuonClip, seed {rec.seed}")
     ideal = [proto.ideal_clip(heads[i], nxt[i], tau) for i in range(len(heads) - 1)]
     zoom.plot(range(1, len(heads)), ideal, lw=0.8, alpha=0.7, label="ideal clip, same weights and batches")
+    if runs.get("muonclip-remeasure"):
+        again = runs["muonclip-remeasure"][0].replay["heads"]
+        zoom.plot(range(1, len(again)), [max(h) / tau for h in again[1:]], lw=0.8, alpha=0.8,
+                  label=f"MuonClip re-measured, seed {rec.seed}")  # fmt: skip
     ax.axhline(tau, color="black", lw=0.8, label=f"tau = {tau:g}")
     ax.axhline(GROWTH_FACTOR * tau, color="grey", lw=0.8, ls="--", label=f"{GROWTH_FACTOR:g} x tau")
     ax.set_yscale("log")
@@ -580,7 +629,8 @@ def print_plan(args: argparse.Namespace, cfg: Config) -> None:
     if args.part in ("all", "logits"):
         est = len(args.seeds) * args.logit_steps * sum(LOGIT_SECONDS_PER_STEP.values())
         total += est
-        print(f"logit growth: {2 * len(args.seeds)} runs of {args.logit_steps} steps, about {est / 60:.0f} min")
+        runs = len(LOGIT_SECONDS_PER_STEP) * len(args.seeds)
+        print(f"logit growth: {runs} runs of {args.logit_steps} steps, about {est / 60:.0f} min")
     print(
         f"total about {total / 60:.0f} min ({total / 3600:.1f} h) at 1 thread on the 2-core CPU machine "
         f"while shared; about {IDLE_FACTOR * total / 60:.0f} min ({IDLE_FACTOR * total / 3600:.1f} h) on it idle"

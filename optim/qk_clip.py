@@ -12,7 +12,7 @@ weights as :class:`QKClipTarget` s. Helpers build the targets for the common lay
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -170,6 +170,10 @@ class MuonClip(Muon):
     ``attention``: a model (its QKClipSource modules are found) or the modules themselves.
     ``last_step_stats()`` adds ``qk_clip/heads_clipped`` and ``qk_clip/min_gamma``. Every Muon
     keyword passes through (``distributed``, ``process_group``, ``shard_momentum`` included).
+
+    The clip scales each head from the max logit its sources recorded in the step's training
+    forward, with the weights before the update (Kimi K2's QK-Clip); ``step(remeasure=...)``
+    measures it again after the update instead (docs/optimizer.md, "Re-measured QK-Clip").
     """
 
     def __init__(self, params, attention: nn.Module | Iterable[Any], qk_clip_tau: float = 100.0, **kwargs) -> None:
@@ -180,8 +184,17 @@ class MuonClip(Muon):
         super().__init__(params, **kwargs)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, remeasure: Callable[[], object] | None = None):
+        """The Muon step, then QK-Clip. ``remeasure``: a forward of the step's batch (run here,
+        with no grad, between the update and the clip) whose recorded max logits the clip uses:
+        each head's maximum on that batch with the updated weights, rather than the training
+        forward's with the weights before the update. Every head then ends at or below tau on
+        the batch it was measured on, for one more forward per step."""
         loss = super().step(closure)
+        if remeasure is not None:
+            for src in self.qk_sources:
+                src.reset_qk_max_logits()
+            remeasure()
         heads_clipped, min_gamma = qk_clip(self.qk_sources, self.qk_clip_tau)
         self._last_stats.extra.update({"qk_clip/heads_clipped": heads_clipped, "qk_clip/min_gamma": min_gamma})
         return loss

@@ -112,6 +112,12 @@ class OptimizerSpec(_Strict):
         "original", description="Muon update scale from the matrix shape."
     )
     qk_clip_tau: float | None = Field(None, gt=0.0, description="QK-Clip threshold (muonclip only; default 100).")
+    qk_clip_remeasure: bool = Field(
+        False,
+        description="muonclip only: after the update, one more forward of the step's batch (no grad) measures "
+        "each head's max logit again and QK-Clip scales from that, so every head ends at or below tau on that "
+        "batch (the clip holds closer to tau; a step costs that forward more).",
+    )
     adamw_lr: float = Field(3e-3, gt=0.0, le=10.0, description="AdamW lr for embeddings, head, norms, biases.")
     adamw_betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
         (0.9, 0.95), description="AdamW betas."
@@ -133,6 +139,13 @@ class OptimizerSpec(_Strict):
             return 100.0 if v is None else v
         if v is not None:
             raise ValueError("qk_clip_tau applies only to optimizer 'muonclip'")
+        return v
+
+    @field_validator("qk_clip_remeasure")
+    @classmethod
+    def _remeasure_muonclip_only(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("name") != "muonclip":
+            raise ValueError("qk_clip_remeasure applies only to optimizer 'muonclip'")
         return v
 
 

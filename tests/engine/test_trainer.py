@@ -324,3 +324,27 @@ def test_the_retention_rule_keeps_the_latest_and_the_best():
     assert to_prune(kept, 1) == [10, 30, 40, 50]
     assert to_prune([(10, None), (20, None)], 1) == [10]
     assert to_prune([(10, 1.0)], 3) == []
+
+
+def test_a_re_measured_muonclip_runs_one_more_forward_per_step_and_clips_from_it(tmp_path):
+    def run(remeasure: bool):
+        s = spec("gpt", "muonclip", steps=6, eval_every=6)
+        s["optimizer"].update(qk_clip_tau=1e-6, qk_clip_remeasure=remeasure)  # a tau every head passes
+        t = trainer(s, tmp_path / str(remeasure))
+        forwards = []
+        original = t.model.forward
+        t.model.forward = lambda *a, **k: forwards.append(torch.is_grad_enabled()) or original(*a, **k)
+        sink = ListSink()
+        t.sink = sink
+        result = t.run()
+        return t, result, forwards, sink
+
+    plain, plain_result, plain_forwards, _ = run(False)
+    again, result, forwards, sink = run(True)
+    assert result.status == plain_result.status == "succeeded"
+    # The same training forwards and evaluations, plus one forward with no grad after each update.
+    assert len(forwards) - len(plain_forwards) == 6 and forwards.count(True) == plain_forwards.count(True) == 6
+    clipped = [r["qk_clip/heads_clipped"] for _, r in sink.records if "qk_clip/heads_clipped" in r]
+    assert clipped and all(n > 0 for n in clipped)
+    differs = any(not torch.equal(a, b) for a, b in zip(plain.model.parameters(), again.model.parameters()))
+    assert differs  # clipped from other maxima

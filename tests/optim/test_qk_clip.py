@@ -251,6 +251,54 @@ def test_muonclip_step_reports_clip_computed_by_hand():
         assert torch.allclose(p[~same], want[~same] * row_factor[~same, None], rtol=1e-6, atol=0), name
 
 
+def test_a_remeasured_clip_holds_every_head_at_tau_on_its_batch_after_the_update():
+    """With remeasure the clip scales from the maxima of the step's batch measured after the
+    update: every head of the first layer ends at or below tau on that batch (the plain clip,
+    which scales from the maxima before the update, does not). A later layer's input changes with
+    the clip of the layers before it, so its heads end near tau, not exactly."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, n_layer=2, n_head=4, d_model=32, seq_len=16, layout="fused")
+    plain = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    idx, tgt = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+
+    def maxima(m) -> torch.Tensor:  # each head's max logit on the batch with the weights as they are
+        for attn in m.attention():
+            attn.reset_qk_max_logits()
+        with torch.no_grad():
+            m(idx, tgt)
+        out = torch.cat([attn.qk_max_logits() for attn in m.attention()])
+        for attn in m.attention():
+            attn.reset_qk_max_logits()
+        return out
+
+    before = maxima(model)
+    tau = float(before.sort().values[4])  # a lr large enough that the update moves the maxima
+    kw = dict(lr=0.2, adamw_lr=3e-3, qk_clip_tau=tau)
+    opts = {
+        "remeasured": optim.MuonClip(optim.split_params(model), attention=model, **kw),
+        "plain": optim.MuonClip(optim.split_params(plain), attention=plain, **kw),
+    }
+    for m in (model, plain):
+        for attn in m.attention():
+            attn.reset_qk_max_logits()
+        m(idx, tgt)[1].backward()
+    calls = []
+
+    def remeasure():
+        calls.append(1)
+        model(idx, tgt)
+
+    opts["remeasured"].step(remeasure=remeasure)
+    opts["plain"].step()
+    assert calls == [1] and all(attn.qk_max_logits() is None for attn in model.attention())
+    after, after_plain = maxima(model), maxima(plain)
+    first = slice(0, 4)  # layer 0's heads
+    assert after[first].max() <= tau * (1 + 1e-5) and after.max() <= tau * 1.02
+    assert after_plain[first].max() > tau * 1.001  # what the update added since the training forward
+    assert opts["remeasured"].last_step_stats()["qk_clip/heads_clipped"] > 0
+
+
 # ---- distributed: S_max is a global-batch quantity, all-reduced with MAX ----
 
 DIST_TAU = 100.0

@@ -46,6 +46,7 @@ class OptimizerConfig:
     ns_dtype: str = "auto"  # "auto" | "fp32" | "bf16"
     adjust_lr: str = "original"
     qk_clip_tau: float | None = None
+    qk_clip_remeasure: bool = False  # MuonClip: clip from the max logits measured again after the update
     adamw_lr: float = 3e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8

@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -282,7 +283,10 @@ class Trainer:
             values = {"loss": batch_loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
             telemetry = self.job.telemetry
             values.update(model_metrics(self.model, logits, telemetry.per_head, telemetry.per_expert))
-        self.optimizer.step()
+        if clipping and self.job.optimizer.qk_clip_remeasure:
+            self.optimizer.step(remeasure=partial(self._measure_max_logits, x))
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if report and isinstance(self.optimizer, optim.Muon):
             stats = self.optimizer.last_step_stats()
@@ -290,6 +294,13 @@ class Trainer:
             values.update({k if "/" in k else f"optim/{k}": v for k, v in stats.items()})
         self.step += 1
         return values
+
+    def _measure_max_logits(self, x: Tensor) -> None:
+        """A forward of batch ``x`` that only records the attention layers' max logits (MuonClip's
+        re-measure, run with no grad between its update and its clip; every rank on its shard, the
+        clip all-reduces the maxima)."""
+        with self._autocast():
+            self.model(x)
 
     @torch.no_grad()
     def evaluate(self) -> Tensor:
