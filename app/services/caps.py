@@ -26,7 +26,9 @@ ROUTER_SERIES = 4  # router/aux_loss, router/entropy, router/load_max, router/lo
 # Memory of a run (peak_memory_bytes): fp32 values kept per token, measured on the engine.
 BYTES_PER_FLOAT = 4
 RUN_OVERHEAD_BYTES = 128 << 20  # the run's own buffers whatever its size (thread pools, allocator arenas)
-STATE_COPIES = 6  # fp32 copies of the parameters: weights, gradients, optimizer state, checkpoint work
+# fp32 copies of the parameters: weights, gradients, optimizer state (Muon's momentum, or AdamW's two
+# moments and the square root its foreach step makes of one). Muon's Newton-Schulz scratch is NS_WORK.
+STATE_COPIES = 5
 NS_WORK = 3  # copies of the largest matrix that Newton–Schulz works on
 ACT_FLOATS_BLOCK = 10  # per layer x d_model: norms, q k v, attention output, projections, residuals
 ACT_FLOATS_FFN = 12  # per layer x d_model: the feed-forward's up projection and GELU (4 d each) and more
@@ -69,8 +71,8 @@ def parameter_count(model: dict[str, Any], vocab: int) -> int:
 
 def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0, on_cuda: bool | None = None) -> int:
     """An upper estimate of the memory a training run of ``spec`` takes on one worker beyond the
-    worker's own, in bytes: weights, gradients and optimizer state (4 fp32 copies of the
-    parameters: Muon keeps one momentum, AdamW two moments); the Newton–Schulz work of the largest
+    worker's own, in bytes: weights, gradients and optimizer state (STATE_COPIES fp32 copies of
+    the parameters: Muon keeps one momentum, AdamW two moments); the Newton–Schulz work of the largest
     matrix; the activations the backward pass keeps, including the attention scores (B x H x T x T
     per layer on a CPU, where attention is computed plainly; fused attention on CUDA keeps none)
     and the logits (B x T x vocab, with their softmax and gradients); and the tokenized corpus.
