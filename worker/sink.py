@@ -94,6 +94,9 @@ class JobSink:
         """The retention policy (``train.keep_checkpoints``, and every checkpoint a warm start
         names): rows now, files once committed."""
         repo = JobRepository(session)
+        # The job's row, for update, before its warm starts are read: an intake that inserts one
+        # holds it shared until that commits, so no checkpoint goes that a new job was admitted on.
+        repo.locked(self.job_id)
         rows = {c.step: c for c in repo.checkpoints(self.job_id)}
         steps = to_prune([(s, c.metrics.get("val_loss")) for s, c in rows.items()], self.keep_checkpoints)
         started_from = repo.warm_start_steps(self.job_id)  # other jobs start (and restart) from these

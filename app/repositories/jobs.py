@@ -351,6 +351,23 @@ class JobRepository:
         """The steps of the job's checkpoints that other jobs start from (their ``init_from``)."""
         return set(self.session.scalars(select(Job.parent_step).where(Job.parent_job_id == job_id)))
 
+    def lock_shared(self, job_ids: Collection[str]) -> None:
+        """Share-lock the jobs' rows in id order until the transaction ends (Postgres; SQLite
+        serialises writers): a warm start's insert against its parent's checkpoint retention,
+        which takes the parent's row for update before it deletes checkpoints."""
+        if job_ids:
+            query = select(Job.id).where(Job.id.in_(list(job_ids))).order_by(Job.id).with_for_update(read=True)
+            self.session.execute(query)
+
+    def existing_checkpoints(self, keys: Collection[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Which of these (job, step) checkpoints exist."""
+        if not keys:
+            return set()
+        query = select(Checkpoint.job_id, Checkpoint.step).where(
+            tuple_(Checkpoint.job_id, Checkpoint.step).in_(list(keys))
+        )
+        return {(job_id, step) for job_id, step in self.session.execute(query)}
+
     # -- helpers ------------------------------------------------------------------------------------
     def _cas(self, job_id: str, states: Sequence[str], attempt: int | None = None, **values: Any) -> bool:
         stmt = update(Job).where(Job.id == job_id, Job.status.in_(states))

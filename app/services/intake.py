@@ -121,6 +121,14 @@ def no_dataset(dataset_id: str) -> ValidationFailed:
     return ValidationFailed(f"no dataset {dataset_id!r} for this tenant", param="data.dataset_id")
 
 
+def no_checkpoint(job_id: str, step: int) -> ValidationFailed:
+    return ValidationFailed(
+        f"job {job_id!r} no longer has a checkpoint at step {step} (its retention policy removed it meanwhile); "
+        "submit again from another step",
+        param="init_from.step",
+    )
+
+
 def cap_reached(cap: int) -> RateLimited:
     return RateLimited(f"this tenant already has {cap} queued or running jobs (the cap)", retry_after=30)
 
@@ -158,15 +166,24 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
     rows are locked first and their active jobs read with the lock (``tenants.active_jobs``, one
     row each, kept by triggers), so the job cap holds exactly however many API processes insert
     at once. A job whose Idempotency-Key another request inserted first is that request's replay
-    (or a 409); one whose dataset was deleted since it was prepared, a 422. Returns, per
-    submission, (job, created) or the error it answers with."""
+    (or a 409); one whose dataset was deleted since it was prepared, or whose warm start's
+    checkpoint its parent's retention removed since, a 422. Returns, per submission, (job,
+    created) or the error it answers with."""
     repo = JobRepository(session)
+    # A warm start's checkpoint, checked again under its parent's row (shared: the parent's
+    # retention takes it for update), locked before the tenants as every job row is.
+    starts = {
+        s.row["id"]: (s.row["parent_job_id"], s.row["parent_step"]) for s in submissions if s.row["parent_job_id"]
+    }
+    repo.lock_shared({parent for parent, _ in starts.values()})
+    present_starts = repo.existing_checkpoints(set(starts.values()))
     tenants = sorted({s.row["tenant_id"] for s in submissions})
     active = TenantRepository(session).lock(tenants)
     # A dataset deleted since its job was prepared (a delete takes the same lock): refused as then.
     named = {s.row["dataset_id"] for s in submissions if s.row["dataset_id"]}
     present = DatasetRepository(session).existing_ids(named)
     gone = {s.row["id"] for s in submissions if s.row["dataset_id"] and s.row["dataset_id"] not in present}
+    pruned = {job_id for job_id, start in starts.items() if start not in present_starts}
     # Jobs that hold the batch's Idempotency-Keys already, read (no wait) and left out of the
     # insert: an INSERT meeting one in the unique index would wait for a transaction changing
     # that job's status, which waits for the tenant's lock held here (the job's trigger).
@@ -175,7 +192,7 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
     admitted: list[Submission] = []
     for sub in submissions:
         tenant = sub.row["tenant_id"]
-        if sub.row["id"] in gone or (tenant, sub.row["idempotency_key"]) in holders:
+        if sub.row["id"] in gone or sub.row["id"] in pruned or (tenant, sub.row["idempotency_key"]) in holders:
             continue
         if active.get(tenant, 0) < sub.cap:
             active[tenant] = active.get(tenant, 0) + 1
@@ -188,6 +205,9 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
             continue
         if sub.row["id"] in gone:
             results.append(no_dataset(sub.row["dataset_id"]))
+            continue
+        if sub.row["id"] in pruned:
+            results.append(no_checkpoint(*starts[sub.row["id"]]))
             continue
         tenant, key = sub.row["tenant_id"], sub.row["idempotency_key"]
         # Else an earlier submission of the batch with the same key.

@@ -3,13 +3,21 @@ running a parent and then a child that starts from its checkpoint."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from app.db.session import transaction
+from app.errors import ValidationFailed
 from app.repositories.jobs import JobRepository
+from app.schemas import JobSpec
+from app.services.auth import authenticate
+from app.services.intake import insert_submissions, prepare_submission
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
 from tests.service.test_worker import events, job
+from worker.sink import JobSink
 
 
 def with_checkpoints(client, settings, auth, spec: dict, steps=(10, 20, 30)) -> str:
@@ -128,3 +136,49 @@ def test_the_retention_policy_keeps_a_checkpoint_that_a_job_starts_from(client, 
     # keep_checkpoints 1: the latest and the best val_loss, and the one the child starts from.
     assert {c["step"] for c in listed} == {listed[0]["step"], best, pinned}
     assert (settings.artifact_dir / "jobs" / parent / "checkpoints" / f"step_{pinned:08d}.pt").is_file()
+
+
+@pytest.mark.parametrize("first", ["intake", "retention"])
+def test_a_warm_start_and_its_parents_retention_at_once_never_leave_it_without_its_checkpoint(
+    client, settings, auth, first
+):
+    """The intake inserts a child starting from checkpoint 10 while the parent's retention
+    (keep 1) would delete it. Whichever takes the parent's row first, the other waits for its
+    commit: the retention then keeps step 10, or the intake refuses the child with a 422."""
+    if settings.sqlalchemy_url.startswith("sqlite"):
+        pytest.skip("row locks: Postgres")
+    parent = with_checkpoints(client, settings, auth, tiny_spec(), steps=(10, 20))
+    with transaction(settings) as session:
+        tenant = authenticate(session, auth["Authorization"])
+    with transaction(settings) as session:
+        sub = prepare_submission(session, tenant, JobSpec.model_validate(tiny_spec() | {
+            "init_from": {"job_id": parent, "step": 10}}), None, settings)  # fmt: skip
+    sink = JobSink(settings, parent, 1, 20, {}, keep_checkpoints=1)
+    holds, results = threading.Event(), {}
+
+    def intake() -> None:
+        with transaction(settings) as session:
+            results["intake"] = insert_submissions(session, [sub])[0]
+            holds.set()
+            time.sleep(1.0 if first == "intake" else 0.0)
+
+    def retention() -> None:
+        with transaction(settings) as session:
+            sink._prune(session)
+            holds.set()
+            time.sleep(1.0 if first == "retention" else 0.0)
+
+    order = [intake, retention] if first == "intake" else [retention, intake]
+    threads = [threading.Thread(target=f) for f in order]
+    threads[0].start()
+    assert holds.wait(30)
+    threads[1].start()  # waits for the first one's commit
+    for t in threads:
+        t.join(60)
+    with transaction(settings) as session:
+        kept = {c.step for c in JobRepository(session).checkpoints(parent)}
+    if first == "intake":
+        assert isinstance(results["intake"], tuple) and kept == {10, 20}
+    else:
+        assert isinstance(results["intake"], ValidationFailed) and results["intake"].param == "init_from.step"
+        assert kept == {20}
