@@ -40,7 +40,10 @@ is what batch i + 1 reads after a perfect clip on batch i with no update in betw
 compared with what MuonClip actually reads on batch i + 1 after its clip and update (step
 i + 1's ``attn_max_logit``), over the steps from the first clip on. Targets: median of
 MuonClip's max logit / tau <= 1.05, its p95 <= 1.02 x the ideal clip's p95, plain Muon past
-3 x tau, MuonClip's final validation loss within 1% of plain Muon's or better. The extra forward
+3 x tau, MuonClip's final validation loss within 1% of plain Muon's or better. Beside K2's clip,
+part 2 runs MuonClip re-measured after the update on the step's batch (``qk_clip_remeasure``)
+and on it and the batch before (``qk_clip_remeasure_batches: 2``), each with its own replay
+(``--clips`` picks which). The extra forward
 uses no randomness (the model has no dropout) and leaves the recorded maxima to the training
 forward, so the run itself is unchanged. Part 2 also re-measures the final weights' per-head
 maxima on unseen batches (at the training batch and at a 32x larger one) with the same replay.
@@ -122,11 +125,11 @@ LOGIT_STEPS = 400
 LOGIT_MUON_LR, LOGIT_ADAMW_LR = 0.05, 3e-3
 LOGIT_TAU = 30.0
 # With the final-weights spread; MuonClip: its replay; re-measured: one more forward per step (estimated).
-LOGIT_SECONDS_PER_STEP = {"muon": 0.7, "muonclip": 0.85, "muonclip-remeasure": 1.0}
-CLIPS = (
-    "muonclip",
-    "muonclip-remeasure",
-)  # part 2's clipping contenders: K2's QK-Clip, and re-measured after the update
+LOGIT_SECONDS_PER_STEP = {"muon": 0.7, "muonclip": 0.85, "muonclip-remeasure": 1.0, "muonclip-remeasure2": 1.1}
+# Part 2's clipping contenders: K2's QK-Clip, then re-measured after the update on the step's batch
+# (and, for the second, the one before it too): qk_clip_remeasure_batches of each.
+REMEASURE_BATCHES = {"muonclip-remeasure": 1, "muonclip-remeasure2": 2}
+CLIPS = ("muonclip", *REMEASURE_BATCHES)
 # The final weights' max logit re-measured on fresh training batches, at the training batch and a
 # 32x larger one (65,536 tokens); --quick takes fewer and smaller.
 SPREAD = {"batches": 16, "large_batch": 1024}
@@ -241,13 +244,16 @@ class RunRecord:
 
 def optimizer_section(contender: str, lr: float, adamw_lr: float, tau: float = CONVERGENCE_TAU) -> dict[str, Any]:
     """The JobSpec ``optimizer`` section of a contender at ``lr`` (Muon's AdamW part at ``adamw_lr``);
-    ``muonclip-remeasure`` is MuonClip with ``qk_clip_remeasure``."""
+    ``muonclip-remeasure`` (``-remeasure2``) is MuonClip with ``qk_clip_remeasure`` on 1 (2) batches."""
     if contender == "adamw":
         return {"name": "adamw", "lr": lr}
     muon = {"name": "muon", "lr": lr, "adamw_lr": adamw_lr}
     if contender == "muon":
         return muon
-    return {**muon, "name": "muonclip", "qk_clip_tau": tau, "qk_clip_remeasure": contender == "muonclip-remeasure"}
+    clip = {**muon, "name": "muonclip", "qk_clip_tau": tau}
+    if contender in REMEASURE_BATCHES:
+        clip.update(qk_clip_remeasure=True, qk_clip_remeasure_batches=REMEASURE_BATCHES[contender])
+    return clip
 
 
 def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: int, schedule: str = "constant",
@@ -409,9 +415,9 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
 
 # -- part 2 --------------------------------------------------------------------------------------
 def run_logits(args: argparse.Namespace, data: TokenData) -> dict[str, Any]:
-    """Plain Muon, MuonClip and MuonClip re-measured at the same lr on every seed, telemetry every
-    step; both clips replay the ideal clip."""
-    runs: dict[str, list[RunRecord]] = {"muon": [], **{name: [] for name in CLIPS}}
+    """Plain Muon, MuonClip and its re-measured variants (``--clips``) at the same lr on every
+    seed, telemetry every step; every clip replays the ideal clip."""
+    runs: dict[str, list[RunRecord]] = {"muon": [], **{name: [] for name in args.clips}}
     for seed in args.seeds:
         for name in runs:
             opt = optimizer_section(name, LOGIT_MUON_LR, LOGIT_ADAMW_LR, args.logit_tau)
@@ -445,7 +451,7 @@ def clip_hold(clip: RunRecord, tau: float) -> tuple[int | None, dict[str, Any]]:
 
 
 def analyse_logits(runs: dict[str, list[RunRecord]], tau: float) -> dict[str, Any]:
-    """Per seed: plain Muon's peak; for MuonClip (and, when run, MuonClip re-measured), the
+    """Per seed: plain Muon's peak; for MuonClip and each re-measured variant that ran, the
     per-step hold against the ideal clip and the final val loss against plain Muon's."""
     rows = []
     for i, muon in enumerate(runs["muon"]):
@@ -460,11 +466,13 @@ def analyse_logits(runs: dict[str, list[RunRecord]], tau: float) -> dict[str, An
             "muonclip_spread": clip.spread, "growth_ok": muon.peak_logit > GROWTH_FACTOR * tau,
             "loss_ok": rel <= LOSS_TOLERANCE,
         }  # fmt: skip
-        if runs.get("muonclip-remeasure"):
-            again = runs["muonclip-remeasure"][i]
+        row["variants"] = {}
+        for name in (n for n in REMEASURE_BATCHES if runs.get(n)):
+            again = runs[name][i]
             rel_again = proto.rel_diff(again.final_val, muon.final_val)
-            row["remeasure"] = {
-                "first_clip_step": clip_hold(again, tau)[0], "hold": clip_hold(again, tau)[1],
+            first_again, hold_again = clip_hold(again, tau)
+            row["variants"][name] = {
+                "first_clip_step": first_again, "hold": hold_again,
                 "final_val": again.final_val, "val_rel_diff": rel_again, "loss_ok": rel_again <= LOSS_TOLERANCE,
                 "val_rel_diff_vs_muonclip": proto.rel_diff(again.final_val, clip.final_val),
             }  # fmt: skip
@@ -476,8 +484,8 @@ def analyse_logits(runs: dict[str, list[RunRecord]], tau: float) -> dict[str, An
                    and hold_of(r)["hold"]["p95_ok"] for r in rows)  # fmt: skip
 
     out = {"tau": tau, "per_seed": rows, "mean_of_medians": proto.mean_or_none(medians), "all_ok": met(lambda r: r)}
-    if rows and "remeasure" in rows[0]:
-        out["remeasure_all_ok"] = met(lambda r: r["remeasure"])
+    variants = rows[0]["variants"] if rows else {}
+    out["variants_all_ok"] = {name: met(lambda r, n=name: r["variants"][n]) for name in variants}
     return out
 
 
@@ -492,9 +500,8 @@ def report_logits(a: dict[str, Any], steps: int) -> None:
           f"batches (targets: median <= {HOLD_MEDIAN}, p95 <= {HOLD_P95_FACTOR} x ideal p95)")  # fmt: skip
     print(f"{'seed':>4}{'steps':>6}{'median':>8}{'p95':>7}{'max':>7}{'ideal med':>10}{'ideal p95':>10}"
           f"{'p95/ideal':>10}  median/p95 ok")  # fmt: skip
-    for label, hold_of in (("muonclip", lambda r: r), ("remeasured", lambda r: r.get("remeasure"))):
-        if any(hold_of(r) is None for r in rows):
-            continue
+    variants = list(rows[0]["variants"]) if rows else []
+    for label, hold_of in (("muonclip", lambda r: r), *((n, lambda r, n=n: r["variants"][n]) for n in variants)):
         print(label)
         for r in rows:
             h = hold_of(r)["hold"]
@@ -502,8 +509,8 @@ def report_logits(a: dict[str, Any], steps: int) -> None:
                   f"{fmt(h.get('ideal_median')):>10}{fmt(h.get('ideal_p95')):>10}{fmt(h.get('p95_over_ideal_p95')):>10}"
                   f"  {'y' if h['median_ok'] else 'n'}/{'y' if h['p95_ok'] else 'n'}")  # fmt: skip
     for r in rows:
-        if (again := r.get("remeasure")) is not None:
-            print(f"{r['seed']:>4} re-measured MuonClip final val {again['final_val']:.4f}: "
+        for name, again in r["variants"].items():
+            print(f"{r['seed']:>4} {name} final val {again['final_val']:.4f}: "
                   f"{100 * again['val_rel_diff']:+.2f}% against Muon, {100 * again['val_rel_diff_vs_muonclip']:+.2f}% "
                   "against MuonClip")  # fmt: skip
     print("final weights on unseen batches: max logit spread (max / mean) and the ideal clip's worst reading / tau")
@@ -511,8 +518,8 @@ def report_logits(a: dict[str, Any], steps: int) -> None:
         for s in (r["muonclip_spread"] or {}).values():
             print(f"{r['seed']:>4} batch {s['batch_size']:>5}: max/mean {s['max'] / s['mean']:.3f}, "
                   f"ideal max {s['ideal_max']:.3f}, share > 1.05 {s['ideal_over_1.05']:.2f}")  # fmt: skip
-    print(f"all targets met: {a['all_ok']}" + (f" (re-measured MuonClip: {a['remeasure_all_ok']})"
-                                                 if "remeasure_all_ok" in a else ""))  # fmt: skip
+    others = ", ".join(f"{name}: {ok}" for name, ok in a["variants_all_ok"].items())
+    print(f"all targets met: {a['all_ok']}" + (f" ({others})" if others else ""))
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -580,10 +587,10 @@ def plot_logits(runs: dict[str, list[RunRecord]], tau: float, path: Path) -> Non
     zoom.plot(range(1, len(heads)), [max(h) / tau for h in heads[1:]], lw=1.0, label=f"MuonClip, seed {rec.seed}")
     ideal = [proto.ideal_clip(heads[i], nxt[i], tau) for i in range(len(heads) - 1)]
     zoom.plot(range(1, len(heads)), ideal, lw=0.8, alpha=0.7, label="ideal clip, same weights and batches")
-    if runs.get("muonclip-remeasure"):
-        again = runs["muonclip-remeasure"][0].replay["heads"]
+    for name in (n for n in REMEASURE_BATCHES if runs.get(n)):
+        again = runs[name][0].replay["heads"]
         zoom.plot(range(1, len(again)), [max(h) / tau for h in again[1:]], lw=0.8, alpha=0.8,
-                  label=f"MuonClip re-measured, seed {rec.seed}")  # fmt: skip
+                  label=f"{name}, seed {rec.seed}")  # fmt: skip
     ax.axhline(tau, color="black", lw=0.8, label=f"tau = {tau:g}")
     ax.axhline(GROWTH_FACTOR * tau, color="grey", lw=0.8, ls="--", label=f"{GROWTH_FACTOR:g} x tau")
     ax.set_yscale("log")
@@ -627,9 +634,10 @@ def print_plan(args: argparse.Namespace, cfg: Config) -> None:
                 what = f"lr={r.lr:g} {r.schedule}" if r.stage == 1 else "stage-1 winner"
                 print(f"    seed {r.seed} {r.contender:<9} {what}")
     if args.part in ("all", "logits"):
-        est = len(args.seeds) * args.logit_steps * sum(LOGIT_SECONDS_PER_STEP.values())
+        contenders = ["muon", *args.clips]
+        est = len(args.seeds) * args.logit_steps * sum(LOGIT_SECONDS_PER_STEP[c] for c in contenders)
         total += est
-        runs = len(LOGIT_SECONDS_PER_STEP) * len(args.seeds)
+        runs = len(contenders) * len(args.seeds)
         print(f"logit growth: {runs} runs of {args.logit_steps} steps, about {est / 60:.0f} min")
     print(
         f"total about {total / 60:.0f} min ({total / 3600:.1f} h) at 1 thread on the 2-core CPU machine "
@@ -650,6 +658,13 @@ def main() -> None:
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=list(ADAMW_LRS), help="AdamW's grid")
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=list(MUON_LRS), help="Muon's and MuonClip's grid")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument(
+        "--clips",
+        nargs="*",
+        choices=list(REMEASURE_BATCHES),
+        default=list(REMEASURE_BATCHES),
+        help="the re-measured MuonClip variants part 2 runs beside MuonClip (default: all)",
+    )
     parser.add_argument("--plan", action="store_true", help="print the runs and an estimated time; train nothing")
     parser.add_argument("--quick", action="store_true", help="60 steps, 2 seeds, one lr per contender, no plots")
     parser.add_argument("--img-dir", type=Path, default=None, help="where the PNGs go (default docs/img; "
@@ -659,6 +674,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write every figure and curve as JSON to PATH")
     parser.add_argument("--replot", metavar="PATH", type=Path, help="only redraw the plots from a --json output")
     args = parser.parse_args()
+    args.clips = ["muonclip", *args.clips]
     cfg = CONFIGS[args.config]
     args.steps = args.steps or cfg.steps
     args.eval_every = args.eval_every or cfg.eval_every

@@ -118,6 +118,14 @@ class OptimizerSpec(_Strict):
         "each head's max logit again and QK-Clip scales from that, so every head ends at or below tau on that "
         "batch (the clip holds closer to tau; a step costs that forward more).",
     )
+    qk_clip_remeasure_batches: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="With qk_clip_remeasure: the re-measure reads the step's batch and the N - 1 training batches "
+        "before it (one no-grad forward each), so every head ends at or below tau on all N and the next, unseen "
+        "batch reads above tau less often; 1: the step's batch only.",
+    )
     adamw_lr: float = Field(3e-3, gt=0.0, le=10.0, description="AdamW lr for embeddings, head, norms, biases.")
     adamw_betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
         (0.9, 0.95), description="AdamW betas."
@@ -146,6 +154,13 @@ class OptimizerSpec(_Strict):
     def _remeasure_muonclip_only(cls, v: bool, info: ValidationInfo) -> bool:
         if v and info.data.get("name") != "muonclip":
             raise ValueError("qk_clip_remeasure applies only to optimizer 'muonclip'")
+        return v
+
+    @field_validator("qk_clip_remeasure_batches")
+    @classmethod
+    def _batches_need_remeasure(cls, v: int, info: ValidationInfo) -> int:
+        if v != 1 and not info.data.get("qk_clip_remeasure"):
+            raise ValueError("qk_clip_remeasure_batches applies only with qk_clip_remeasure: true")
         return v
 
 

@@ -348,3 +348,51 @@ def test_a_re_measured_muonclip_runs_one_more_forward_per_step_and_clips_from_it
     assert clipped and all(n > 0 for n in clipped)
     differs = any(not torch.equal(a, b) for a, b in zip(plain.model.parameters(), again.model.parameters()))
     assert differs  # clipped from other maxima
+
+
+def test_a_muonclip_re_measured_on_n_batches_clips_from_the_max_over_them(tmp_path):
+    """With qk_clip_remeasure_batches = 3 the clip reads the running max over the step's batch and
+    the 2 before it (measured after the update), and every first-layer head ends at or below tau
+    on all three."""
+    tau = 0.05  # under the heads' maxima, so that every step clips
+    s = spec("gpt", "muonclip", steps=6, eval_every=6)
+    s["optimizer"].update(qk_clip_tau=tau, qk_clip_remeasure=True, qk_clip_remeasure_batches=3)
+    t = trainer(s, tmp_path)
+    layers = t.model.attention_layers()
+    measure, earlier_binding, forwards = t._measure_max_logits, [], []
+
+    def first_layer_maxima(indices) -> torch.Tensor:  # [batches, heads]: layer 0 on each, weights as they are
+        out = []
+        for i in indices:
+            layers[0].reset_qk_max_logits()
+            with torch.no_grad():
+                t.model(t._batch("train", i)[0])
+            out.append(layers[0].qk_max_logits().clone())
+        return torch.stack(out)
+
+    def spy(x):
+        indices = range(max(0, t.step - 2), t.step + 1)
+        each = first_layer_maxima(indices)
+        for layer in layers:
+            layer.reset_qk_max_logits()
+        original = t.model.forward
+        t.model.forward = lambda *a, **k: forwards.append(t.step) or original(*a, **k)
+        try:
+            measure(x)
+        finally:
+            t.model.forward = original
+        assert torch.equal(layers[0].qk_max_logits(), each.amax(0))  # what the clip then reads
+        earlier_binding.append(len(each) > 1 and bool((each[:-1].amax(0) > each[-1]).any()))
+
+    t._measure_max_logits = spy
+    assert t.run().status == "succeeded"
+    assert [forwards.count(step) for step in range(6)] == [1, 2, 3, 3, 3, 3]
+    assert any(earlier_binding)  # a batch before the step's own raised some head's maximum
+    assert first_layer_maxima(range(3, 6)).max() <= tau * (1 + 1e-5)
+
+
+def test_qk_clip_remeasure_batches_needs_the_re_measure():
+    s = spec("gpt", "muonclip")
+    s["optimizer"].update(qk_clip_remeasure_batches=2)
+    with pytest.raises(ValueError, match="qk_clip_remeasure_batches applies only with qk_clip_remeasure"):
+        JobSpec.model_validate(s)

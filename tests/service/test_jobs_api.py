@@ -150,6 +150,7 @@ INVALID = [
     (_with("optimizer.adjust_lr", "rms"), "optimizer.adjust_lr"),
     (_with("optimizer.qk_clip_tau", 50), "optimizer.qk_clip_tau"),
     (_with("optimizer.qk_clip_remeasure", True), "optimizer.qk_clip_remeasure"),
+    (_with("optimizer.qk_clip_remeasure_batches", 2), "optimizer.qk_clip_remeasure_batches"),
     (_with("optimizer.adamw_betas", [0.9, 1.5]), "optimizer.adamw_betas.1"),
     (_with("train.steps", 0), "train.steps"),
     (_with("train.batch_size", 0), "train.batch_size"),

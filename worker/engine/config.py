@@ -47,6 +47,7 @@ class OptimizerConfig:
     adjust_lr: str = "original"
     qk_clip_tau: float | None = None
     qk_clip_remeasure: bool = False  # MuonClip: clip from the max logits measured again after the update
+    qk_clip_remeasure_batches: int = 1  # ... on the step's batch and the N - 1 before it
     adamw_lr: float = 3e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_eps: float = 1e-8

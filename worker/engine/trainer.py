@@ -296,11 +296,16 @@ class Trainer:
         return values
 
     def _measure_max_logits(self, x: Tensor) -> None:
-        """A forward of batch ``x`` that only records the attention layers' max logits (MuonClip's
-        re-measure, run with no grad between its update and its clip; every rank on its shard, the
-        clip all-reduces the maxima)."""
+        """Forwards that only record the attention layers' max logits (MuonClip's re-measure, run
+        with no grad between its update and its clip; every rank on its shard, the clip
+        all-reduces the maxima): of the step's batch ``x`` and, with
+        ``optimizer.qk_clip_remeasure_batches`` = N, of the N - 1 training batches before it, one
+        forward each (the layers keep the running max), so no forward is larger than training's."""
+        earlier = range(1, min(self.job.optimizer.qk_clip_remeasure_batches, self.step + 1))
         with self._autocast():
             self.model(x)
+            for back in earlier:
+                self.model(self._batch("train", self.step - back)[0])
 
     @torch.no_grad()
     def evaluate(self) -> Tensor:
