@@ -40,9 +40,11 @@ train: install
 bench: install
 	$(PY) bench/optim_step.py
 
-## test: the whole test suite (unit, property and convergence tests)
+## test: the whole test suite (unit, property and convergence tests), in TEST_WORKERS processes
+## (a test file stays in one; each process has its own database, Redis and services)
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check optim app worker muonforge migrations tests bench
