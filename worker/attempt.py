@@ -29,6 +29,7 @@ from app.live import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.services import sweeps
+from app.services.asha import record_rung, rung_outcome
 from app.services.caps import gib, peak_memory_bytes, vocabulary
 from app.services.job_events import record_status
 from app.services.reaper import release_attempt
@@ -136,15 +137,15 @@ def warm_start_file(settings: Settings, spec: dict) -> Path | None:
 
 def rung_check(settings: Settings, job_id: str, sweep: tuple[str, dict, str]) -> RungCheck:
     """The engine's hook for a sweep's ASHA: at each rung, the trial's metric goes to the database,
-    which decides once (app.services.sweeps.record_rung) under the sweep's lock; a retry or a
+    which decides once (app.services.asha.record_rung) under the sweep's lock; a retry or a
     resumed attempt gets the stored decision, a promoted one goes on. ``sweep``: (id, asha, metric)."""
     sweep_id, asha, metric = sweep
 
     def decide(step: int, value: float) -> tuple[str, str] | None:
         def record():
             with transaction(settings) as session:
-                decision = sweeps.record_rung(session, sweep_id, job_id, step, value)
-                return sweeps.rung_outcome(decision, metric, asha)
+                decision = record_rung(session, sweep_id, job_id, step, value)
+                return rung_outcome(decision, metric, asha)
 
         return retrying(record, f"job {job_id}: rung {step}", settings.outage_patience_seconds)
 

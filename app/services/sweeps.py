@@ -1,7 +1,7 @@
 """Sweeps: submission (every trial's spec validated, the sweep, its trials and its first jobs
 stored in one transaction), list, get, cancel; ``advance``, which promotes waiting trials and
-starts the next ones as slots free up and completes the sweep; ``record_rung``, the ASHA decision
-of a trial at a rung. The rules themselves are pure functions (app.search). Services never commit.
+starts the next ones as slots free up and completes the sweep. ASHA's decisions and promotions
+are app.services.asha; the rules themselves are pure functions (app.search). Services never commit.
 
 Trials are ordinary jobs, inserted through the job intake's own stages (``prepare_submission``,
 ``insert_submissions``): the tenant's job cap holds exactly, and a trial beyond it or beyond the
@@ -23,11 +23,11 @@ from sqlalchemy.orm import Session
 from app import search
 from app.broker import send_train_tasks, train_tasks
 from app.db.base import utcnow
-from app.db.models import Job, Sweep, SweepRung, SweepTrial, Tenant
+from app.db.models import Job, Sweep, SweepTrial, Tenant
 from app.db.session import on_commit, transaction
 from app.errors import Conflict, DomainError, NotFound, RateLimited, TenantSuspended, ValidationFailed
 from app.job_status import JobStatus, SweepStatus
-from app.live import LiveBus, live_bus
+from app.live import LiveBus
 from app.repositories.jobs import JobRepository
 from app.repositories.sweeps import SweepRepository
 from app.repositories.tenants import TenantRepository
@@ -35,6 +35,7 @@ from app.schemas import JobSpec
 from app.schemas import api as schemas
 from app.schemas.sweep import SweepSpec
 from app.services import webhooks
+from app.services.asha import promote, promotion_candidates, stop_waiting, waits_at_rungs
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
 from app.services.intake import data_facts, insert_submissions, prepare_submission, request_hash
@@ -167,12 +168,12 @@ def advance(session: Session, sweep_id: str, settings: Settings, skip_locked: bo
         return 0
     room = sweep.max_concurrent - repo.active_trials(sweep_id)
     promoted = 0
-    if room > 0 and waits_at_rungs(sweep):
+    if room > 0 and waits_at_rungs(sweep.asha):
         promoted = promote(session, sweep, promotion_candidates(session, sweep), room, settings)
         room -= promoted
     pending = repo.pending(sweep_id, max(room, 1))
     if not pending:
-        if waits_at_rungs(sweep) and not promoted and not repo.active_trials(sweep_id):
+        if waits_at_rungs(sweep.asha) and not promoted and not repo.active_trials(sweep_id):
             # Nothing runs and nothing waits to start: the last promotions, else the end of the waits.
             if last := promotion_candidates(session, sweep, at_least_one=True):
                 promoted = promote(session, sweep, last, room, settings)  # 0 if the job cap holds them back
@@ -222,107 +223,6 @@ def advance_running(settings: Settings) -> int:
         with transaction(settings) as session:
             started += advance(session, sweep_id, settings, skip_locked=True)
     return started
-
-
-# -- ASHA ----------------------------------------------------------------------------------------
-def waits_at_rungs(sweep: Sweep) -> bool:
-    """Whether the sweep's ASHA is the promote form (trials wait at rungs; else they stop there).
-    Sweeps stored before the promote form existed have no ``stop_once``: they stop."""
-    return bool(sweep.asha) and not sweep.asha.get("stop_once", True)
-
-
-def record_rung(session: Session, sweep_id: str, job_id: str, rung: int, value: float) -> SweepRung:
-    """The ASHA decision of trial ``job_id`` at ``rung`` (a step) with its metric ``value``:
-    made once, under the sweep's lock, against the results recorded at the rung before it, and
-    stored; a second call (a retry, a resumed or promoted attempt) returns the stored one."""
-    repo = SweepRepository(session)
-    sweep = repo.lock(sweep_id)
-    if sweep is None or not sweep.asha:
-        raise NotFound(f"no sweep {sweep_id!r} with ASHA")
-    existing = repo.rung(job_id, rung)
-    if existing is not None:
-        return existing
-    recorded = [*repo.rung_values(sweep_id, rung), value]
-    eta, stop_once = sweep.asha["reduction_factor"], not waits_at_rungs(sweep)
-    go_on = search.asha_continues(recorded, value, eta, sweep.mode, stop_once)
-    return repo.add_rung(sweep_id, job_id, rung, len(recorded), value, go_on)
-
-
-def rung_outcome(decision: SweepRung, metric: str, asha: dict[str, Any]) -> tuple[str, str] | None:
-    """None if the trial goes on past the rung (at once, or promoted), else the status its
-    attempt ends with (``stopped_early``, or ``paused`` to wait for a promotion) and why."""
-    if decision.go_on or decision.promoted_at is not None:
-        return None
-    eta, rung, value = asha["reduction_factor"], decision.rung, f"{metric} {decision.value:.4g}"
-    if asha.get("stop_once", True):
-        keep = search.asha_keep(decision.position, eta)
-        why = f"{value} was not in the top {keep} of the {decision.position} result(s) there"
-        return JobStatus.STOPPED_EARLY, f"ASHA stopped it at rung {rung}: {why}"
-    why = f"{value} was not among the best 1 in {eta} of the {decision.position} result(s) there so far"
-    return JobStatus.PAUSED, f"it waits at rung {rung} for ASHA to promote it: {why}"
-
-
-def promotion_candidates(session: Session, sweep: Sweep, at_least_one: bool = False) -> list[SweepRung]:
-    """The rung decisions of the sweep's waiting trials that ASHA promotes now: within their
-    rung's top floor(n / reduction_factor) (at least 1 with ``at_least_one``), highest rung
-    first, best first."""
-    repo = SweepRepository(session)
-    paused = repo.paused_jobs(sweep.id)
-    if not paused:
-        return []
-    rows, eta, chosen = repo.rungs([sweep.id]), sweep.asha["reduction_factor"], []
-    for rung in sorted({r.rung for r in rows}, reverse=True):
-        at = [r for r in rows if r.rung == rung]  # in the order they were recorded
-        waiting = [i for i, r in enumerate(at) if r.job_id in paused and not r.go_on and r.promoted_at is None]
-        chosen += [at[i] for i in search.promotable([r.value for r in at], waiting, eta, sweep.mode, at_least_one)]
-    return chosen
-
-
-def promote(session: Session, sweep: Sweep, chosen: list[SweepRung], room: int, settings: Settings) -> int:
-    """Promote up to ``room`` of the ``chosen`` waiting trials, in order: each goes back to the
-    queue (its task sent after commit) to resume from its rung. Stops at the tenant's job cap.
-    Returns how many it promoted."""
-    repo, jobs = SweepRepository(session), JobRepository(session)
-    locked = jobs.lock_paused([r.job_id for r in chosen])
-    cap = job_cap(session.get(Tenant, sweep.tenant_id).job_cap, settings.tenant_job_cap)
-    tasks, promoted = [], 0
-    for row in chosen:
-        if promoted == room:
-            break
-        job = locked.get(row.job_id)
-        if job is None or not jobs.promote(job.id):
-            continue
-        # The change counted the job in the tenant's active jobs (by trigger), whose row this
-        # transaction now holds: the count is exact. Over the cap, the change is undone.
-        if TenantRepository(session).active_jobs(sweep.tenant_id) > cap:
-            jobs.unpromote(job.id)
-            break
-        repo.mark_promoted(row.id)
-        record_status(session, live_bus(settings), job.id)
-        tasks += train_tasks(job.id, job.queue, job.nnodes)
-        promoted += 1
-    if tasks:
-        on_commit(session, partial(send_train_tasks, settings, tasks))
-    return promoted
-
-
-def stop_waiting(session: Session, sweep: Sweep, settings: Settings) -> None:
-    """End the sweep's waiting trials, which will not be promoted: stopped_early at their rung."""
-    repo, jobs = SweepRepository(session), JobRepository(session)
-    paused = repo.paused_jobs(sweep.id)
-    rows = repo.rungs([sweep.id])
-    waits = {r.job_id: r for r in rows if r.job_id in paused and not r.go_on and r.promoted_at is None}
-    for job in jobs.lock_paused(sorted(paused)).values():
-        row = waits.get(job.id)
-        reason = (
-            f"ASHA did not promote it past rung {row.rung}: {sweep.metric} {row.value:.4g} was not among the best "
-            f"of the results there when the sweep ran out of trials"
-            if row is not None
-            else "its sweep ended while it waited at a rung"
-        )
-        summary = dict(job.summary or {}, stopped_at=row.rung if row else job.progress_step, stop_reason=reason)
-        if jobs.stop_paused(job.id, summary):
-            record_status(session, live_bus(settings), job.id)
 
 
 # -- reads ---------------------------------------------------------------------------------------
