@@ -15,6 +15,9 @@ Sections (``--only`` picks some, comma-separated):
   "ours-ns-fp32" runs the same step with NS in fp32), ``torch.optim.Muon`` (NS in bf16) and
   ``torch.optim.AdamW``; interleaved rounds, medians, ratios, peak-memory growth over 3 steps,
   and each Muon's update against a float64 reference.
+* ``batch``: ``optim.Muon``'s step on both sets at each CUDA batch cap (1 to 256 MiB of gradient
+  per stacked Newton–Schulz call) against torch.optim.Muon, interleaved; and each cap's peak
+  memory growth.
 * ``attention``: the engine's CausalSelfAttention (SDPA + ``causal_max_logits``) against the
   per-head max of q k^T / sqrt(d) computed explicitly (fp32 and float64) from the same q and k,
   in fp32 and under bf16 autocast; the output against the explicit softmax path; the forward
@@ -29,7 +32,7 @@ Sections (``--only`` picks some, comma-separated):
 Needs torch (with CUDA) and numpy only: the engine reads plain dataclass configs, no pydantic.
 Without a CUDA device it exits at once with one line saying so.
 
-    PYTHONPATH=. python3 bench/gpu.py [--quick] [--only ns,step,attention,engine,dist] [--json PATH]
+    PYTHONPATH=. python3 bench/gpu.py [--quick] [--only ns,step,batch,attention,engine,dist] [--json PATH]
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from optim_step import LAYER_SHAPES
 import optim
 import optim.muon
 
-SECTIONS = ("ns", "step", "attention", "engine", "dist")
+SECTIONS = ("ns", "step", "batch", "attention", "engine", "dist")
 NS_STEPS, SEED, LR = 5, 0, 0.02
 SPEC_BANDS = {"keller": (0.68, 1.14), "polar_express": (0.855, 1.143)}  # T2 / T3 of the optimizer spec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -187,24 +190,9 @@ def make_params(d: int, layers: int, device: torch.device, dtype=torch.float32) 
     return params
 
 
-class NSDtype:
-    """Runs an optim.Muon step with its Newton–Schulz in ``dtype`` (Muon picks bf16 on CUDA itself)."""
-
-    def __init__(self, step: Callable[[], object], dtype: torch.dtype) -> None:
-        self.step, self.dtype = step, dtype
-
-    def __call__(self) -> object:
-        original = optim.muon.orthogonalize
-        optim.muon.orthogonalize = functools.partial(original, dtype=self.dtype)
-        try:
-            return self.step()
-        finally:
-            optim.muon.orthogonalize = original
-
-
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], Callable[[], object]]] = {
     "ours": lambda ps: optim.Muon(ps, lr=LR).step,
-    "ours-ns-fp32": lambda ps: NSDtype(optim.Muon(ps, lr=LR).step, torch.float32),
+    "ours-ns-fp32": lambda ps: optim.Muon(ps, lr=LR, ns_dtype=torch.float32).step,
     "ours-standard": lambda ps: optim.Muon(ps, lr=LR, ns_method="standard").step,
     "ours-polar": lambda ps: optim.Muon(ps, lr=LR, ns_coefficients="polar_express").step,
     "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=0.0).step,
@@ -276,6 +264,57 @@ def step_parity(d: int, layers: int, device: torch.device) -> dict:
         OPTIMIZERS[key](params)()
         delta = torch.cat([(p.detach().double() - b).flatten() for p, b in zip(params, before)])
         out[key] = float((delta - ref).norm() / ref.norm())
+    return out
+
+
+BATCH_CAPS_MIB = (1, 4, 16, 64, 256)
+
+
+def batch_section(device: torch.device, rounds: int) -> dict:
+    """optim.Muon's step against its CUDA batch cap (``optim.muon.MAX_BATCH_BYTES_CUDA``), every cap
+    and torch.optim.Muon interleaved per set; then each cap's peak memory growth over 3 fresh steps."""
+    import optim.muon as muon_module
+
+    default = muon_module.MAX_BATCH_BYTES_CUDA
+    out = {"default_mib": default >> 20}
+    try:
+        for name, (d, layers) in STEP_SETS.items():
+            caps = {f"cap {c} MiB": c << 20 for c in BATCH_CAPS_MIB}
+            steps = {k: optim.Muon(make_params(d, layers, device), lr=LR).step for k in caps}
+            steps["torch.optim.Muon"] = OPTIMIZERS["torch.optim.Muon"](make_params(d, layers, device))
+
+            def call(key: str, caps=caps, steps=steps) -> None:
+                if key in caps:
+                    muon_module.MAX_BATCH_BYTES_CUDA = caps[key]
+                steps[key]()
+
+            for key in steps:
+                call(key)
+            times: dict[str, list[float]] = {k: [] for k in steps}
+            names = list(steps)
+            for r in range(rounds):
+                for key in names[r % len(names) :] + names[: r % len(names)]:
+                    times[key].append(once_ms(functools.partial(call, key), device))
+            steps.clear()
+            torch.cuda.empty_cache()
+            base = med(times["torch.optim.Muon"])
+            rows = {k: {"median_ms": med(t), "vs_torch": med(t) / base} for k, t in times.items()}
+            for key, cap in caps.items():
+                muon_module.MAX_BATCH_BYTES_CUDA = cap
+                params = make_params(d, layers, device)
+                opt = optim.Muon(params, lr=LR)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                for _ in range(3):
+                    opt.step()
+                torch.cuda.synchronize()
+                rows[key]["peak_growth_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+                del params, opt
+                torch.cuda.empty_cache()
+            out[name] = rows
+    finally:
+        muon_module.MAX_BATCH_BYTES_CUDA = default
     return out
 
 
@@ -366,6 +405,10 @@ def attention_row(mod, x: torch.Tensor, bf16: bool, device: torch.device, iters:
         row["recompute_product_in_qk_dtype_ms"] = med(
             time_ms(functools.partial(max_logits_product_in_qk_dtype, q, k), device, iters=iters)
         )
+        row["recompute_fp32_upcast_ms"] = med(
+            time_ms(functools.partial(max_logits_fp32_upcast, q, k), device, iters=iters)
+        )
+        row["fp32_upcast_vs_fp64"] = float((max_logits_fp32_upcast(q, k).double() - ref64).abs().max())
     del q, k
 
     def fwd():
@@ -408,6 +451,23 @@ def max_logits_product_in_qk_dtype(q: torch.Tensor, k: torch.Tensor, block: int 
         rows = torch.arange(start, stop, device=q.device).view(-1, 1)
         s = s.masked_fill(torch.arange(stop, device=q.device).view(1, -1) > rows, float("-inf"))
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+    return best
+
+
+@torch.no_grad()
+def max_logits_fp32_upcast(q: torch.Tensor, k: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """The engine's earlier recompute, side by side with today's: q and k upcast to fp32, every
+    block's full [b, stop] logits scaled and masked before the max."""
+    T, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
+    best = torch.full((q.shape[1],), float("-inf"), device=q.device)
+    q, k = q.float(), k.float()
+    with torch.autocast(q.device.type, enabled=False):
+        for start in range(0, T, block):
+            stop = min(start + block, T)
+            s = (q[:, :, start:stop] @ k[:, :, :stop].transpose(-2, -1)) * scale
+            rows = torch.arange(start, stop, device=q.device).view(-1, 1)
+            s = s.masked_fill(torch.arange(stop, device=q.device).view(1, -1) > rows, float("-inf"))
+            best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best
 
 
@@ -616,6 +676,17 @@ def print_report(results: dict) -> None:
                   f"{m['state_mib']:>11.1f}{parity:>10}")  # fmt: skip
         for k, v in s["ratios"].items():
             print(f"  {k:<32}{v:>7.3f}")
+    if "batch" in results:
+        b = results["batch"]
+        print(
+            f"\nMuon's CUDA batch cap (default {b['default_mib']} MiB): median step ms, / torch.optim.Muon, peak +MiB"
+        )
+        for name, rows in b.items():
+            if name == "default_mib":
+                continue
+            for k, v in rows.items():
+                peak = num(v.get("peak_growth_mib"), ".1f")
+                print(f"  {name:<12}{k:<18}{v['median_ms']:>9.3f}{v['vs_torch']:>8.3f}{peak:>9}")
     if "attention" in results:
         print("\nAttention: recorded per-head max logits against the explicit ones; outputs; cost of the recompute")
         for r in results["attention"]:
@@ -623,7 +694,8 @@ def print_report(results: dict) -> None:
                   f"|rec - fp64| {r['recorded_vs_fp64']:.2e}, |rec - fp32| {r['recorded_vs_fp32']:.2e}, "
                   f"product in {r['qk_dtype']}: {r['product_in_qk_dtype_vs_fp64']:.2e}; "
                   f"output |diff| {r['output_max_abs_diff']:.2e} (of {r['output_max_abs']:.2e})")  # fmt: skip
-            print(f"    recompute {r['recompute_ms']:.3f} ms ({r['qk_dtype']} product: "
+            print(f"    recompute {r['recompute_ms']:.3f} ms (earlier upcast: {r['recompute_fp32_upcast_ms']:.3f}, "
+                  f"|upcast - fp64| {r['fp32_upcast_vs_fp64']:.2e}; {r['qk_dtype']} product: "
                   f"{r['recompute_product_in_qk_dtype_ms']:.3f}); forward off/on {r['forward_ms_off']:.3f}/"
                   f"{r['forward_ms_on']:.3f} ms (+{100 * r['recompute_forward_overhead']:.0f}%); fwd+bwd off/on "
                   f"{r['forward_backward_ms_off']:.3f}/{r['forward_backward_ms_on']:.3f} ms "
@@ -677,6 +749,7 @@ def main() -> None:
     sections = {
         "ns": lambda: ns_section(device, iters),
         "step": lambda: step_section(device, rounds),
+        "batch": lambda: batch_section(device, rounds),
         "attention": lambda: attention_section(device, max(5, iters // 2)),
         "engine": lambda: engine_section(device, steps),
         "dist": dist_section,

@@ -27,8 +27,10 @@ from .stats import PhaseTimer, StepStats
 # Same-shape matrices are stacked into batches of at most this many bytes of gradient (a matrix
 # larger than that is a batch of its own): batching amortises per-call overhead on small
 # matrices, the cap bounds the step's transient memory. On the benchmark's GPT set (CPU, bf16 NS)
-# 1 MiB batches step as fast as 4 MiB ones and peak 6-8 MiB lower.
+# 1 MiB batches step as fast as 4 MiB ones and peak 6-8 MiB lower. On CUDA a call costs kernel
+# launches rather than flops at these sizes, so batches there are larger (MAX_BATCH_BYTES_CUDA).
 MAX_BATCH_BYTES = 1 << 20
+MAX_BATCH_BYTES_CUDA = 64 << 20
 
 
 def matrix_shape(shape: Sequence[int], experts: bool) -> tuple[int, int, int]:
@@ -279,7 +281,8 @@ class Muon(torch.optim.Optimizer):
             return
 
         timer = stats.ns_timer = stats.ns_timer or PhaseTimer(params[0].device)
-        for entries in (chunk for bucket in buckets.values() for chunk in _batches(bucket)):
+        cap = MAX_BATCH_BYTES_CUDA if params[0].device.type == "cuda" else MAX_BATCH_BYTES
+        for entries in (chunk for bucket in buckets.values() for chunk in _batches(bucket, cap)):
             X = _nesterov_input(entries, beta, group["nesterov"], self._stack)  # [B, m, n]
             dtype = group["ns_dtype"] or default_dtype(X)
             with timer:
@@ -348,32 +351,47 @@ def _nesterov_input(entries: list[_Entry], beta: float, nesterov: bool, stack: S
 
 
 def _apply_updates(entries: list[_Entry], O: Tensor, lr: float, weight_decay: float, stats: StepStats) -> None:
-    """W <- W (1 - lr wd) - lr scale O per parameter, skipping any whose update is not finite."""
+    """W <- W (1 - lr wd) - lr scale O per parameter, leaving unchanged any whose update is not
+    finite. Decided on the device: no host sync (on CUDA the step's kernels stay queued)."""
     sq = torch.linalg.vector_norm(O, dim=(1, 2), dtype=torch.promote_types(O.dtype, torch.float32)).square()
-    finite = sq.isfinite().tolist()  # one host sync per bucket
-    weights = []  # per matrix: (lr * scale)^2 where applied, else 0 (for update_rms)
+    keep = sq.isfinite()  # [B] per matrix; a parameter of k > 1 matrices is kept whole or not at all
+    weights, shares, first = [], [], 0  # per matrix: (lr * scale)^2, and 1 / k (so a parameter counts once)
     for e in entries:
-        first, k = len(weights), e.grad.shape[0]
-        ok = all(finite[first : first + k])
-        weights += [(lr * e.scale) ** 2 if ok else 0.0] * k
-        if not ok:
-            stats.nonfinite_skipped += 1
-            continue
+        k = e.grad.shape[0]
+        if k > 1:
+            keep[first : first + k] = keep[first : first + k].all()
+        weights += [(lr * e.scale) ** 2] * k
+        shares += [1.0 / k] * k
+        first += k
+    O.masked_fill_(~keep.view(-1, 1, 1), 0.0)  # a skipped parameter gets a zero update
+    first = 0
+    for e in entries:
+        k = e.grad.shape[0]
+        if weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
+            e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
         update = O[first : first + k]
-        if weight_decay:
-            e.param.mul_(1.0 - lr * weight_decay)  # decoupled, with the unadjusted lr
         e.param.add_((update.mT if e.tall else update).reshape(e.param.shape), alpha=-lr * e.scale)
-        stats.update_numel += update.numel()
-    stats.update_sq_sum = stats.update_sq_sum + sq.nan_to_num(0.0).dot(sq.new_tensor(weights))
+        first += k
+    weights_t, shares_t = _small_floats(weights, sq), _small_floats(shares, sq)
+    stats.update_sq_sum = stats.update_sq_sum + sq.where(keep, 0.0).dot(weights_t)
+    stats.update_numel = stats.update_numel + keep.sum() * O[0].numel()
+    stats.nonfinite_skipped = stats.nonfinite_skipped + (~keep).to(sq.dtype).dot(shares_t)
 
 
-def _batches(entries: list[_Entry]) -> list[list[_Entry]]:
-    """Split a bucket into batches of at most MAX_BATCH_BYTES (at least one entry each)."""
+def _small_floats(values: list[float], like: Tensor) -> Tensor:
+    """A few host numbers as a tensor on ``like``'s device and dtype, without a device sync:
+    on CUDA through pinned memory and an asynchronous copy (a pageable copy would wait)."""
+    host = torch.tensor(values, dtype=like.dtype, pin_memory=like.is_cuda)
+    return host.to(like.device, non_blocking=True)
+
+
+def _batches(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+    """Split a bucket into batches of at most ``max_bytes`` (at least one entry each)."""
     batches: list[list[_Entry]] = [[]]
     size = 0
     for e in entries:
         n = e.grad.numel() * e.grad.element_size()
-        if batches[-1] and size + n > MAX_BATCH_BYTES:
+        if batches[-1] and size + n > max_bytes:
             batches.append([])
             size = 0
         batches[-1].append(e)

@@ -53,7 +53,11 @@ GRAM_RESTART_EVERY_LOW_PRECISION = 2
 # much faster than fp32 (a margin against timing noise).
 BF16_MIN_SPEEDUP = 1.25
 # The probe: PROBE_REPEATS interleaved fp32 / bf16 products of two PROBE_SIZE^2 matrices, best of each.
+# On CUDA a 512^3 product takes microseconds, about what a launch and a sync cost, so the ratio
+# there is noise: an H200 read 1.16-1.32 in five fresh processes and so chose fp32 or bf16 by
+# chance. At 4096^3 it read 10.3-13.3, for a few tens of ms once per process.
 PROBE_SIZE = 512
+PROBE_SIZE_CUDA = 4096
 PROBE_REPEATS = 10
 # /proc/cpuinfo flags of CPUs with native bf16 matrix instructions.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -140,9 +144,10 @@ def bf16_capable(device: torch.device) -> bool:
 
 
 def bf16_speedup(device: torch.device) -> float:
-    """fp32 time / bf16 time of a PROBE_SIZE^3 matrix product on the device, best of
-    PROBE_REPEATS interleaved runs each (after one warm-up); > 1 means bf16 is faster."""
-    a = torch.randn(PROBE_SIZE, PROBE_SIZE, device=device)
+    """fp32 time / bf16 time of a PROBE_SIZE^3 (CUDA: PROBE_SIZE_CUDA^3) matrix product on the
+    device, best of PROBE_REPEATS interleaved runs each (after one warm-up); > 1 means bf16 is faster."""
+    size = PROBE_SIZE_CUDA if device.type == "cuda" else PROBE_SIZE
+    a = torch.randn(size, size, device=device)
     operands = {dtype: a.to(dtype) for dtype in (torch.float32, torch.bfloat16)}
     best = {dtype: math.inf for dtype in operands}
     for repeat in range(PROBE_REPEATS + 1):

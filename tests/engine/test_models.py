@@ -167,6 +167,24 @@ def test_max_logits_of_bf16_q_and_k_are_exact(autocast):
 
 
 @torch.no_grad()
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_max_logits_on_cuda_are_exact(dtype):
+    # On CUDA 16-bit q and k are multiplied on tensor cores into fp32: exact products, fp32 sums.
+    # Later keys are made large, so a mask that leaked would raise the maxima.
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 3, 600, 64) * 3.0, torch.randn(2, 3, 600, 64) * 3.0
+    k[:, :, 300:] *= torch.linspace(1.0, 4.0, 300).view(-1, 1)
+    q, k = q.to(dtype), k.to(dtype)
+    s = (q.double() @ k.double().mT) / 8.0
+    exact = s.masked_fill(~torch.ones(600, 600, dtype=torch.bool).tril(), -math.inf).amax(dim=(0, 2, 3))
+    assert (s.amax(dim=(0, 2, 3)) > exact).all()  # the mask matters in every head
+    got = causal_max_logits(q.cuda(), k.cuda(), block=256).cpu()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=0)
+
+
+@torch.no_grad()
 def test_max_logits_not_recorded_in_eval_and_reset_works():
     model = build_model(config("gpt")).eval()
     model(torch.randint(0, 50, (1, 16)))

@@ -259,9 +259,12 @@ def test_a_warm_step_allocates_no_matrix(ns_dtype):
     opt.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.step()
-    allocations = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    # What each op leaves allocated when it returns: a product's own workspace (oneDNN's bf16
+    # GEMMs on CPUs with native bf16 take and free up to a few hundred KB inside the call) nets
+    # to zero; a tensor made by the step does not.
+    kept = [(e.self_cpu_memory_usage, e.name) for e in prof.events() if e.self_cpu_memory_usage > 0]
     smallest = min(p.numel() for p in ps) * 2  # one bf16 matrix
-    assert allocations and max(allocations) < smallest
+    assert kept and max(kept)[0] < smallest, max(kept)
     assert not any("scratch" in str(k) or "stack" in str(k) for k in opt.state_dict())  # scratch, not state
 
 
@@ -282,6 +285,32 @@ def test_nonfinite_update_from_diverging_coefficients_is_skipped():
     opt.step()
     assert torch.equal(p, start)
     assert opt.last_step_stats()["nonfinite_skipped"] == 1
+
+
+def test_a_non_finite_expert_update_skips_its_whole_parameter(monkeypatch):
+    # The finite check stays on the device: one bad matrix of an expert weight zeroes the updates
+    # of all its matrices (and its decay); the other parameters step as usual, and the statistics
+    # count the skipped parameter once and leave its matrices out of update_rms.
+    real = muon_module.orthogonalize
+
+    def one_bad_matrix(X, *args, **kwargs):
+        O = real(X, *args, **kwargs)
+        if O.shape[0] == 3:
+            O[1, 0, 0] = float("nan")
+        return O
+
+    monkeypatch.setattr(muon_module, "orthogonalize", one_bad_matrix)
+    experts, dense = nn.Parameter(gaussian(3, 8, 16)), nn.Parameter(gaussian(8, 24, seed=1))
+    experts.grad, dense.grad = gaussian(3, 8, 16, seed=2), gaussian(8, 24, seed=3)
+    start_experts, start_dense = experts.detach().clone(), dense.detach().clone()
+    opt = Muon([{"params": [experts], "experts": True}, {"params": [dense]}], lr=0.02, weight_decay=0.1)
+    opt.step()
+    assert torch.equal(experts, start_experts)
+    assert not torch.equal(dense, start_dense) and dense.isfinite().all()
+    stats = opt.last_step_stats()
+    assert stats["nonfinite_skipped"] == 1
+    change = dense.detach() - start_dense * (1 - 0.02 * 0.1)  # the applied update, decay taken out
+    assert stats["update_rms"] == pytest.approx(change.square().mean().sqrt().item(), rel=1e-4)
 
 
 # The AdamW side matches torch.optim.AdamW.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -11,9 +12,9 @@ from torch import Tensor, nn
 from optim import QKClipTarget, fused_qkv_targets
 
 # On CUDA the output comes from fused attention (no [T, T] matrix is kept); the exact maxima are
-# then recomputed under no_grad, one block of query rows at a time: one extra Q K^T product
-# per layer (attention's forward is two such products, Q K^T and P V), taken in fp32, and at
-# most B * H * MAX_LOGIT_BLOCK * T extra floats of memory (plus fp32 copies of bf16 q and k).
+# then recomputed under no_grad, one block of query rows at a time: one extra causal Q K^T product
+# per layer (attention's forward is two such products, Q K^T and P V), 16-bit q and k multiplied
+# into fp32 on tensor cores, and at most B * H * MAX_LOGIT_BLOCK * T extra floats of memory.
 MAX_LOGIT_BLOCK = 256
 
 
@@ -70,17 +71,54 @@ class CausalSelfAttention(nn.Module):
 
 @torch.no_grad()
 def causal_max_logits(q: Tensor, k: Tensor, block: int = MAX_LOGIT_BLOCK) -> Tensor:
-    """Per-head max of q.k / sqrt(d) over batch and causal pairs, in query blocks. q, k: [B, H, T, D] -> [H]."""
-    T, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
-    best = torch.full((q.shape[1],), float("-inf"), device=q.device)
-    # A bf16 product rounds each logit to 8 bits (up to 0.25 off at 100), so S_max would miss tau:
-    # the product runs in fp32, outside autocast, on bf16 q and k as the fused kernel sees them.
-    q, k = q.float(), k.float()
+    """Per-head max of q.k / sqrt(d) over batch and causal pairs, in query blocks. q, k: [B, H, T, D] -> [H].
+
+    Each block of query rows reads the keys before it (all visible: no mask) and its own square
+    of keys (the strict upper triangle masked). Every product is exact before its fp32
+    accumulation, and the scale multiplies the per-head maxima, not the logits: rounding is
+    monotone, so that is the same number, with two passes over each score block fewer.
+    """
+    B, H, T, D = q.shape
+    q3, k3 = _exact_operands(q.reshape(B * H, T, D), k.reshape(B * H, T, D))  # one copy each, at most
+    above = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
+    maxima = []
     with torch.autocast(q.device.type, enabled=False):
         for start in range(0, T, block):
             stop = min(start + block, T)
-            s = (q[:, :, start:stop] @ k[:, :, :stop].transpose(-2, -1)) * scale  # [B, H, b, stop]
-            rows = torch.arange(start, stop, device=q.device).view(-1, 1)
-            s = s.masked_fill(torch.arange(stop, device=q.device).view(1, -1) > rows, float("-inf"))
-            best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
-    return best
+            rows = q3[:, start:stop]  # [B*H, b, D]
+            if start:
+                maxima.append(_fp32_logits(rows, k3[:, :start]).view(B, H, -1).amax(dim=(0, 2)))
+            own = _fp32_logits(rows, k3[:, start:stop])  # [B*H, b, b]
+            own.masked_fill_(above[: stop - start, : stop - start], float("-inf"))
+            maxima.append(own.view(B, H, -1).amax(dim=(0, 2)))
+    return torch.stack(maxima).amax(dim=0).float() * (1.0 / math.sqrt(D))
+
+
+def _exact_operands(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """q and k as the products take them. A bf16 (or fp16) product *output* rounds each logit to 8
+    (11) bits, up to 0.25 off at 100, and QK-Clip would leave heads above tau; the products of
+    their *inputs* are exact in fp32. So on CUDA 16-bit q and k stay 16-bit and the product
+    accumulates and returns fp32 (tensor cores, ``bmm(..., out_dtype=float32)``); elsewhere, or
+    where that product is missing, they are upcast to fp32 once."""
+    if q.dtype in (torch.bfloat16, torch.float16) and _fp32_out_products(q.device, q.dtype):
+        return q, k
+    return q.float(), k.float()
+
+
+def _fp32_logits(q: Tensor, k: Tensor) -> Tensor:
+    """[N, b, D] x [N, n, D] -> [N, b, n] in fp32 (see _exact_operands)."""
+    if q.dtype == torch.float32:
+        return torch.bmm(q, k.mT)
+    return torch.bmm(q, k.mT, out_dtype=torch.float32)
+
+
+@functools.cache
+def _fp32_out_products(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device multiplies 16-bit matrices into fp32 (CUDA in recent PyTorch; not CPU)."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(1, 2, 2, dtype=dtype, device=device)
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
