@@ -257,15 +257,24 @@ def orthogonalize(
     X = (G.mT if tall else G).reshape(-1, m, n)  # [B, m, n], m <= n
     form = choose_method(m, n, method, work_dtype)
     own_scratch = scratch is None
-    X, mats = _carve(X, schedule.norm_factor, work_dtype, form, scratch or Scratch(), in_place=overwrite_input)
+    out_dtype = out_dtype or G.dtype
+    # A lower working precision reads the input once (into its own copy), so G's memory is free
+    # until the result is converted back into it: it holds what of the iteration's matrices fits.
+    narrower = torch.finfo(work_dtype).bits < torch.finfo(G.dtype).bits
+    reuse = overwrite_input and not own_scratch and narrower and out_dtype == G.dtype and X.data_ptr() == G.data_ptr()
+    X, mats = _carve(
+        X, schedule.norm_factor, work_dtype, form, scratch or Scratch(), in_place=overwrite_input, reuse_input=reuse
+    )
+    first = X
     if form == "gram":
         restart = GRAM_RESTART_EVERY_LOW_PRECISION if torch.finfo(work_dtype).bits < 32 else None
         X = _gram_newton_schulz(X, schedule.steps, restart, mats)
     else:
         X = _standard_newton_schulz(X, schedule.steps, mats)
+    if reuse and X.data_ptr() != first.data_ptr():  # the result lies in G's memory: out of it before G is written
+        X = first.copy_(X)
     X = X.reshape(*G.shape[:-2], m, n)
     out = X.mT if tall else X
-    out_dtype = out_dtype or G.dtype
     if own_scratch:  # a tensor of its own, not a view that keeps the scratch alive
         return torch.empty(out.shape, dtype=out_dtype, device=out.device).copy_(out)
     if out.dtype != out_dtype and overwrite_input and G.dtype == out_dtype:
@@ -274,12 +283,20 @@ def orthogonalize(
 
 
 def _carve(
-    X: Tensor, factor: float, work_dtype: torch.dtype, form: str, scratch: Scratch, in_place: bool
+    X: Tensor,
+    factor: float,
+    work_dtype: torch.dtype,
+    form: str,
+    scratch: Scratch,
+    in_place: bool,
+    reuse_input: bool = False,
 ) -> tuple[Tensor, list]:
     """The iterate normalised (by ``factor`` x its norm) in the working precision and the form's
     matrices: S, P, Q, W [B, m, m] for gram (and the result [B, m, n] when it is small); A, P
     [B, m, m] and the next iterate [B, m, n] for standard. The normalisation runs in fp32 or
-    wider: in X itself where allowed, else in the scratch; a lower working precision gets a copy."""
+    wider: in X itself where allowed, else in the scratch; a lower working precision gets a copy.
+    With ``reuse_input`` (X contiguous and free once copied) the form's matrices go into X's own
+    memory as far as they fit (standard form in bf16: the next iterate, and A and P from n >= 2m)."""
     B, m, n = X.shape
     wide = torch.float64 if X.dtype == torch.float64 else torch.float32
     if form == "gram":  # S, P, Q, W, and the result's own matrix if it is small
@@ -297,8 +314,26 @@ def _carve(
         normalize(X, factor, dst=normalized)
     if work_dtype == wide:
         return normalized, scratch.carve(wide, X.device, *mats)
-    low, *views = scratch.carve(work_dtype, X.device, (B, m, n), *mats)
-    return low.copy_(normalized), views
+    if not (reuse_input and normalized is X and X.is_contiguous()):
+        low, *views = scratch.carve(work_dtype, X.device, (B, m, n), *mats)
+        return low.copy_(normalized), views
+    inside, rest = _fit(X.view(-1).view(work_dtype), mats)
+    low, *outside = scratch.carve(work_dtype, X.device, (B, m, n), *rest)
+    low.copy_(normalized)  # from here on X's memory is free
+    return low, inside + outside
+
+
+def _fit(flat: Tensor, shapes: list[tuple[int, ...]]) -> tuple[list[Tensor], list[tuple[int, ...]]]:
+    """Views of ``flat`` for the leading ``shapes`` that fit in it one after another (each started
+    at a multiple of SCRATCH_ALIGN elements), and the shapes that did not fit."""
+    views, offset = [], 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape)
+        if offset + size > flat.numel():
+            return views, shapes[i:]
+        views.append(flat[offset : offset + size].view(shape))
+        offset += -(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    return views, []
 
 
 def normalize(X: Tensor, factor: float = 1.0, *, dst: Tensor | None = None) -> Tensor:

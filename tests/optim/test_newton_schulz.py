@@ -1,5 +1,7 @@
 """Newton–Schulz family: OPTIMIZER.md rows T1-T6, the gram form, and properties over shapes."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -251,6 +253,34 @@ def test_a_scratch_is_reused_and_changes_nothing(shape):
     assert torch.equal(first, again) and torch.equal(again, orthogonalize(G, dtype=FP32))
     # four m x m matrices, a copy of G and (small) the result: O(m^2 + m n), nothing per iteration
     assert 0 < scratch.nbytes <= (4 * 96 * 96 + 2 * 96 * 400 + 6 * ns.SCRATCH_ALIGN) * 4
+
+
+@pytest.mark.parametrize(
+    ("shape", "method", "inside"),
+    [
+        ((2, 96, 400), "standard", 3),
+        ((2, 96, 150), "standard", 2),
+        ((2, 64, 64), "standard", 2),
+        ((2, 96, 400), "gram", 5),
+    ],
+)
+def test_bf16_work_in_the_input_memory_changes_nothing(shape, method, inside):
+    # With overwrite_input, a scratch and a narrower working precision, the input's own memory
+    # (free once copied to bf16) holds the iteration's matrices as far as they fit: n >= 2m all
+    # three of the standard form, else A and P (the gram form's four m x m and its result here);
+    # the result is moved out of it before it is converted back into the input. Same numbers, a
+    # smaller scratch.
+    G = gaussian(*shape)
+    expected = orthogonalize(G, dtype=torch.bfloat16, method=method)
+    X, scratch = G.clone(), Scratch()
+    got = orthogonalize(X, dtype=torch.bfloat16, method=method, overwrite_input=True, scratch=scratch)
+    assert got.data_ptr() == X.data_ptr() and got.dtype == FP32 and torch.equal(got, expected)
+    B, m, n = shape
+    mats = [(B, m, m)] * 4 + [(B, m, n)] if method == "gram" else [(B, m, m), (B, m, m), (B, m, n)]
+    kept = ns._fit(X.view(-1).view(torch.bfloat16), mats)
+    assert len(kept[0]) == inside
+    outside = sum(math.prod(s) for s in kept[1]) + B * m * n  # what did not fit, and the bf16 copy
+    assert scratch.nbytes <= (outside + 4 * ns.SCRATCH_ALIGN) * 2
 
 
 def test_a_smaller_carve_reuses_the_buffer_and_a_larger_one_replaces_it():
