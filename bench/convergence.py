@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+import optim
 from app.schemas import JobSpec
 from worker.engine.config import job_config_from_dict
 from worker.engine.data import TokenData, load_data
@@ -714,9 +715,11 @@ def main() -> None:
 
 def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path) -> dict[str, Any]:
     """Both parts as chosen by ``args``; prints the tables, writes the plots, returns every figure."""
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; data {DATA}; config {args.config}")
+    ns_dtype = str(optim.auto_dtype(torch.device("cpu"))).removeprefix("torch.")  # cached: what every run gets
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, Newton–Schulz auto dtype {ns_dtype}; "
+          f"data {DATA}; config {args.config}")  # fmt: skip
     out: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    out["settings"].update(threads=torch.get_num_threads(), model=cfg.model)
+    out["settings"].update(threads=torch.get_num_threads(), model=cfg.model, ns_auto_dtype=ns_dtype)
     start = time.perf_counter()
     data = load_data(job_config_from_dict(make_spec(cfg.model, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
     print(f"vocab {data.vocab_size}, train {len(data.train):,} chars, val {len(data.val):,} chars")

@@ -19,7 +19,9 @@ def spec(nproc: int, init_from: dict | None = None, **train) -> dict:
         {
             "model": {"arch": "gpt", "n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 16},
             "data": {"builtin": "synthetic"},
-            "optimizer": {"name": "muonclip"},
+            # fp32 Newton–Schulz: where `auto` picks bf16 (CPUs with AVX512-BF16, CUDA), its rounding
+            # turns DDP's differently ordered gradient sums into differences of ~1e-3 after a few steps.
+            "optimizer": {"name": "muonclip", "ns_dtype": "fp32"},
             "train": {"steps": 8, "batch_size": 4, "eval_every": 4, "checkpoint_every": 4, **train},
             "resources": {"nproc": nproc},
             "init_from": init_from,
