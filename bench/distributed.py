@@ -110,6 +110,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out_dir: str) -> Non
             torch.save({"step_ms": slowest[0].tolist(), "ns_ms": slowest[1].tolist(),
                         "ns_cpu_ms": slowest[2].tolist(), "ns_flops_per_rank": flops, "ns_dtype": str(dtype),
                         "params": [p.detach() for p in params]}, Path(out_dir) / "rank0.pt")  # fmt: skip
+        dist.barrier()  # both ranks reach the teardown together (in 1 of 16 runs a rank aborted in it without)
     finally:
         dist.destroy_process_group()
 
