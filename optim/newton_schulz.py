@@ -303,7 +303,7 @@ def _carve(
     [B, m, m] and the next iterate [B, m, n] for standard. The normalisation runs in fp32 or
     wider: in X itself where allowed, else in the scratch; a lower working precision gets a copy.
     With ``reuse_input`` (X contiguous and free once copied) the form's matrices go into X's own
-    memory as far as they fit (standard form in bf16: the next iterate, and A and P from n >= 2m)."""
+    memory as far as they fit (standard form in bf16: A and P always, the next iterate too from n >= 2m)."""
     B, m, n = X.shape
     wide = torch.float64 if X.dtype == torch.float64 else torch.float32
     if form == "gram":  # S, P, Q, W, and the result's own matrix if it is small
