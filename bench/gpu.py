@@ -151,7 +151,7 @@ def ns_section(device: torch.device, iters: int) -> dict:
                     lo, hi = SPEC_BANDS[coefficients]
                     rows.append({
                         "shape": f"{shape[0]}x{shape[1]}", "dtype": label, "coefficients": coefficients,
-                        "method": method, "auto": optim.choose_method(m, n, "auto", dtype, device), "low": low,
+                        "method": method, "auto": optim.choose_method(m, n, "auto", dtype), "low": low,
                         "sv_min": float(s.min()), "sv_max": float(s.max()), "band": band,
                         "in_spec_band": lo <= float(s.min()) and float(s.max()) <= hi,
                         "median_ms": med(time_ms(run, device, iters=iters)),
