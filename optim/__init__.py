@@ -7,7 +7,6 @@ from .muon import Muon, as_matrices, matrix_shape
 from .newton_schulz import (
     KELLER,
     POLAR_EXPRESS,
-    Scratch,
     auto_dtype,
     choose_method,
     orthogonalize,
@@ -26,6 +25,7 @@ from .qk_clip import (
     separate_qk_targets,
 )
 from .routing import split_params
+from .scratch import Scratch
 from .stats import StepStats
 
 __all__ = [

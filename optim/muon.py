@@ -21,7 +21,8 @@ from torch import Tensor
 from .adamw import adamw_update
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
-from .newton_schulz import Scratch, default_dtype, orthogonalize
+from .newton_schulz import default_dtype, orthogonalize
+from .scratch import Scratch
 from .stats import PhaseTimer, StepStats
 
 # Same-shape matrices are stacked into batches of at most this many bytes of gradient (a matrix

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .scratch import Scratch, fit
+
 Triple = tuple[float, float, float]
 
 # Keller Jordan, "Muon: an optimizer for hidden layers" (KellerJordan/Muon): maximal slope at 0.
@@ -70,9 +72,6 @@ SYMMETRIC_BLOCK_MIN = 256
 # stays four m x m matrices. On CPU fp32 (2 threads) one product of 4 x 128 x 512 took 0.53 ms
 # against 0.79 ms in blocks; at 1 x 384 x 1536 the two were within 5%.
 GRAM_WHOLE_PRODUCT_BYTES = 1 << 20
-# Scratch views start at multiples of this many elements (256 bytes in fp32): every matrix a
-# product reads or writes is aligned as a fresh allocation would be.
-SCRATCH_ALIGN = 64
 # Clamp for the normaliser; the references' "+ 1e-7" collapses inputs with a tiny norm.
 TINY = 1e-30
 
@@ -198,34 +197,6 @@ def choose_method(m: int, n: int, method: str = "auto", dtype: torch.dtype = tor
     return "gram" if wide_enough and torch.finfo(dtype).bits >= 32 else "standard"
 
 
-class Scratch:
-    """Reusable scratch memory: one flat buffer per (dtype, device), grown to the largest request
-    and carved into the views one call needs. A carve invalidates the views of the previous carve
-    of the same dtype and device, so each user of scratch owns its own instance."""
-
-    def __init__(self) -> None:
-        self._flat: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-    def carve(self, dtype: torch.dtype, device: torch.device, *shapes: tuple[int, ...]) -> list[Tensor]:
-        """Contiguous views of the given shapes, side by side in this dtype and device's buffer."""
-        sizes = [math.prod(shape) for shape in shapes]
-        spans = [-(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN for size in sizes]
-        key = (dtype, torch.device(device))
-        flat = self._flat.get(key)
-        if flat is None or flat.numel() < sum(spans):
-            self._flat.pop(key, None)  # free the smaller buffer before allocating its successor
-            flat = self._flat[key] = torch.empty(sum(spans), dtype=dtype, device=device)
-        views, offset = [], 0
-        for shape, size, span in zip(shapes, sizes, spans):
-            views.append(flat[offset : offset + size].view(shape))
-            offset += span
-        return views
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
-
-
 def orthogonalize(
     G: Tensor,
     steps: int = 5,
@@ -320,23 +291,10 @@ def _carve(
     if not (reuse_input and normalized is X and X.is_contiguous()):
         low, *views = scratch.carve(work_dtype, X.device, (B, m, n), *mats)
         return low.copy_(normalized), views
-    inside, rest = _fit(X.view(-1).view(work_dtype), mats)
+    inside, rest = fit(X.view(-1).view(work_dtype), mats)
     low, *outside = scratch.carve(work_dtype, X.device, (B, m, n), *rest)
     low.copy_(normalized)  # from here on X's memory is free
     return low, inside + outside
-
-
-def _fit(flat: Tensor, shapes: list[tuple[int, ...]]) -> tuple[list[Tensor], list[tuple[int, ...]]]:
-    """Views of ``flat`` for the leading ``shapes`` that fit in it one after another (each started
-    at a multiple of SCRATCH_ALIGN elements), and the shapes that did not fit."""
-    views, offset = [], 0
-    for i, shape in enumerate(shapes):
-        size = math.prod(shape)
-        if offset + size > flat.numel():
-            return views, shapes[i:]
-        views.append(flat[offset : offset + size].view(shape))
-        offset += -(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN
-    return views, []
 
 
 def normalize(X: Tensor, factor: float = 1.0, *, dst: Tensor | None = None) -> Tensor:

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import optim.newton_schulz as ns
 from optim import KELLER, POLAR_EXPRESS, Muon, orthogonalize, resolve_coefficients, scalar_map, singular_value_band
-from optim.newton_schulz import Scratch, _left_multiply_, auto_dtype, choose_method, normalize
+from optim.newton_schulz import _left_multiply_, auto_dtype, choose_method, normalize
+from optim.scratch import SCRATCH_ALIGN, Scratch, fit
 
 CPU = torch.device("cpu")
 FP32 = torch.float32
@@ -252,7 +253,7 @@ def test_a_scratch_is_reused_and_changes_nothing(shape):
     assert {key: t.data_ptr() for key, t in scratch._flat.items()} == pointers
     assert torch.equal(first, again) and torch.equal(again, orthogonalize(G, dtype=FP32))
     # four m x m matrices, a copy of G and (small) the result: O(m^2 + m n), nothing per iteration
-    assert 0 < scratch.nbytes <= (4 * 96 * 96 + 2 * 96 * 400 + 6 * ns.SCRATCH_ALIGN) * 4
+    assert 0 < scratch.nbytes <= (4 * 96 * 96 + 2 * 96 * 400 + 6 * SCRATCH_ALIGN) * 4
 
 
 @pytest.mark.parametrize(
@@ -277,20 +278,20 @@ def test_bf16_work_in_the_input_memory_changes_nothing(shape, method, inside):
     assert got.data_ptr() == X.data_ptr() and got.dtype == FP32 and torch.equal(got, expected)
     B, m, n = shape
     mats = [(B, m, m)] * 4 + [(B, m, n)] if method == "gram" else [(B, m, m), (B, m, m), (B, m, n)]
-    kept = ns._fit(X.view(-1).view(torch.bfloat16), mats)
+    kept = fit(X.view(-1).view(torch.bfloat16), mats)
     assert len(kept[0]) == inside
     outside = sum(math.prod(s) for s in kept[1]) + B * m * n  # what did not fit, and the bf16 copy
-    assert scratch.nbytes <= (outside + 4 * ns.SCRATCH_ALIGN) * 2
+    assert scratch.nbytes <= (outside + 4 * SCRATCH_ALIGN) * 2
 
 
 def test_a_smaller_carve_reuses_the_buffer_and_a_larger_one_replaces_it():
     scratch = Scratch()
     a, b = scratch.carve(FP32, CPU, (10, 10), (3,))
-    assert b.data_ptr() - a.data_ptr() == 2 * ns.SCRATCH_ALIGN * 4  # 100 elements: two aligned spans of 64
+    assert b.data_ptr() - a.data_ptr() == 2 * SCRATCH_ALIGN * 4  # 100 elements: two aligned spans of 64
     (c,) = scratch.carve(FP32, CPU, (5, 5))
     assert c.data_ptr() == a.data_ptr()
     (d,) = scratch.carve(FP32, CPU, (100, 100))
-    assert d.shape == (100, 100) and 100 * 100 * 4 <= scratch.nbytes < (100 * 100 + ns.SCRATCH_ALIGN) * 4
+    assert d.shape == (100, 100) and 100 * 100 * 4 <= scratch.nbytes < (100 * 100 + SCRATCH_ALIGN) * 4
 
 
 def test_explicit_coefficients_one_triple_or_one_per_step():
