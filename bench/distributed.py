@@ -106,7 +106,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out_dir: str) -> Non
         for p in params:
             flops[owners.rank_of[p] if owners else 0] += optim.ns_flops(optim.matrix_shape(p.shape, False))
         if rank == 0:
-            dtype = ns_dtype or optim.newton_schulz.default_dtype(params[0])
+            dtype = ns_dtype or optim.precision.default_dtype(params[0])
             torch.save({"step_ms": slowest[0].tolist(), "ns_ms": slowest[1].tolist(),
                         "ns_cpu_ms": slowest[2].tolist(), "ns_flops_per_rank": flops, "ns_dtype": str(dtype),
                         "params": [p.detach() for p in params]}, Path(out_dir) / "rank0.pt")  # fmt: skip

@@ -90,7 +90,7 @@ def machine_facts() -> dict:
         pass
     facts = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu}
     facts["auto_dtype"] = str(optim.auto_dtype(torch.device("cpu"))).split(".")[-1]
-    facts["probe_speedups"] = [optim.newton_schulz.bf16_speedup(torch.device("cpu")) for _ in range(3)]
+    facts["probe_speedups"] = [optim.precision.bf16_speedup(torch.device("cpu")) for _ in range(3)]
     flops = 2 * D_MODEL * 4 * D_MODEL * D_MODEL
     for dtype in (torch.float32, torch.bfloat16):
         x, y = torch.randn(D_MODEL, 4 * D_MODEL, dtype=dtype), torch.randn(4 * D_MODEL, D_MODEL, dtype=dtype)
@@ -137,7 +137,7 @@ def accuracy() -> list[dict]:
         low = float(torch.linalg.svdvals(G.double()).min() / G.double().norm())
         m, n = sorted(shape)
         for label, (coefficients, method, dtype) in NS_SETTINGS.items():
-            dtype = dtype or optim.newton_schulz.default_dtype(G)
+            dtype = dtype or optim.precision.default_dtype(G)
             s = torch.linalg.svdvals(optim.orthogonalize(G, NS_STEPS, coefficients, method, dtype).double())
             band = optim.singular_value_band(coefficients, NS_STEPS, low=low)
             form = f"{optim.choose_method(m, n, method, dtype)} {str(dtype).split('.')[-1]}"

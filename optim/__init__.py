@@ -7,13 +7,13 @@ from .muon import Muon, as_matrices, matrix_shape
 from .newton_schulz import (
     KELLER,
     POLAR_EXPRESS,
-    auto_dtype,
     choose_method,
     orthogonalize,
     resolve_coefficients,
     scalar_map,
     singular_value_band,
 )
+from .precision import auto_dtype
 from .qk_clip import (
     MuonClip,
     QKClipSource,

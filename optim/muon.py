@@ -21,7 +21,8 @@ from torch import Tensor
 from .adamw import adamw_update
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
-from .newton_schulz import default_dtype, orthogonalize
+from .newton_schulz import orthogonalize
+from .precision import default_dtype
 from .scratch import Scratch
 from .stats import PhaseTimer, StepStats
 

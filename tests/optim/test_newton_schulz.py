@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import optim.newton_schulz as ns
+import optim.precision as precision
 from optim import KELLER, POLAR_EXPRESS, Muon, orthogonalize, resolve_coefficients, scalar_map, singular_value_band
-from optim.newton_schulz import _left_multiply_, auto_dtype, choose_method, normalize
+from optim.newton_schulz import _left_multiply_, choose_method, normalize
+from optim.precision import auto_dtype
 from optim.scratch import SCRATCH_ALIGN, Scratch, fit
 
 CPU = torch.device("cpu")
@@ -167,8 +168,8 @@ def probe(monkeypatch):
             return self.speedup
 
     fake = Probe()
-    monkeypatch.setattr(ns, "bf16_capable", lambda device: fake.capable)
-    monkeypatch.setattr(ns, "bf16_speedup", fake.measure)
+    monkeypatch.setattr(precision, "bf16_capable", lambda device: fake.capable)
+    monkeypatch.setattr(precision, "bf16_speedup", fake.measure)
     auto_dtype.cache_clear()
     yield fake
     auto_dtype.cache_clear()
@@ -191,7 +192,7 @@ def test_auto_dtype_is_bf16_where_the_probe_measures_bf16_faster(probe):
 
 
 def test_auto_dtype_needs_a_clear_speedup_and_native_bf16(probe):
-    probe.speedup = ns.BF16_MIN_SPEEDUP * 0.9
+    probe.speedup = precision.BF16_MIN_SPEEDUP * 0.9
     assert auto_dtype(CPU) == FP32
     auto_dtype.cache_clear()
     probe.capable, probe.speedup = False, 10.0
@@ -220,7 +221,7 @@ def test_explicit_dtype_wins_over_the_automatic_choice(probe):
 
 
 def test_the_probe_measures_a_positive_speedup():
-    assert ns.bf16_speedup(CPU) > 0
+    assert precision.bf16_speedup(CPU) > 0
 
 
 def test_left_multiply_in_place_equals_the_product():
