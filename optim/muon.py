@@ -1,7 +1,7 @@
 """Muon: momentum orthogonalized by Newton–Schulz, with AdamW for the non-matrix parameters.
 
 One optimizer following the torch.optim contract. Its step reads as phases:
-finite check -> momentum -> orthogonalize (same-shape matrices batched) -> scale and apply;
+finite check -> momentum -> orthogonalize (same-shape matrices batched, optim/batches.py) -> scale and apply;
 under data parallelism (``distributed=True``) each rank orthogonalizes and applies only the
 matrices it owns, then the owners' parameters are all-gathered (optim/distributed.py).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adamw import adamw_update
+from .batches import Entry, apply_updates, nesterov_input, split_batches
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
 from .newton_schulz import orthogonalize
@@ -54,20 +54,6 @@ def as_matrices(t: Tensor, experts: bool) -> Tensor:
     if t.ndim == 2:
         return t.unsqueeze(0)  # the same view as the reshape below, at half its cost (twice per matrix per step)
     return t.reshape(matrix_shape(t.shape, experts))
-
-
-@dataclass
-class _Entry:
-    """One Muon parameter as a batch of matrices [k, rows, cols], k = E for expert weights."""
-
-    param: Tensor
-    grad: Tensor
-    buf: Tensor
-    scale: float  # lr multiplier from the matrix shape (adjust_lr)
-
-    @property
-    def tall(self) -> bool:
-        return self.grad.shape[-2] > self.grad.shape[-1]
 
 
 class Muon(torch.optim.Optimizer):
@@ -272,27 +258,27 @@ class Muon(torch.optim.Optimizer):
             bufs.append(state["momentum_buffer"])
         torch._foreach_lerp_(bufs, [p.grad for p in params], 1.0 - beta)  # EMA momentum; p.grad is only read
 
-        buckets: dict[tuple, list[_Entry]] = defaultdict(list)  # same oriented shape -> one batch
+        buckets: dict[tuple, list[Entry]] = defaultdict(list)  # same oriented shape -> one batch
         for p in params if update is None else update:
             g, buf = p.grad, self.state[p]["momentum_buffer"]
             g3, buf3 = as_matrices(g, group["experts"]), as_matrices(buf, group["experts"])
             rows, cols = g3.shape[-2:]
-            entry = _Entry(p, g3, buf3, update_scale(rows, cols, group["adjust_lr"]))
+            entry = Entry(p, g3, buf3, update_scale(rows, cols, group["adjust_lr"]))
             buckets[(min(rows, cols), max(rows, cols), g.dtype, g.device)].append(entry)
         if not buckets:
             return
 
         timer = stats.ns_timer = stats.ns_timer or PhaseTimer(params[0].device)
         cap = MAX_BATCH_BYTES_CUDA if params[0].device.type == "cuda" else MAX_BATCH_BYTES
-        for entries in (chunk for bucket in buckets.values() for chunk in _batches(bucket, cap)):
-            X = _nesterov_input(entries, beta, group["nesterov"], self._stack)  # [B, m, n]
+        for entries in (chunk for bucket in buckets.values() for chunk in split_batches(bucket, cap)):
+            X = nesterov_input(entries, beta, group["nesterov"], self._stack)  # [B, m, n]
             dtype = group["ns_dtype"] or default_dtype(X)
             with timer:
                 O = orthogonalize(  # in X's dtype, in X or in the scratch
                     X, group["ns_steps"], group["ns_coefficients"], group["ns_method"], dtype,
                     overwrite_input=True, scratch=self._scratch,
                 )  # fmt: skip
-            _apply_updates(entries, O, lr, group["weight_decay"], stats)
+            apply_updates(entries, O, lr, group["weight_decay"], stats)
 
     def state_dict(self) -> dict[str, Any]:
         """The torch.optim state dict, complete at any world size: with ``shard_momentum`` the
@@ -332,70 +318,3 @@ class Muon(torch.optim.Optimizer):
             params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps,
             lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
         )  # fmt: skip
-
-
-def _nesterov_input(entries: list[_Entry], beta: float, nesterov: bool, stack: Scratch) -> Tensor:
-    """Stack the entries' NS inputs, oriented wide (m <= n), into a [B, m, n] view of ``stack``."""
-    first = entries[0].grad
-    m, n = sorted(first.shape[-2:])
-    batch = sum(e.grad.shape[0] for e in entries)
-    (X,) = stack.carve(first.dtype, first.device, (batch, m, n))
-    i = 0
-    for e in entries:
-        k = e.grad.shape[0]
-        g, buf = (e.grad.mT, e.buf.mT) if e.tall else (e.grad, e.buf)
-        if nesterov:
-            torch.lerp(g, buf, beta, out=X[i : i + k])  # (1 - beta) g + beta m
-        else:
-            X[i : i + k].copy_(buf)
-        i += k
-    return X
-
-
-def _apply_updates(entries: list[_Entry], O: Tensor, lr: float, weight_decay: float, stats: StepStats) -> None:
-    """W <- W (1 - lr wd) - lr scale O per parameter, leaving unchanged any whose update is not
-    finite. Decided on the device: no host sync (on CUDA the step's kernels stay queued)."""
-    sq = torch.linalg.vector_norm(O, dim=(1, 2), dtype=torch.promote_types(O.dtype, torch.float32)).square()
-    keep = sq.isfinite()  # [B] per matrix; a parameter of k > 1 matrices is kept whole or not at all
-    weights, shares, first = [], [], 0  # per matrix: (lr * scale)^2, and 1 / k (so a parameter counts once)
-    for e in entries:
-        k = e.grad.shape[0]
-        if k > 1:
-            keep[first : first + k] = keep[first : first + k].all()
-        weights += [(lr * e.scale) ** 2] * k
-        shares += [1.0 / k] * k
-        first += k
-    O.masked_fill_(~keep.view(-1, 1, 1), 0.0)  # a skipped parameter gets a zero update
-    first = 0
-    for e in entries:
-        k = e.grad.shape[0]
-        if weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
-            e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
-        update = O[first : first + k]
-        e.param.add_((update.mT if e.tall else update).reshape(e.param.shape), alpha=-lr * e.scale)
-        first += k
-    weights_t, shares_t = _small_floats(weights, sq), _small_floats(shares, sq)
-    stats.update_sq_sum = stats.update_sq_sum + sq.where(keep, 0.0).dot(weights_t)
-    stats.update_numel = stats.update_numel + keep.sum() * O[0].numel()
-    stats.nonfinite_skipped = stats.nonfinite_skipped + (~keep).to(sq.dtype).dot(shares_t)
-
-
-def _small_floats(values: list[float], like: Tensor) -> Tensor:
-    """A few host numbers as a tensor on ``like``'s device and dtype, without a device sync:
-    on CUDA through pinned memory and an asynchronous copy (a pageable copy would wait)."""
-    host = torch.tensor(values, dtype=like.dtype, pin_memory=like.is_cuda)
-    return host.to(like.device, non_blocking=True)
-
-
-def _batches(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
-    """Split a bucket into batches of at most ``max_bytes`` (at least one entry each)."""
-    batches: list[list[_Entry]] = [[]]
-    size = 0
-    for e in entries:
-        n = e.grad.numel() * e.grad.element_size()
-        if batches[-1] and size + n > max_bytes:
-            batches.append([])
-            size = 0
-        batches[-1].append(e)
-        size += n
-    return batches

@@ -91,7 +91,7 @@ def causal_max_logits(q: Tensor, k: Tensor, block: int = MAX_LOGIT_BLOCK) -> Ten
             own = _fp32_logits(rows, k3[:, start:stop])  # [B*H, b, b]
             own.masked_fill_(above[: stop - start, : stop - start], float("-inf"))
             maxima.append(own.view(B, H, -1).amax(dim=(0, 2)))
-    return torch.stack(maxima).amax(dim=0).float() * (1.0 / math.sqrt(D))
+    return torch.stack(maxima).amax(dim=0) * (1.0 / math.sqrt(D))
 
 
 def _exact_operands(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
