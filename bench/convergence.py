@@ -73,8 +73,9 @@ import optim
 from app.schemas import JobSpec
 from worker.engine.config import job_config_from_dict
 from worker.engine.data import TokenData, load_data
+from worker.engine.outcome import TrainingError
 from worker.engine.telemetry import Report
-from worker.engine.trainer import Trainer, TrainingError
+from worker.engine.trainer import Trainer
 
 try:
     from bench import convergence_protocol as proto

@@ -37,8 +37,8 @@ MUONFORGE_DEBUG=1 (as --debug); the service's settings are listed in the README.
 def cmd_train(args: argparse.Namespace) -> int:
     from muonforge.progress import ProgressSink
     from worker.engine.launch import RankFailed
+    from worker.engine.outcome import TrainingError
     from worker.engine.run import run_job
-    from worker.engine.trainer import TrainingError
 
     spec = load_spec(args.spec, args.data)
     if spec["data"].get("dataset_id"):

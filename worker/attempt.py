@@ -37,8 +37,9 @@ from app.settings import Settings
 from worker.engine.checkpoints import checkpoint_path
 from worker.engine.early_stop import RungCheck
 from worker.engine.launch import RankFailed
+from worker.engine.outcome import TrainingError
 from worker.engine.run import checkpoint_dir, run_job
-from worker.engine.trainer import TrainingError, device_type
+from worker.engine.trainer import device_type
 from worker.gang import nnodes_of, run_node, this_node
 from worker.lease import GangBroken, Lease
 from worker.sink import JobSink, LeaseLost

@@ -13,10 +13,11 @@ from app.schemas import JobSpec
 from worker.engine.config import DataConfig, TrainConfig, job_config_from_dict
 from worker.engine.data import SYNTHETIC_ALPHABET, Tokenizer, load_corpus, synthetic_task
 from worker.engine.optimizer import lr_factor
+from worker.engine.outcome import TimeLimitReached, TrainingError
 from worker.engine.run import run_job
 from worker.engine.sample import PROMPT_TOKENS
 from worker.engine.telemetry import SUMMARY_KEYS, JsonlSink, Report
-from worker.engine.trainer import TimeLimitReached, Trainer, TrainingError
+from worker.engine.trainer import Trainer
 
 
 def spec(arch="gpt", optimizer="muon", **train) -> dict:

@@ -6,8 +6,8 @@ import torch
 from app.schemas import JobSpec
 from tests.engine.test_trainer import ListSink, trainer
 from worker.engine.checkpoints import checkpoint_path, load_checkpoint
+from worker.engine.outcome import TrainingError
 from worker.engine.run import run_job
-from worker.engine.trainer import TrainingError
 
 
 def spec(steps: int, init_from: dict | None = None, d_model: int = 16, optimizer: dict | None = None) -> dict:

@@ -21,8 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .outcome import RunResult
 from .telemetry import Report, TelemetrySink
-from .trainer import RunResult
 
 ADDRESS_ENV = "MUONFORGE_GROUP_ADDRESS"  # host:port of the node's launcher's socket
 TOKEN_ENV = "MUONFORGE_GROUP_TOKEN"  # proves a connection is one of this launch's ranks

@@ -37,8 +37,8 @@ import torch
 
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, deliver, encode
 from .config import job_config_from_dict
+from .outcome import RunResult, TrainingError
 from .telemetry import TelemetrySink
-from .trainer import RunResult, TrainingError
 
 log = logging.getLogger("muonforge.engine")
 RANK_MODULE = "worker.engine.rank"

@@ -15,8 +15,9 @@ import torch
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, RankChannel
 from .config import job_config_from_dict
 from .distributed import join_group, leave_group
+from .outcome import TrainingError
 from .run import run_process
-from .trainer import TrainingError, resolve_device
+from .trainer import resolve_device
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,54 +24,11 @@ from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
 from .models import build_model
 from .optimizer import build_optimizer, lr_factor
+from .outcome import RunResult, TimeLimitReached, TrainingError
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import SUMMARY_KEYS, Report, TelemetrySink, model_metrics, to_floats
 
-STOP_KEYS = ("stopped_at", "stop_reason")  # in the summary of a run that stopped early
-
 STOPS = (None, "time_limit", "cancel")  # why a run stops before a step (Trainer._stop), by number
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, bad data, ...); the message says why and where,
-    ``code`` what kind of stop it is (a job's error code)."""
-
-    code = "training_error"
-
-
-class TimeLimitReached(TrainingError):
-    """The run reached ``train.max_minutes``; its latest state is in a checkpoint."""
-
-    code = "time_limit"
-
-
-@dataclass
-class RunResult:
-    status: str  # "succeeded" | "cancelled" | "stopped_early" | "paused" (ended at a rung by ``rungs``)
-    steps: int  # optimizer steps completed
-    summary: dict[str, Any]  # the latest value of each SUMMARY_KEYS metric (and STOP_KEYS, if it stopped early)
-    tokens_per_s: float | None  # over the run's training steps (the summary's is the last step's)
-    wall_s: float
-
-    @property
-    def loss(self) -> float | None:
-        return self.summary.get("loss")
-
-    @property
-    def val_loss(self) -> float | None:
-        return self.summary.get("val_loss")
-
-    @property
-    def attn_max_logit(self) -> float | None:
-        return self.summary.get("attn_max_logit")
-
-    def as_dict(self) -> dict[str, Any]:
-        """What ``summary.json`` holds."""
-        return {
-            "status": self.status, "steps": self.steps, "loss": self.loss, "val_loss": self.val_loss,
-            "attn_max_logit": self.attn_max_logit, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
-            **{k: self.summary[k] for k in STOP_KEYS if k in self.summary},
-        }  # fmt: skip
 
 
 def device_type(device: str) -> str:

@@ -1,0 +1,50 @@
+"""What a run ends with: its result, or the error that stopped it (with a job's error code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+STOP_KEYS = ("stopped_at", "stop_reason")  # in the summary of a run that stopped early
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite loss, bad data, ...); the message says why and where,
+    ``code`` what kind of stop it is (a job's error code)."""
+
+    code = "training_error"
+
+
+class TimeLimitReached(TrainingError):
+    """The run reached ``train.max_minutes``; its latest state is in a checkpoint."""
+
+    code = "time_limit"
+
+
+@dataclass
+class RunResult:
+    status: str  # "succeeded" | "cancelled" | "stopped_early" | "paused" (ended at a rung by ``rungs``)
+    steps: int  # optimizer steps completed
+    summary: dict[str, Any]  # the latest value of each SUMMARY_KEYS metric (and STOP_KEYS, if it stopped early)
+    tokens_per_s: float | None  # over the run's training steps (the summary's is the last step's)
+    wall_s: float
+
+    @property
+    def loss(self) -> float | None:
+        return self.summary.get("loss")
+
+    @property
+    def val_loss(self) -> float | None:
+        return self.summary.get("val_loss")
+
+    @property
+    def attn_max_logit(self) -> float | None:
+        return self.summary.get("attn_max_logit")
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``summary.json`` holds."""
+        return {
+            "status": self.status, "steps": self.steps, "loss": self.loss, "val_loss": self.val_loss,
+            "attn_max_logit": self.attn_max_logit, "tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s,
+            **{k: self.summary[k] for k in STOP_KEYS if k in self.summary},
+        }  # fmt: skip
