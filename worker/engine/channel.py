@@ -2,7 +2,9 @@
 
 Every rank connects to its node's launcher and says who it is (rank, pid, the launch's token);
 rank 0 then streams what the trainer hands its sink, a pulse before its steps and the run's
-outcome, as JSON lines, and the launcher answers ``cancel`` when the job is to stop. In a job of
+outcome, as JSON lines, and the launcher answers ``cancel`` when the job is to stop. Every rank
+says ``done`` to its own node's launcher once its share of the run is over, before it leaves the
+group: a fault while the group is torn down then cannot pass for a rank lost mid-run. In a job of
 several nodes rank 0 streams to node 0's launcher (the reporting one), wherever the rendezvous put
 it, over a second line when that is not its own node's. A rank whose launcher is gone (a line
 ends) exits at once: nothing outlives the attempt that started it.
@@ -103,6 +105,11 @@ class RankChannel:
 
     def error(self, code: str, message: str) -> None:
         self._send({"kind": "error", "code": code, "message": message})
+
+    # -- every rank ---------------------------------------------------------------------------------
+    def done(self) -> None:
+        """This rank's share of the run is over (trained, or stopped with the group's error)."""
+        self._lines[0].sendall(encode({"kind": "done"}))
 
     def close(self) -> None:
         self._closing = True

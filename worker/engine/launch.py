@@ -5,7 +5,8 @@ here.
 The ranks connect to a socket of this process (channel.py); rank 0's telemetry goes into the
 caller's sink as though the trainer ran here, and its pulses drive ``should_cancel`` (which pulses
 a worker's lease). The group ends as one: a rank that dies makes torchrun stop the others and exit
-(``RankFailed``: the job resumes from its latest checkpoint); a ``watch`` that raises (a lost
+(``RankFailed``: the job resumes from its latest checkpoint), unless every rank of the node had
+said it was done (a fault while the group is torn down ends no run); a ``watch`` that raises (a lost
 lease), a failure of the sink, or a cancel the group does not honour in time kill every process of
 it: torchrun's process group and each rank's (torchrun starts each rank in a session of its own).
 
@@ -119,7 +120,8 @@ def run_group(
     args += (["--corpus", str(corpus)] if corpus else []) + ([] if resume else ["--fresh"])
     args += ["--init-from", str(init_from)] if init_from else []
     reports = node is None or node.index == 0
-    group = Launch(node.address if node is not None and reports else "127.0.0.1", out_dir / f"ranks{suffix}.log")
+    host = node.address if node is not None and reports else "127.0.0.1"
+    group = Launch(host, out_dir / f"ranks{suffix}.log", resources.nproc)
     try:
         meeting = None
         if node is not None:
@@ -145,13 +147,13 @@ class Peer:
     """A rank's connection: its bytes not yet a whole line, and its rank once it said hello."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.buffer, self.rank = sock, b"", None
+        self.sock, self.buffer, self.rank, self.local = sock, b"", None, False
 
 
 class Launch:
     """torchrun and its ranks, started and followed."""
 
-    def __init__(self, host: str, log_path: Path) -> None:
+    def __init__(self, host: str, log_path: Path, nproc: int) -> None:
         self.listener = socket.create_server((host, 0))
         self.listener.setblocking(False)
         self.address, self.token = f"{host}:{self.listener.getsockname()[1]}", secrets.token_hex(16)
@@ -160,6 +162,8 @@ class Launch:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.pids: set[int] = set()  # of the ranks that said hello
+        self.nproc = nproc  # ranks on this node
+        self.done: set[int] = set()  # this node's ranks whose share of the run is over
         self.lead: Peer | None = None
         self.outcome: dict[str, Any] | None = None  # rank 0's result or error record
         self.progress: tuple[int, dict[str, float]] = (0, {})  # steps completed and the summary, as last reported
@@ -203,7 +207,13 @@ class Launch:
                 log.warning("the group did not stop %.0f s after a cancel: it is killed", CANCEL_GRACE_SECONDS)
                 completed, summary = self.progress
                 return RunResult("cancelled", completed, summary, None, 0.0)
-        if not reports and self.proc.returncode == 0:
+        finished = len(self.done) == self.nproc
+        if self.proc.returncode != 0 and finished:
+            log.warning(
+                "torchrun exited with status %s after every rank of the node was done: a fault while the group "
+                "was torn down, not a lost rank (its output is in %s)", self.proc.returncode, self.log_path,
+            )  # fmt: skip
+        if not reports and (self.proc.returncode == 0 or finished):
             return None
         return self._outcome()
 
@@ -247,6 +257,9 @@ class Launch:
             record = json.loads(line)
             if peer.rank is None:
                 self._hello(peer, record)
+            elif record.get("kind") == "done":
+                if peer.local:
+                    self.done.add(peer.rank)
             elif peer is self.lead:
                 self._handle(record, sink, should_cancel)
 
@@ -256,8 +269,8 @@ class Launch:
             self.selector.unregister(peer.sock)
             peer.sock.close()
             return
-        peer.rank = record["rank"]
-        if record["local"]:  # a process of this node's (rank 0 of another also reports here)
+        peer.rank, peer.local = record["rank"], bool(record["local"])
+        if peer.local:  # a process of this node's (rank 0 of another also reports here)
             self.pids.add(record["pid"])
         if record["reports"]:
             self.lead = peer

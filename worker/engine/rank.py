@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         if lead:
             channel.result(result)
+        channel.done()
         return 0
     except TrainingError as exc:
         # Every rank raises it at the same step (the decisions are collective): rank 0 reports it
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         # node takes the group's end for a lost rank: the outcome is in the report.
         if lead:
             channel.error(exc.code, str(exc))
+        channel.done()
         return 0
     except torch.OutOfMemoryError as exc:
         if lead:
