@@ -52,6 +52,7 @@ maxima on unseen batches (at the training batch and at a 32x larger one) with th
     .venv/bin/python bench/convergence.py --threads 1 --json out.json [--config large] [--part convergence]
     .venv/bin/python bench/convergence.py --quick        # a smoke run of every code path (a few minutes)
     .venv/bin/python bench/convergence.py --replot out.json   # redraw the plots from a --json output
+    python bench/convergence.py --device cuda --no-plots --json out.json ...  # every run on a CUDA device
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ fmt = proto.describe
 
 REPO = Path(__file__).resolve().parents[1]
 DATA: dict[str, Any] = {"builtin": "pysource", "tokenizer": "char"}  # --data FILE: {"path": FILE, ...}
+DEVICE = {"type": "cpu"}  # --device cuda: train.device of every run
 IMG_DIR = REPO / "docs" / "img"
 
 
@@ -189,13 +191,19 @@ class BenchTrainer(Trainer):
         self._start, self._excluded = time.perf_counter(), 0.0
         return super().run(*args, **kwargs)
 
+    def _now(self) -> float:
+        """The clock once the device has done what was queued (CUDA runs ahead of the host)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def evaluate(self) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0 = self._now()
         self.clock.append((self.step, t0 - self._start - self._excluded))
         try:
             return super().evaluate()
         finally:
-            self._excluded += time.perf_counter() - t0
+            self._excluded += self._now() - t0
 
     def write_sample(self) -> None:
         t0 = time.perf_counter()
@@ -260,14 +268,14 @@ def optimizer_section(contender: str, lr: float, adamw_lr: float, tau: float = C
 
 def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: int, schedule: str = "constant",
               warmup: int = 0, telemetry_every: int = 1) -> dict[str, Any]:  # fmt: skip
-    """A validated JobSpec dict: char-level DATA, CPU, no checkpoints, no samples."""
+    """A validated JobSpec dict: char-level DATA, DEVICE, no checkpoints, no samples."""
     return JobSpec.model_validate({
         "name": f"bench-convergence-{optimizer['name']}",
         "model": model,
         "data": DATA,
         "optimizer": optimizer,
         "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": eval_every, "lr_schedule": schedule,
-                  "warmup_steps": warmup, "checkpoint_every": steps + 1, "seed": seed, "device": "cpu"},
+                  "warmup_steps": warmup, "checkpoint_every": steps + 1, "seed": seed, "device": DEVICE["type"]},
         "telemetry": {"every": telemetry_every, "sample_tokens": 0},
     }).model_dump()  # fmt: skip
 
@@ -327,7 +335,7 @@ def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: in
 def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> dict[str, Any]:
     """Stage 1 (tuning on the first seed), then stage 2 (the winners, every seed, interleaved)."""
     warmup = max(1, round(WARMUP_FRACTION * args.steps))
-    grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs, "muonclip": args.muon_lrs}
+    grids = {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
 
     def one(stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float) -> RunRecord:
         spec = make_spec(cfg.model, optimizer_section(contender, lr, adamw_lr), args.steps, seed, args.eval_every,
@@ -341,6 +349,9 @@ def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> d
             return RunRecord(contender, seed, lr, schedule, spec["optimizer"], [], [(0, 0.0)], [])
         print(f"  [stage {stage}] seed {seed} {contender:<9} lr={lr:<7g}{schedule:<7} final val {rec.final_val:.4f}"
               f"  train {rec.train_seconds:6.1f} s  {rec.tokens_per_s:7.0f} tok/s", flush=True)  # fmt: skip
+        if args.progress:  # every run as it ends: a run cut short keeps what it finished
+            with open(args.progress, "a") as f:
+                f.write(json.dumps({"stage": stage, **asdict(rec)}) + "\n")
         return rec
 
     stage1: dict[str, list[RunRecord]] = {}
@@ -387,10 +398,11 @@ def analyse_convergence(runs: dict[str, list[RunRecord]], steps: int, target_wal
         }
     c = out["contenders"]
     muon_ratio = c["muon"]["mean_wall_ratio"]
-    clip_diff = [proto.rel_diff(a, b) for a, b in zip(c["muonclip"]["final_val_loss"], c["muon"]["final_val_loss"])]
+    clip = c.get("muonclip", {"final_val_loss": []})  # --contenders may leave it out
+    clip_diff = [proto.rel_diff(a, b) for a, b in zip(clip["final_val_loss"], c["muon"]["final_val_loss"])]
     out["muonclip_vs_muon"] = clip_diff
     out["wall_ok"] = muon_ratio is not None and muon_ratio <= target_wall_ratio
-    out["muonclip_loss_ok"] = all(d <= LOSS_TOLERANCE for d in clip_diff)
+    out["muonclip_loss_ok"] = all(d <= LOSS_TOLERANCE for d in clip_diff) if clip_diff else None
     return out
 
 
@@ -409,7 +421,7 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
               f"{fmt(c['mean_wall_ratio']):>12}{fmt(c['mean_step_ratio']):>12}{per_seed:>22}"
               f"{c['tokens_per_s']['mean']:>8.0f}")  # fmt: skip
     diffs = " ".join(f"{100 * d:+.2f}%" for d in a["muonclip_vs_muon"])
-    peak = a["contenders"]["muonclip"]["peak_attn_max_logit"]
+    peak = a["contenders"].get("muonclip", {}).get("peak_attn_max_logit", float("nan"))
     print(f"Muon wall-clock ratio <= {cfg.target_wall_ratio}: {a['wall_ok']}; MuonClip vs Muon final val "
           f"{diffs} (within {100 * LOSS_TOLERANCE:g}%: {a['muonclip_loss_ok']}); MuonClip peak max logit "
           f"{peak:.1f} at eval points (tau {CONVERGENCE_TAU:g})")  # fmt: skip
@@ -635,7 +647,7 @@ def print_plan(args: argparse.Namespace, cfg: Config) -> None:
     """The runs the arguments ask for and an estimated duration at 1 thread; trains nothing."""
     total = 0.0
     if args.part in ("all", "convergence"):
-        grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs, "muonclip": args.muon_lrs}
+        grids = {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
         runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps)
         for stage in (1, 2):
             some = [r for r in runs if r.stage == stage]
@@ -670,6 +682,8 @@ def main() -> None:
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=list(ADAMW_LRS), help="AdamW's grid")
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=list(MUON_LRS), help="Muon's and MuonClip's grid")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS),
+                        help="part 1's contenders (default all; AdamW and Muon are always run)")  # fmt: skip
     parser.add_argument(
         "--clips",
         nargs="*",
@@ -682,11 +696,16 @@ def main() -> None:
     parser.add_argument("--img-dir", type=Path, default=None, help="where the PNGs go (default docs/img; "
                         "a --quick run writes none unless given)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every run trains (default "
+                        "cpu; cuda: the engine's defaults there, bf16 autocast)")  # fmt: skip
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG (--replot draws them from --json)")
     parser.add_argument("--data", metavar="FILE", type=Path, help="a UTF-8 corpus instead of the builtin pysource text")
     parser.add_argument("--json", metavar="PATH", help="also write every figure and curve as JSON to PATH")
+    parser.add_argument("--progress", metavar="PATH", help="append every part-1 run's record to PATH as it ends")
     parser.add_argument("--replot", metavar="PATH", type=Path, help="only redraw the plots from a --json output")
     args = parser.parse_args()
     args.clips = ["muonclip", *args.clips]
+    args.contenders = [c for c in CONTENDERS if c in {"adamw", "muon", *args.contenders}]
     cfg = CONFIGS[args.config]
     args.steps = args.steps or cfg.steps
     args.eval_every = args.eval_every or cfg.eval_every
@@ -707,7 +726,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.data:
         DATA.update(path=str(args.data.resolve()), builtin=None)
+    DEVICE["type"] = args.device
     img_dir = args.img_dir if args.img_dir is not None else (None if args.quick else IMG_DIR)
+    img_dir = None if args.no_plots else img_dir
     with tempfile.TemporaryDirectory() as cache:  # the tokenized corpus, memory-mapped while training
         out = run(args, cfg, img_dir, Path(cache))
     if args.json:
@@ -716,11 +737,13 @@ def main() -> None:
 
 def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path) -> dict[str, Any]:
     """Both parts as chosen by ``args``; prints the tables, writes the plots, returns every figure."""
-    ns_dtype = str(optim.auto_dtype(torch.device("cpu"))).removeprefix("torch.")  # cached: what every run gets
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, Newton–Schulz auto dtype {ns_dtype}; "
+    device = torch.device(args.device)
+    ns_dtype = str(optim.auto_dtype(device)).removeprefix("torch.")  # cached: what every run gets
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, Newton–Schulz auto dtype {ns_dtype}; "
           f"data {DATA}; config {args.config}")  # fmt: skip
     out: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    out["settings"].update(threads=torch.get_num_threads(), model=cfg.model, ns_auto_dtype=ns_dtype)
+    out["settings"].update(threads=torch.get_num_threads(), model=cfg.model, ns_auto_dtype=ns_dtype, where=where)
     start = time.perf_counter()
     data = load_data(job_config_from_dict(make_spec(cfg.model, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
     print(f"vocab {data.vocab_size}, train {len(data.train):,} chars, val {len(data.val):,} chars")

@@ -25,6 +25,11 @@ Sections (``--only`` picks some, comma-separated):
 * ``engine``: ``worker.engine.run.run_job`` on the builtin synthetic task, gpt + muonclip,
   bf16 autocast and fp32, and one run whose tau binds: tokens/s, final loss against the task's
   entropy floor, attn_max_logit against tau.
+* ``group``: a job run as a torch.distributed group (``worker.engine.launch.run_group``: torchrun,
+  nccl, DDP on the GPU, rank 0's telemetry through the launcher's socket) against the same job in
+  this process: tokens/s, losses; then one rank killed with SIGKILL mid-run (``RankFailed``) and
+  the job resumed from its checkpoint to the end. One GPU holds one rank (nccl refuses two ranks
+  on one device), so the group here has one.
 * ``dist``: QK-Clip's S_max all-reduce (MAX) with the nccl backend, world sizes 1 and 2 (world 2
   needs two GPUs: nccl refuses two ranks on one device); where nccl cannot run world 2, the same
   two-rank check runs on gloo (CPU tensors), so the MAX over ranks is still exercised.
@@ -32,7 +37,7 @@ Sections (``--only`` picks some, comma-separated):
 Needs torch (with CUDA) and numpy only: the engine reads plain dataclass configs, no pydantic.
 Without a CUDA device it exits at once with one line saying so.
 
-    PYTHONPATH=. python3 bench/gpu.py [--quick] [--only ns,step,batch,attention,engine,dist] [--json PATH]
+    PYTHONPATH=. python3 bench/gpu.py [--quick] [--only ns,step,batch,attention,engine,dist,group] [--json PATH]
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from optim_step import LAYER_SHAPES
 import optim
 import optim.muon
 
-SECTIONS = ("ns", "step", "batch", "attention", "engine", "dist")
+SECTIONS = ("ns", "step", "batch", "attention", "engine", "dist", "group")
 NS_STEPS, SEED, LR = 5, 0, 0.02
 SPEC_BANDS = {"keller": (0.68, 1.14), "polar_express": (0.855, 1.143)}  # T2 / T3 of the optimizer spec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -630,6 +635,107 @@ def dist_section(backend: str = "nccl") -> list[dict]:
     return out
 
 
+# ---- group ---------------------------------------------------------------------------------------
+
+
+def rank_pids() -> list[int]:
+    """The pids of the engine's rank processes running here (torchrun's own command line names the
+    module too; it is left out)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker.engine.rank" in args and b"torch.distributed.run" not in args:
+            pids.append(int(proc.name))
+    return pids
+
+
+class GroupSink:
+    """Rank 0's telemetry as the launcher hands it over; kills a rank (SIGKILL) at ``kill_at``."""
+
+    def __init__(self, kill_at: int | None = None) -> None:
+        self.steps: list[int] = []
+        self.checkpoints: list[int] = []
+        self.kill_at, self.killed = kill_at, []
+
+    def metrics(self, report) -> None:
+        if "loss" in report.values:
+            self.steps.append(report.step)
+        if self.kill_at is not None and report.step >= self.kill_at and not self.killed:
+            self.killed = rank_pids()
+            for pid in self.killed:
+                os.kill(pid, 9)
+
+    def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict) -> None:
+        self.checkpoints.append(step)
+
+    def log(self, level: str, message: str) -> None:
+        pass
+
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        pass
+
+
+def group_run(spec: dict, out: Path, group: bool, sink: GroupSink | None = None, resume: bool = True) -> dict:
+    """One run of ``spec``: as a torch.distributed group (``group``) or in this process."""
+    from worker.engine.launch import RankFailed, run_group
+    from worker.engine.run import run_process
+
+    t0 = time.perf_counter()
+    try:
+        run = run_group if group else run_process
+        result = run(spec, out, sink=sink, resume=resume)
+    except RankFailed as exc:
+        return {"raised": f"RankFailed: {str(exc).splitlines()[0]}", "wall_s": time.perf_counter() - t0}
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [line for line in lines if "loss" in line["metrics"]]
+    step_ms = sorted(line["metrics"]["step_time_ms"] for line in train)
+    tokens_per_step = ENGINE_TRAIN["batch_size"] * ENGINE_MODEL["seq_len"]
+    return {
+        "status": result.status, "steps": result.steps, "wall_s": time.perf_counter() - t0,
+        "tokens_per_s": result.tokens_per_s, "median_step_ms": med(step_ms),
+        "median_tokens_per_s": tokens_per_step / med(step_ms) * 1e3, "final_loss": result.loss,
+        "final_val_loss": result.val_loss, "losses": {line["step"]: line["metrics"]["loss"] for line in train},
+        "metric_lines": len(train),
+    }  # fmt: skip
+
+
+def group_section(device: torch.device, steps: int) -> dict:
+    """The same job in this process and as a group of one rank under torchrun (nccl, DDP); then a
+    group whose rank is killed mid-run, resumed from its checkpoint."""
+    spec = engine_spec(device.type, "auto", steps, None)
+    spec["train"]["checkpoint_every"] = max(1, steps // 4)
+    spec["resources"] = {"nproc": 1, "nnodes": 1}
+    out: dict[str, Any] = {"model": ENGINE_MODEL, "train": {**ENGINE_TRAIN, "steps": steps}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        out["process"] = group_run(spec, root / "process", group=False)
+        sink = GroupSink()
+        out["group"] = group_run(spec, root / "group", True, sink)
+        out["group"].update(telemetry_steps=len(sink.steps), telemetry_steps_unique=len(set(sink.steps)),
+                            checkpoints_reported=sink.checkpoints,
+                            ranks_log_tail=(root / "group" / "ranks.log").read_text()[-1500:])  # fmt: skip
+        killer = GroupSink(kill_at=steps // 2)
+        out["killed"] = group_run(spec, root / "killed", True, killer)
+        out["killed"].update(pids_killed=killer.killed, last_step_reported=max(killer.steps, default=None),
+                             checkpoints_reported=killer.checkpoints)  # fmt: skip
+        resumed = GroupSink()
+        out["resumed"] = group_run(spec, root / "killed", True, resumed, resume=True)
+        out["resumed"]["first_step_reported"] = min(resumed.steps, default=None)
+    p, g, r = out["process"], out["group"], out["resumed"]
+    for run in (g, r):
+        if "losses" in run and "losses" in p:
+            common = [s for s in run["losses"] if s in p["losses"]]
+            run["max_abs_loss_diff_vs_process"] = max(abs(run["losses"][s] - p["losses"][s]) for s in common)
+    if "median_step_ms" in g and "median_step_ms" in p:
+        out["group_step_time_vs_process"] = g["median_step_ms"] / p["median_step_ms"]
+    for run in (p, g, r):
+        run.pop("losses", None)
+    return out
+
+
 # ---- report --------------------------------------------------------------------------------------
 
 
@@ -714,6 +820,13 @@ def print_report(results: dict) -> None:
                   f"max {num(r['attn_max_logit_max'], '.2f')}, max of last 50 "
                   f"{num(r['max_logit_last_50_max'], '.2f')}, steps above tau {r['steps_above_tau']} "
                   f"(first {r['first_step_above_tau']}), steps with a clip {r['steps_with_clip']}")  # fmt: skip
+    if "group" in results:
+        print("\nA job as a torch.distributed group of one rank (torchrun, nccl, DDP) against in-process:")
+        for name, run in results["group"].items():
+            if isinstance(run, dict) and name not in ("model", "train"):
+                print(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in run.items() if k != "ranks_log_tail"))
+            elif name not in ("model", "train"):
+                print(f"  {name}: {run}")
     for r in results.get("dist", []):
         if "skipped" in r:
             print(f"\ndist {r['backend']} world {r['world_size']}: skipped: {r['skipped']}")
@@ -753,6 +866,7 @@ def main() -> None:
         "attention": lambda: attention_section(device, max(5, iters // 2)),
         "engine": lambda: engine_section(device, steps),
         "dist": dist_section,
+        "group": lambda: group_section(device, steps),
     }
     for name in only:
         t0 = time.perf_counter()
