@@ -4,7 +4,8 @@ attention logits that plain Muon lets grow.
 
 Part 1 (convergence), one protocol for every contender. Model per ``--config``: small = GPT 2
 layers, d_model 128, 4 heads, seq_len 64, batch 32, 400 steps; large = 4 layers, d_model 256, 4
-heads, seq_len 64, batch 32, 1,500 steps (Newton-Schulz is a smaller share of its step). Every
+heads, seq_len 64, batch 32, 1,500 steps (at the same tokens per batch Newton-Schulz is a larger
+share of its flops: it grows as d^3, a forward and backward as d^2 x tokens). Every
 run has a linear warmup over the first 5% of steps and a decaying schedule, the engine's own
 (``train.lr_schedule``): ``wsd`` (flat, then linear to 0 over the last 20% of steps) and
 ``cosine`` (from the end of warmup to 0 at the last step); grad clip 1.0, no weight decay,
@@ -17,6 +18,11 @@ Muon (Keller coefficients) and MuonClip (tau 100) {0.01, 0.02, 0.04, 0.08}, thei
   contender's winner on every seed (the first one again, so that all figures come from the same
   interleaved runs), seed-major: for each seed AdamW, Muon, MuonClip one after the other, so
   load drift on the machine hits them alike. Tuning on one seed and confirming on three.
+  Stage 3 (``--horizons``) runs Muon's winner again after each seed's stage 2, scheduled over
+  shorter lengths (fractions of the steps rounded to eval points, each run with its own warmup
+  and decay): the shortest length whose final validation loss reaches tuned AdamW's final one
+  (interpolated between lengths, the full run the longest) and its training seconds give the
+  step and wall-clock ratios of a run scheduled to end at the target.
 
   Reported per contender (stage 2): final validation loss (mean, std, min-max over seeds);
   steps to reach tuned AdamW's final validation loss of the same seed (linear interpolation
@@ -121,6 +127,7 @@ ADAMW_LRS = (1e-3, 2e-3, 3e-3, 6e-3, 1e-2)
 MUON_LRS = (0.01, 0.02, 0.04, 0.08)
 CONVERGENCE_TAU = 100.0  # Kimi K2's tau
 CONTENDERS = ("adamw", "muon", "muonclip")
+HORIZONS = (0.4, 0.5, 0.6, 0.7, 0.8)  # stage 3: fractions of the steps (rounded to eval points)
 LOSS_TOLERANCE = 0.01  # MuonClip's final val loss within 1% of Muon's (or better)
 
 # -- part 2: logit growth ------------------------------------------------------------------------
@@ -149,6 +156,7 @@ QUICK = {
     "seeds": (0, 1),
     "adamw_lrs": (3e-3,),
     "muon_lrs": (0.02,),
+    "horizons": (0.5,),
     "spread": {"batches": 3, "large_batch": 128},
     "logit_tau": 6.0,  # a tau that 60 steps pass, so that the hold measurement has steps to read
 }
@@ -333,22 +341,27 @@ def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: in
 
 # -- part 1 --------------------------------------------------------------------------------------
 def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> dict[str, Any]:
-    """Stage 1 (tuning on the first seed), then stage 2 (the winners, every seed, interleaved)."""
-    warmup = max(1, round(WARMUP_FRACTION * args.steps))
+    """Stage 1 (tuning on the first seed), then stage 2 (the winners, every seed, interleaved),
+    with stage 3 (Muon's winner scheduled over each shorter horizon) after each seed's stage 2."""
     grids = {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
+    horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
 
-    def one(stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float) -> RunRecord:
-        spec = make_spec(cfg.model, optimizer_section(contender, lr, adamw_lr), args.steps, seed, args.eval_every,
+    def one(stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float,
+            steps: int | None = None) -> RunRecord:  # fmt: skip
+        steps = steps or args.steps
+        warmup = max(1, round(WARMUP_FRACTION * steps))  # every run: its own warmup and schedule over its length
+        spec = make_spec(cfg.model, optimizer_section(contender, lr, adamw_lr), steps, seed, args.eval_every,
                          schedule, warmup, telemetry_every=args.eval_every)  # fmt: skip
         try:
             rec = train(contender, lr, spec, data, args.eval_batches)
         except TrainingError as e:  # a diverged grid point loses, it does not end the benchmark
-            if stage == 2:
+            if stage > 1:
                 raise
             print(f"  [stage 1] {contender} lr={lr:g} {schedule}: {e}", flush=True)
             return RunRecord(contender, seed, lr, schedule, spec["optimizer"], [], [(0, 0.0)], [])
-        print(f"  [stage {stage}] seed {seed} {contender:<9} lr={lr:<7g}{schedule:<7} final val {rec.final_val:.4f}"
-              f"  train {rec.train_seconds:6.1f} s  {rec.tokens_per_s:7.0f} tok/s", flush=True)  # fmt: skip
+        print(f"  [stage {stage}] seed {seed} {contender:<9} lr={lr:<7g}{schedule:<7}{steps:>5} steps, final val "
+              f"{rec.final_val:.4f}  train {rec.train_seconds:6.1f} s  {rec.tokens_per_s:7.0f} tok/s",
+              flush=True)  # fmt: skip
         if args.progress:  # every run as it ends: a run cut short keeps what it finished
             with open(args.progress, "a") as f:
                 f.write(json.dumps({"stage": stage, **asdict(rec)}) + "\n")
@@ -368,14 +381,37 @@ def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> d
             adamw_lr = best.lr
 
     stage2: dict[str, list[RunRecord]] = {c: [] for c in grids}
+    stage3: dict[str, list[RunRecord]] = {str(h): [] for h in horizons}
     for seed in args.seeds:
         for contender, best in winners.items():
             stage2[contender].append(one(2, contender, best.lr, best.schedule, seed, adamw_lr))
+        muon = winners["muon"]
+        for h in horizons:
+            stage3[str(h)].append(one(3, "muon", muon.lr, muon.schedule, seed, adamw_lr, steps=h))
     analysis = analyse_convergence(stage2, args.steps, cfg.target_wall_ratio)
+    analysis["horizons"] = analyse_horizons(stage2, stage3, args.steps, cfg.target_wall_ratio)
     analysis["winners"] = {c: asdict(w) for c, w in winners.items()}
     analysis["stage1_final_val"] = {c: {f"{r.lr:g} {r.schedule}": r.final_val for r in recs}
                                     for c, recs in stage1.items()}  # fmt: skip
-    return {"analysis": analysis, "stage1": records_json(stage1), "runs": records_json(stage2)}
+    return {"analysis": analysis, "stage1": records_json(stage1), "runs": records_json(stage2),
+            "horizon_runs": records_json(stage3)}  # fmt: skip
+
+
+def analyse_horizons(stage2: dict[str, list[RunRecord]], stage3: dict[str, list[RunRecord]], steps: int,
+                     target_wall_ratio: float) -> dict[str, Any]:  # fmt: skip
+    """Per seed, Muon's steps and training seconds to tuned AdamW's final validation loss with a
+    schedule that ends there (proto.horizon_ratios over the shorter runs and the full one)."""
+    if not stage3:
+        return {}
+    reach = []
+    for i, (adamw, full) in enumerate(zip(stage2["adamw"], stage2["muon"])):
+        runs = [(r.val_loss[-1][0], r.final_val, r.train_seconds) for r in (full, *(v[i] for v in stage3.values()))]
+        reach.append({**proto.horizon_ratios(runs, adamw.final_val, steps, adamw.train_seconds),
+                      "runs": runs, "shortest": min(h for h, _, _ in runs)})  # fmt: skip
+    wall = proto.mean_or_none(x["wall_ratio"] for x in reach)
+    return {"horizon_steps": [int(h) for h in stage3], "reach": reach, "mean_wall_ratio": wall,
+            "mean_step_ratio": proto.mean_or_none(x["step_ratio"] for x in reach),
+            "wall_ok": wall is not None and wall <= target_wall_ratio}  # fmt: skip
 
 
 def analyse_convergence(runs: dict[str, list[RunRecord]], steps: int, target_wall_ratio: float) -> dict[str, Any]:
@@ -425,6 +461,16 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
     print(f"Muon wall-clock ratio <= {cfg.target_wall_ratio}: {a['wall_ok']}; MuonClip vs Muon final val "
           f"{diffs} (within {100 * LOSS_TOLERANCE:g}%: {a['muonclip_loss_ok']}); MuonClip peak max logit "
           f"{peak:.1f} at eval points (tau {CONVERGENCE_TAU:g})")  # fmt: skip
+    if h := a.get("horizons"):
+        print(f"\nStage 3: Muon's winner scheduled to end at {h['horizon_steps']} steps (and the full run); the "
+              f"shortest length that reaches tuned AdamW's final val loss, interpolated between lengths")  # fmt: skip
+        for seed, r in zip(a["seeds"], h["reach"]):
+            finals = "  ".join(f"{s}: {v:.4f} in {t:.1f} s" for s, v, t in sorted(r["runs"]))
+            bound = " (the shortest run: an upper bound)" if r["steps"] == r["shortest"] else ""
+            print(f"  seed {seed}: target {r['target']:.4f}; steps {fmt(r['steps'], '.0f')}{bound}, wall ratio "
+                  f"{fmt(r['wall_ratio'])}, step ratio {fmt(r['step_ratio'])}  [{finals}]")  # fmt: skip
+        print(f"Muon, a schedule that ends at the target: wall-clock ratio {fmt(h['mean_wall_ratio'])}, step ratio "
+              f"{fmt(h['mean_step_ratio'])} (<= {cfg.target_wall_ratio}: {h['wall_ok']})")  # fmt: skip
 
 
 # -- part 2 --------------------------------------------------------------------------------------
@@ -648,15 +694,16 @@ def print_plan(args: argparse.Namespace, cfg: Config) -> None:
     total = 0.0
     if args.part in ("all", "convergence"):
         grids = {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
-        runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps)
-        for stage in (1, 2):
+        horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
+        runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps, horizons)
+        for stage in (1, 2, 3):
             some = [r for r in runs if r.stage == stage]
             est = proto.estimate_seconds(some, cfg.seconds_per_step, overhead_s=1.0)
             total += est
-            print(f"stage {stage}: {len(some)} runs of {args.steps} steps, about {est / 60:.0f} min")
+            print(f"stage {stage}: {len(some)} runs, about {est / 60:.0f} min")
             for r in some:
                 what = f"lr={r.lr:g} {r.schedule}" if r.stage == 1 else "stage-1 winner"
-                print(f"    seed {r.seed} {r.contender:<9} {what}")
+                print(f"    seed {r.seed} {r.contender:<9} {what}, {r.steps} steps")
     if args.part in ("all", "logits"):
         contenders = ["muon", *args.clips]
         est = len(args.seeds) * args.logit_steps * sum(LOGIT_SECONDS_PER_STEP[c] for c in contenders)
@@ -682,6 +729,9 @@ def main() -> None:
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=list(ADAMW_LRS), help="AdamW's grid")
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=list(MUON_LRS), help="Muon's and MuonClip's grid")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--horizons", type=float, nargs="*", default=list(HORIZONS),
+                        help="stage 3: Muon's winner over these fractions of the steps, each with its own "
+                        "schedule (default %(default)s; none: no stage 3)")  # fmt: skip
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS),
                         help="part 1's contenders (default all; AdamW and Muon are always run)")  # fmt: skip
     parser.add_argument(
@@ -714,6 +764,7 @@ def main() -> None:
         args.steps = args.logit_steps = QUICK["steps"]
         args.eval_every, args.eval_batches = QUICK["eval_every"], QUICK["eval_batches"]
         args.seeds, args.adamw_lrs, args.muon_lrs = list(QUICK["seeds"]), QUICK["adamw_lrs"], QUICK["muon_lrs"]
+        args.horizons = QUICK["horizons"]
         SPREAD.update(QUICK["spread"])
         args.logit_tau = QUICK["logit_tau"]
     if args.replot:

@@ -31,7 +31,8 @@ class Setting:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """A run of the protocol: stage 1 (tuning, on the first seed) or stage 2 (the winners, every seed)."""
+    """A run of the protocol: stage 1 (tuning, on the first seed), stage 2 (the winners, every
+    seed) or stage 3 (Muon's winner with shorter schedules: a horizon, every seed)."""
 
     stage: int
     contender: str
@@ -163,20 +164,48 @@ def hold_stats(actual: Sequence[float], ideal: Sequence[float], median_target: f
 
 
 def plan_runs(
-    grids: dict[str, Sequence[float]], schedules: Sequence[str], seeds: Sequence[int], steps: int
+    grids: dict[str, Sequence[float]],
+    schedules: Sequence[str],
+    seeds: Sequence[int],
+    steps: int,
+    horizons: Sequence[int] = (),
 ) -> list[PlannedRun]:
     """Every run of the protocol, in order: stage 1 tunes each contender (grid order, AdamW
     first since the others' AdamW part takes its tuned lr) over lr x schedule on ``seeds[0]``;
     stage 2 runs each contender's winner on every seed, seed-major (for each seed, every
-    contender), so that load drift on the machine hits all contenders alike."""
+    contender, then stage 3: Muon's winner scheduled to end at each of ``horizons`` steps), so
+    that load drift on the machine hits all of them alike."""
     runs = [
         PlannedRun(1, contender, lr, schedule, seeds[0], steps)
         for contender, grid in grids.items()
         for schedule in schedules
         for lr in grid
     ]
-    runs += [PlannedRun(2, contender, None, None, seed, steps) for seed in seeds for contender in grids]
+    for seed in seeds:
+        runs += [PlannedRun(2, contender, None, None, seed, steps) for contender in grids]
+        runs += [PlannedRun(3, "muon", None, None, seed, h) for h in horizons]
     return runs
+
+
+def horizon_steps(fractions: Iterable[float], steps: int, every: int) -> list[int]:
+    """Run lengths for stage 3: each fraction of ``steps`` rounded to a multiple of ``every`` (an
+    evaluation point of the full run), shorter than ``steps``, ascending, no repeats."""
+    out = {every * round(f * steps / every) for f in fractions}
+    return sorted(h for h in out if 0 < h < steps)
+
+
+def horizon_ratios(
+    runs: Sequence[tuple[int, float, float]], target: float, baseline_steps: int, baseline_seconds: float
+) -> dict[str, float | None]:
+    """Muon's steps and seconds to ``target`` with a schedule that ends there: ``runs`` are
+    (steps, final validation loss, training seconds) of runs each scheduled over its own length
+    (the full run among them). The shortest length whose final loss is at or below ``target``,
+    interpolated linearly between the lengths around it (:func:`ratios_against` over the final
+    losses; a target the shortest run already reaches gives that run: an upper bound)."""
+    ordered = sorted(runs)
+    return ratios_against(
+        [(h, v) for h, v, _ in ordered], [(h, s) for h, _, s in ordered], target, baseline_steps, baseline_seconds
+    )
 
 
 def estimate_seconds(runs: Sequence[PlannedRun], seconds_per_step: dict[str, float], overhead_s: float = 0.0) -> float:

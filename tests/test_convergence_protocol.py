@@ -112,6 +112,31 @@ def test_plan_tunes_on_the_first_seed_then_interleaves_the_winners() -> None:
     assert est == pytest.approx(400 * (0.1 * 4 + 0.2 * 4) + 400 * 3 * (0.1 + 0.2 + 0.2) + len(runs))
 
 
+def test_plan_interleaves_muons_horizons_with_each_seeds_winners() -> None:
+    grids = {"adamw": (3e-3,), "muon": (0.02,)}
+    runs = proto.plan_runs(grids, ("wsd",), (0, 1), 400, horizons=(200, 300))
+    later = [(r.stage, r.seed, r.contender, r.steps) for r in runs if r.stage > 1]
+    assert later == [
+        (2, 0, "adamw", 400), (2, 0, "muon", 400), (3, 0, "muon", 200), (3, 0, "muon", 300),
+        (2, 1, "adamw", 400), (2, 1, "muon", 400), (3, 1, "muon", 200), (3, 1, "muon", 300),
+    ]  # fmt: skip
+
+
+def test_horizon_steps_are_eval_points_shorter_than_the_run() -> None:
+    assert proto.horizon_steps([0.5, 0.6, 0.7, 0.8], 400, 25) == [200, 250, 275, 325]
+    assert proto.horizon_steps([0.61, 0.62, 1.0, 0.01], 400, 25) == [250]  # repeats, the full run and 0 dropped
+
+
+def test_horizon_ratios_take_the_shortest_scheduled_run_that_reaches_the_target() -> None:
+    runs = [(400, 1.60, 40.0), (200, 1.90, 21.0), (300, 1.70, 31.0), (250, 1.80, 26.0)]
+    r = proto.horizon_ratios(runs, target=1.75, baseline_steps=400, baseline_seconds=36.0)
+    assert r["steps"] == pytest.approx(275.0)  # between the 250- and 300-step runs
+    assert r["seconds"] == pytest.approx(28.5)
+    assert r["step_ratio"] == pytest.approx(275 / 400) and r["wall_ratio"] == pytest.approx(28.5 / 36)
+    assert proto.horizon_ratios(runs, 1.5, 400, 36.0)["steps"] is None  # not even the full run reaches it
+    assert proto.horizon_ratios(runs, 2.0, 400, 36.0)["steps"] == 200  # the shortest run: an upper bound
+
+
 def test_setting_label() -> None:
     assert proto.Setting("muon", 0.04, "cosine").label == "muon lr=0.04 cosine"
     assert proto.describe(None) == "-" and proto.describe(0.12345) == "0.123"
