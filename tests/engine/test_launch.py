@@ -71,3 +71,20 @@ def test_the_reporting_node_without_rank_0s_outcome_lost_a_rank(tmp_path, monkey
     """Done is not an outcome: the reporting node needs rank 0's."""
     with pytest.raises(RankFailed):
         follow(tmp_path, monkeypatch, ["0:done:-", "1:done:-"], ABORTED, reports=True)
+
+
+def test_a_cuda_group_with_more_ranks_than_the_node_has_gpus_fails_before_it_starts(tmp_path, monkeypatch):
+    """The node's GPUs are the outer boundary here: one is what this worker reports."""
+    import torch
+
+    from tests.engine.test_distributed import spec
+    from worker.engine.launch import run_group
+    from worker.engine.outcome import NotEnoughGpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    job = spec(2, device="cuda")
+    with pytest.raises(NotEnoughGpus, match=r"resources\.nproc is 2: .* this worker has 1") as raised:
+        run_group(job, tmp_path / "run")
+    assert raised.value.code == "not_enough_gpus"
+    assert not (tmp_path / "run").exists()  # nothing launched, nothing written

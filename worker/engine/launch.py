@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, deliver, encode
-from .config import job_config_from_dict
-from .outcome import RunResult, TrainingError
+from .config import TrainConfig, job_config_from_dict
+from .outcome import NotEnoughGpus, RunResult, TrainingError
 from .telemetry import TelemetrySink
+from .trainer import resolve_device
 
 log = logging.getLogger("muonforge.engine")
 RANK_MODULE = "worker.engine.rank"
@@ -111,7 +112,9 @@ def run_group(
     of memory), or RankFailed. ``node``: this process's node of a job of several; a node other
     than 0 returns None once its ranks ended well (the outcome is node 0's). ``init_from``: a
     warm start's checkpoint file, which every rank loads."""
-    resources = job_config_from_dict(spec).resources
+    job = job_config_from_dict(spec)
+    resources = job.resources
+    check_gpus(job.train, resources.nproc)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = f"-node{node.index}" if node is not None else ""  # the nodes may share the directory
     spec_path = out_dir / f"group-spec{suffix}.json"
@@ -134,6 +137,17 @@ def run_group(
         return group.follow(sink, should_cancel or (lambda: False), watch, reports)
     finally:
         group.kill()
+
+
+def check_gpus(train: TrainConfig, nproc: int) -> None:
+    """A CUDA run puts each rank of a node on a GPU of its own (LOCAL_RANK's; nccl refuses two ranks
+    on one device): a node with fewer GPUs than ranks fails the run at once, with the figures,
+    instead of starting ranks that fail at every restart."""
+    device, _ = resolve_device(train)
+    if device.type == "cuda" and nproc > (count := torch.cuda.device_count()):
+        raise NotEnoughGpus(
+            f"resources.nproc is {nproc}: each rank of a node needs a GPU of its own, and this worker has {count}"
+        )
 
 
 def free_port(host: str) -> int:

@@ -15,6 +15,12 @@ class TrainingError(RuntimeError):
     code = "training_error"
 
 
+class NotEnoughGpus(TrainingError):
+    """A CUDA run of a group asks for more ranks on a node than the node has GPUs."""
+
+    code = "not_enough_gpus"
+
+
 class TimeLimitReached(TrainingError):
     """The run reached ``train.max_minutes``; its latest state is in a checkpoint."""
 
