@@ -30,6 +30,11 @@ Sections (``--only`` picks some, comma-separated):
   this process: tokens/s, losses; then one rank killed with SIGKILL mid-run (``RankFailed``) and
   the job resumed from its checkpoint to the end. One GPU holds one rank (nccl refuses two ranks
   on one device), so the group here has one.
+* ``host``: where a training step's time goes on a small model (bench/convergence.py's large
+  configuration: gpt 4 layers, d_model 256, seq 64, batch 32, the synthetic task), AdamW, Muon
+  and MuonClip through the engine's Trainer: the whole step, the optimizer's step synchronised
+  before and after and the host's share of it (the time to issue its kernels), and CUDA kernels
+  per training step and per optimizer step.
 * ``dist``: QK-Clip's S_max all-reduce (MAX) with the nccl backend, world sizes 1 and 2 (world 2
   needs two GPUs: nccl refuses two ranks on one device); where nccl cannot run world 2, the same
   two-rank check runs on gloo (CPU tensors), so the MAX over ranks is still exercised.
@@ -37,7 +42,7 @@ Sections (``--only`` picks some, comma-separated):
 Needs torch (with CUDA) and numpy only: the engine reads plain dataclass configs, no pydantic.
 Without a CUDA device it exits at once with one line saying so.
 
-    PYTHONPATH=. python3 bench/gpu.py [--quick] [--only ns,step,batch,attention,engine,dist,group] [--json PATH]
+    PYTHONPATH=. python3 bench/gpu.py [--quick] [--only ns,...,group,host] [--json PATH]
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ from optim_step import LAYER_SHAPES
 import optim
 import optim.muon
 
-SECTIONS = ("ns", "step", "batch", "attention", "engine", "dist", "group")
+SECTIONS = ("ns", "step", "batch", "attention", "engine", "dist", "group", "host")
 NS_STEPS, SEED, LR = 5, 0, 0.02
 SPEC_BANDS = {"keller": (0.68, 1.14), "polar_express": (0.855, 1.143)}  # T2 / T3 of the optimizer spec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -736,6 +741,81 @@ def group_section(device: torch.device, steps: int) -> dict:
     return out
 
 
+# ---- host ----------------------------------------------------------------------------------------
+
+HOST_MODEL = {"arch": "gpt", "n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 64}
+HOST_OPTIMIZERS = {"adamw": {"name": "adamw", "lr": 1e-3}, "muon": {"name": "muon", "lr": 0.01, "adamw_lr": 1e-3},
+                   "muonclip": {"name": "muonclip", "lr": 0.01, "adamw_lr": 1e-3}}  # fmt: skip
+
+
+def cuda_kernels(fn: Callable[[], object], repeats: int) -> float:
+    """CUDA kernels launched per call of ``fn`` (profiled over ``repeats`` calls)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA) / repeats
+
+
+def host_section(device: torch.device, steps: int) -> dict:
+    from worker.engine.config import job_config_from_dict
+    from worker.engine.data import synthetic_task
+    from worker.engine.trainer import Trainer
+
+    out: dict[str, Any] = {"model": HOST_MODEL, "batch_size": 32, "steps_timed": steps}
+    data = synthetic_task(0, tokens=1 << 16)
+    for name, optimizer in HOST_OPTIMIZERS.items():
+        spec = {
+            "name": f"bench-host-{name}", "model": HOST_MODEL, "data": {"builtin": "synthetic"}, "optimizer": optimizer,
+            "train": {"steps": 10**6, "batch_size": 32, "eval_every": 10**6, "checkpoint_every": 10**6,
+                      "device": device.type, "precision": "auto"},
+            "telemetry": {"every": 10**6, "sample_tokens": 0},
+        }  # fmt: skip
+        out[name] = host_row(Trainer(job_config_from_dict(spec), data, None, None), steps)
+    out["muon_train_step_vs_adamw"] = out["muon"]["train_step_ms"] / out["adamw"]["train_step_ms"]
+    return out
+
+
+def host_row(trainer, steps: int) -> dict:
+    """One optimizer's figures: the training step, its optimizer step (synchronised, and the time
+    to issue it), and CUDA kernels per training step and per optimizer step."""
+    opt, synced, issued = trainer.optimizer, [], []
+    step = opt.step
+
+    def train_step() -> None:
+        trainer.train_step(False)
+        trainer.step += 1
+
+    def timed(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        result = step(*args, **kwargs)
+        issued.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        synced.append((time.perf_counter() - t) * 1e3)
+        return result
+
+    for _ in range(20):
+        train_step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        train_step()
+    torch.cuda.synchronize()
+    row = {"train_step_ms": (time.perf_counter() - t0) / steps * 1e3}
+    opt.step = timed
+    for _ in range(steps):
+        train_step()
+    del opt.step  # the class's step again
+    row.update(optimizer_step_ms=med(synced), optimizer_step_host_ms=med(issued))
+    row["kernels_per_train_step"] = cuda_kernels(train_step, 5)
+    for p in trainer.model.parameters():  # the optimizer's step alone, on gradients that stay
+        p.grad = torch.randn_like(p) * 1e-3
+    row["kernels_per_optimizer_step"] = cuda_kernels(opt.step, 5)
+    return row
+
+
 # ---- report --------------------------------------------------------------------------------------
 
 
@@ -820,6 +900,16 @@ def print_report(results: dict) -> None:
                   f"max {num(r['attn_max_logit_max'], '.2f')}, max of last 50 "
                   f"{num(r['max_logit_last_50_max'], '.2f')}, steps above tau {r['steps_above_tau']} "
                   f"(first {r['first_step_above_tau']}), steps with a clip {r['steps_with_clip']}")  # fmt: skip
+    if "host" in results:
+        h = results["host"]
+        print(f"\nWhere a training step's time goes ({h['model']}, batch {h['batch_size']}), medians:")
+        for name in HOST_OPTIMIZERS:
+            r = h[name]
+            print(f"  {name:<9} step {r['train_step_ms']:.2f} ms; optimizer step {r['optimizer_step_ms']:.2f} ms, "
+                  f"of which issuing it {r['optimizer_step_host_ms']:.2f} ms; kernels per step "
+                  f"{r['kernels_per_train_step']:.0f}, per optimizer step "
+                  f"{r['kernels_per_optimizer_step']:.0f}")  # fmt: skip
+        print(f"  Muon's training step / AdamW's: {h['muon_train_step_vs_adamw']:.2f}")
     if "group" in results:
         print("\nA job as a torch.distributed group of one rank (torchrun, nccl, DDP) against in-process:")
         for name, run in results["group"].items():
@@ -867,6 +957,7 @@ def main() -> None:
         "engine": lambda: engine_section(device, steps),
         "dist": dist_section,
         "group": lambda: group_section(device, steps),
+        "host": lambda: host_section(device, max(20, steps // 3)),
     }
     for name in only:
         t0 = time.perf_counter()
