@@ -384,6 +384,9 @@ def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> d
     stage3: dict[str, list[RunRecord]] = {str(h): [] for h in horizons}
     for seed in args.seeds:
         for contender, best in winners.items():
+            if seed == args.seeds[0] and len(stage1[contender]) == 1:  # nothing was tuned: that run is this one
+                stage2[contender].append(stage1[contender][0])
+                continue
             stage2[contender].append(one(2, contender, best.lr, best.schedule, seed, adamw_lr))
         muon = winners["muon"]
         for h in horizons:

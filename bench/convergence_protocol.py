@@ -174,15 +174,17 @@ def plan_runs(
     first since the others' AdamW part takes its tuned lr) over lr x schedule on ``seeds[0]``;
     stage 2 runs each contender's winner on every seed, seed-major (for each seed, every
     contender, then stage 3: Muon's winner scheduled to end at each of ``horizons`` steps), so
-    that load drift on the machine hits all of them alike."""
+    that load drift on the machine hits all of them alike. A contender with a single setting is
+    not tuned: its stage-1 run is its stage-2 run of the first seed."""
     runs = [
         PlannedRun(1, contender, lr, schedule, seeds[0], steps)
         for contender, grid in grids.items()
         for schedule in schedules
         for lr in grid
     ]
+    tuned = {c for c, grid in grids.items() if len(grid) * len(schedules) > 1}  # the others' stage-1 run is seed 0's
     for seed in seeds:
-        runs += [PlannedRun(2, contender, None, None, seed, steps) for contender in grids]
+        runs += [PlannedRun(2, c, None, None, seed, steps) for c in grids if c in tuned or seed != seeds[0]]
         runs += [PlannedRun(3, "muon", None, None, seed, h) for h in horizons]
     return runs
 
