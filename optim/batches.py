@@ -4,6 +4,7 @@ with the finite check decided on the device."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -59,26 +60,20 @@ def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: floa
         shares += [1.0 / k] * k
         first += k
     O.masked_fill_(~keep.view(-1, 1, 1), 0.0)  # a skipped parameter gets a zero update
+    by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
     first = 0
     for e in entries:
         k = e.grad.shape[0]
         if weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
             e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
         update = O[first : first + k]
-        e.param.add_((update.mT if e.tall else update).reshape(e.param.shape), alpha=-lr * e.scale)
+        params, updates = by_scale[e.scale]
+        params.append(e.param)
+        updates.append((update.mT if e.tall else update).reshape(e.param.shape))
         first += k
-    weights_t, shares_t = _small_floats([weights, shares], sq)  # one copy for both
-    stats.update_sq_sum = stats.update_sq_sum + sq.where(keep, 0.0).dot(weights_t)
-    stats.update_numel = stats.update_numel + keep.sum() * O[0].numel()
-    stats.nonfinite_skipped = stats.nonfinite_skipped + (~keep).to(sq.dtype).dot(shares_t)
-
-
-def _small_floats(values: list, like: Tensor) -> Tensor:
-    """A few host numbers (a list, or a list of equal lists) as a tensor on ``like``'s device and
-    dtype without a device sync: on CUDA through pinned memory and an asynchronous copy (a
-    pageable copy would wait)."""
-    host = torch.tensor(values, dtype=like.dtype, pin_memory=like.is_cuda)
-    return host.to(like.device, non_blocking=True)
+    for scale, (params, updates) in by_scale.items():  # one call per lr multiplier, not one per parameter
+        torch._foreach_add_(params, updates, alpha=-lr * scale)
+    stats.record(sq, keep, weights, shares, O[0].numel())  # summed once per step (StepStats.settle)
 
 
 def split_batches(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:

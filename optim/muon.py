@@ -195,6 +195,7 @@ class Muon(torch.optim.Optimizer):
             else:  # momentum for all (replicated state) or for the owned only (sharded); NS for the owned
                 mine = [p for p in params if owners.rank_of[p] == self._rank]
                 self._muon_step(group, mine if self._shard else params, stats, update=mine)
+        stats.settle()
         if owners is not None:
             self._share_updates(owners, stats)
         stats.nonfinite_skipped += sum(1 for ok in finite.values() if not ok)  # grads are alike on every rank

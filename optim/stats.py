@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+
+def small_floats(values: list, like: Tensor) -> Tensor:
+    """A few host numbers (a list, or a list of equal lists) as a tensor on ``like``'s device and
+    dtype without a device sync: on CUDA through pinned memory and an asynchronous copy (a
+    pageable copy would wait)."""
+    host = torch.tensor(values, dtype=like.dtype, pin_memory=like.is_cuda)
+    return host.to(like.device, non_blocking=True)
 
 
 class PhaseTimer:
@@ -53,10 +62,35 @@ class StepStats:
     """What one step did, for telemetry; tensors are read (and synced) only when asked for."""
 
     update_sq_sum: Tensor | float = 0.0
-    update_numel: Tensor | int = 0
-    nonfinite_skipped: Tensor | int = 0
+    update_numel: Tensor | float = 0
+    nonfinite_skipped: Tensor | float = 0
     ns_timer: PhaseTimer | None = None
     extra: dict[str, Tensor | float] = field(default_factory=dict)
+    # Each batch's (squared update norm per matrix, applied per matrix, (lr x scale)^2 per matrix,
+    # 1 / k per matrix, entries per matrix), until settle() sums them for the step.
+    _batches: list[tuple[Tensor, Tensor, list[float], list[float], int]] = field(default_factory=list)
+
+    def record(self, sq: Tensor, keep: Tensor, weights: list[float], shares: list[float], numel: int) -> None:
+        """One batch of updates: ``sq`` and ``keep`` per matrix (device tensors), ``weights`` and
+        ``shares`` per matrix (host numbers), ``numel`` entries in each of its matrices."""
+        self._batches.append((sq, keep, weights, shares, numel))
+
+    def settle(self) -> None:
+        """Fold the recorded batches into update_sq_sum, update_numel and nonfinite_skipped: a few
+        device ops per device and dtype for the whole step instead of per batch, no host sync."""
+        groups: dict[tuple, list] = defaultdict(list)
+        for batch in self._batches:
+            groups[(batch[0].device, batch[0].dtype)].append(batch)
+        for batches in groups.values():
+            sq, keep = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            weights, shares = [w for b in batches for w in b[2]], [s for b in batches for s in b[3]]
+            numels = [float(b[4]) for b in batches for _ in b[2]]
+            w, s, n = small_floats([weights, shares, numels], sq)  # one copy for the three
+            applied = keep.to(sq.dtype)
+            self.update_sq_sum = self.update_sq_sum + sq.where(keep, 0.0).dot(w)
+            self.update_numel = self.update_numel + applied.dot(n)
+            self.nonfinite_skipped = self.nonfinite_skipped + (1.0 - applied).dot(s)
+        self._batches.clear()
 
     def as_dict(self) -> dict[str, float]:
         """update_rms: RMS of the applied Muon updates (parameter change, decay excluded);

@@ -131,6 +131,30 @@ def test_t8_match_rms_adamw_update_rms():
     assert opt.last_step_stats()["update_rms"] == pytest.approx(total, rel=1e-4)
 
 
+def test_step_stats_sum_every_batch_of_every_precision_once():
+    """update_rms over groups of two precisions and several batches (tall, wide and square shapes,
+    a cap that splits a bucket) is the RMS of the whole step's parameter change; a parameter with
+    a non-finite gradient counts once and changes nothing."""
+    f32 = params_with_grads([(256, 64), (64, 256), (64, 64), (64, 64)])
+    f64 = params_with_grads([(128, 32), (32, 32)], seed=10, dtype=torch.float64)
+    f32[2].grad[0, 0] = float("nan")
+    start = [p.detach().clone() for p in f32 + f64]
+    opt = Muon([{"params": f32}, {"params": f64}], lr=0.01)
+    original = muon_module.MAX_BATCH_BYTES
+    muon_module.MAX_BATCH_BYTES = 64 * 256 * 4  # one 64 x 256 matrix per batch: four float32 batches
+    try:
+        opt.step()
+    finally:
+        muon_module.MAX_BATCH_BYTES = original
+    change = [p.detach() - s for p, s in zip(f32 + f64, start)]
+    assert change[2].abs().max() == 0
+    applied = [c for i, c in enumerate(change) if i != 2]
+    rms = math.sqrt(sum(c.square().sum().item() for c in applied) / sum(c.numel() for c in applied))
+    stats = opt.last_step_stats()
+    assert stats["update_rms"] == pytest.approx(rms, rel=1e-5)
+    assert stats["nonfinite_skipped"] == 1
+
+
 # T10: a conv weight is scaled from its flattened 2D shape.
 def test_t10_conv_scale_from_flattened_shape():
     assert update_scale(256, 9, "original") == pytest.approx(5.333, abs=1e-3)
