@@ -51,19 +51,19 @@ def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: floa
     finite. Decided on the device: no host sync (on CUDA the step's kernels stay queued)."""
     sq = torch.linalg.vector_norm(O, dim=(1, 2), dtype=torch.promote_types(O.dtype, torch.float32)).square()
     keep = sq.isfinite()  # [B] per matrix; a parameter of k > 1 matrices is kept whole or not at all
-    weights, shares, first = [], [], 0  # per matrix: (lr * scale)^2, and 1 / k (so a parameter counts once)
+    first = 0
     for e in entries:
         k = e.grad.shape[0]
         if k > 1:
             keep[first : first + k] = keep[first : first + k].all()
-        weights += [(lr * e.scale) ** 2] * k
-        shares += [1.0 / k] * k
         first += k
     O.masked_fill_(~keep.view(-1, 1, 1), 0.0)  # a skipped parameter gets a zero update
     by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
-    first = 0
+    weights, shares, first = [], [], 0  # per matrix: (lr * scale)^2, and 1 / k (so a parameter counts once)
     for e in entries:
         k = e.grad.shape[0]
+        weights += [(lr * e.scale) ** 2] * k
+        shares += [1.0 / k] * k
         if weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
             e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
         update = O[first : first + k]

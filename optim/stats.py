@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -66,31 +65,36 @@ class StepStats:
     nonfinite_skipped: Tensor | float = 0
     ns_timer: PhaseTimer | None = None
     extra: dict[str, Tensor | float] = field(default_factory=dict)
-    # Each batch's (squared update norm per matrix, applied per matrix, (lr x scale)^2 per matrix,
-    # 1 / k per matrix, entries per matrix), until settle() sums them for the step.
-    _batches: list[tuple[Tensor, Tensor, list[float], list[float], int]] = field(default_factory=list)
+    # Per device and dtype, until settle() sums them for the step: each batch's squared update
+    # norm and finite flag per matrix (device tensors) and, per matrix, (lr x scale)^2, 1 / k and
+    # its entry count (host numbers).
+    _pending: dict[tuple, tuple[list[Tensor], list[Tensor], list[float], list[float], list[float]]] = field(
+        default_factory=dict
+    )
 
     def record(self, sq: Tensor, keep: Tensor, weights: list[float], shares: list[float], numel: int) -> None:
-        """One batch of updates: ``sq`` and ``keep`` per matrix (device tensors), ``weights`` and
-        ``shares`` per matrix (host numbers), ``numel`` entries in each of its matrices."""
-        self._batches.append((sq, keep, weights, shares, numel))
+        """One batch of updates: ``sq`` and ``keep`` per matrix, ``weights`` and ``shares`` per
+        matrix, ``numel`` entries in each of its matrices."""
+        sqs, keeps, all_weights, all_shares, numels = self._pending.setdefault(
+            (sq.device, sq.dtype), ([], [], [], [], [])
+        )
+        sqs.append(sq)
+        keeps.append(keep)
+        all_weights += weights
+        all_shares += shares
+        numels += [float(numel)] * len(weights)
 
     def settle(self) -> None:
         """Fold the recorded batches into update_sq_sum, update_numel and nonfinite_skipped: a few
         device ops per device and dtype for the whole step instead of per batch, no host sync."""
-        groups: dict[tuple, list] = defaultdict(list)
-        for batch in self._batches:
-            groups[(batch[0].device, batch[0].dtype)].append(batch)
-        for batches in groups.values():
-            sq, keep = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-            weights, shares = [w for b in batches for w in b[2]], [s for b in batches for s in b[3]]
-            numels = [float(b[4]) for b in batches for _ in b[2]]
+        for sqs, keeps, weights, shares, numels in self._pending.values():
+            sq, keep = torch.cat(sqs), torch.cat(keeps)
             w, s, n = small_floats([weights, shares, numels], sq)  # one copy for the three
             applied = keep.to(sq.dtype)
             self.update_sq_sum = self.update_sq_sum + sq.where(keep, 0.0).dot(w)
             self.update_numel = self.update_numel + applied.dot(n)
             self.nonfinite_skipped = self.nonfinite_skipped + (1.0 - applied).dot(s)
-        self._batches.clear()
+        self._pending.clear()
 
     def as_dict(self) -> dict[str, float]:
         """update_rms: RMS of the applied Muon updates (parameter change, decay excluded);
