@@ -340,10 +340,15 @@ def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: in
 
 
 # -- part 1 --------------------------------------------------------------------------------------
+def contender_grids(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Each contender's lr grid, AdamW first (the others' AdamW part takes its tuned lr)."""
+    return {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
+
+
 def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> dict[str, Any]:
     """Stage 1 (tuning on the first seed), then stage 2 (the winners, every seed, interleaved),
     with stage 3 (Muon's winner scheduled over each shorter horizon) after each seed's stage 2."""
-    grids = {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
+    grids = contender_grids(args)
     horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
 
     def one(stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float,
@@ -696,7 +701,7 @@ def print_plan(args: argparse.Namespace, cfg: Config) -> None:
     """The runs the arguments ask for and an estimated duration at 1 thread; trains nothing."""
     total = 0.0
     if args.part in ("all", "convergence"):
-        grids = {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
+        grids = contender_grids(args)
         horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
         runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps, horizons)
         for stage in (1, 2, 3):
