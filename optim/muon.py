@@ -29,7 +29,9 @@ from .stats import PhaseTimer, StepStats
 # Same-shape matrices are stacked into batches of at most this many bytes of gradient (a matrix
 # larger than that is a batch of its own): batching amortises per-call overhead on small
 # matrices, the cap bounds the step's transient memory. On the benchmark's GPT set (CPU, bf16 NS)
-# 1 MiB batches step as fast as 4 MiB ones and peak 6-8 MiB lower. On CUDA a call costs kernel
+# 1 MiB batches step as fast as 4 MiB ones on an AVX512-BF16 host and peak 6-8 MiB lower; on an
+# AMX host, where one bf16 product leaves the second thread idle, 5-8 MiB batches step 1.3-1.5x
+# faster but peak above torch.optim.Muon (docs/benchmarks.md). On CUDA a call costs kernel
 # launches rather than flops at these sizes, so batches there are larger (MAX_BATCH_BYTES_CUDA).
 MAX_BATCH_BYTES = 1 << 20
 MAX_BATCH_BYTES_CUDA = 64 << 20
