@@ -131,7 +131,7 @@ def test_t8_match_rms_adamw_update_rms():
     assert opt.last_step_stats()["update_rms"] == pytest.approx(total, rel=1e-4)
 
 
-def test_step_stats_sum_every_batch_of_every_precision_once():
+def test_step_stats_sum_every_batch_of_every_precision_once(monkeypatch):
     """update_rms over groups of two precisions and several batches (tall, wide and square shapes,
     a cap that splits a bucket) is the RMS of the whole step's parameter change; a parameter with
     a non-finite gradient counts once and changes nothing."""
@@ -140,12 +140,8 @@ def test_step_stats_sum_every_batch_of_every_precision_once():
     f32[2].grad[0, 0] = float("nan")
     start = [p.detach().clone() for p in f32 + f64]
     opt = Muon([{"params": f32}, {"params": f64}], lr=0.01)
-    original = muon_module.MAX_BATCH_BYTES
-    muon_module.MAX_BATCH_BYTES = 64 * 256 * 4  # one 64 x 256 matrix per batch: four float32 batches
-    try:
-        opt.step()
-    finally:
-        muon_module.MAX_BATCH_BYTES = original
+    monkeypatch.setattr(muon_module, "MAX_BATCH_BYTES", 64 * 256 * 4)  # one 64 x 256 matrix per batch: 4 fp32 batches
+    opt.step()
     change = [p.detach() - s for p, s in zip(f32 + f64, start)]
     assert change[2].abs().max() == 0
     applied = [c for i, c in enumerate(change) if i != 2]
