@@ -1,17 +1,25 @@
-"""One Muon step's batches: same-shape matrices stacked (oriented wide) into one Newton–Schulz
-input, batches bounded in bytes, and the orthogonalized updates applied back to each parameter
-with the finite check decided on the device."""
+"""One Muon step's batches: same-shape matrices stacked, in their own orientation and in the
+Newton–Schulz working precision, into one input; batches bounded in bytes; the orthogonalized
+updates applied back to each parameter with the finite check decided on the device."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .newton_schulz import keeps_range
 from .scratch import Scratch
 from .stats import StepStats
+
+# An op that mixes precisions (an fp32 gradient lerped into a bf16 stack, a bf16 update added to
+# an fp32 parameter) converts through a temporary as large as its operands. On CPU such ops run
+# on blocks of rows of about this many elements, so that the temporaries stay small (256 KiB in
+# fp32) and in cache; on CUDA memory is not the bound but launches are: one op per matrix.
+MIXED_BLOCK = 1 << 16
 
 
 @dataclass
@@ -23,33 +31,36 @@ class Entry:
     buf: Tensor
     scale: float  # lr multiplier from the matrix shape (adjust_lr)
 
-    @property
-    def tall(self) -> bool:
-        return self.grad.shape[-2] > self.grad.shape[-1]
+
+def stack_dtype(grad_dtype: torch.dtype, work_dtype: torch.dtype) -> torch.dtype:
+    """The precision a batch is stacked in: the Newton–Schulz working precision where it holds
+    a raw gradient's range (bf16, fp32, fp64), so that no wider copy is made; else (fp16) the
+    gradient's own, which Newton–Schulz normalises before converting."""
+    return work_dtype if keeps_range(work_dtype) else grad_dtype
 
 
-def nesterov_input(entries: list[Entry], beta: float, nesterov: bool, stack: Scratch) -> Tensor:
-    """Stack the entries' NS inputs, oriented wide (m <= n), into a [B, m, n] view of ``stack``."""
+def nesterov_input(entries: list[Entry], beta: float, nesterov: bool, stack: Scratch, dtype: torch.dtype) -> Tensor:
+    """Stack the entries' NS inputs into a [B, rows, cols] view of ``stack`` in ``dtype``."""
     first = entries[0].grad
-    m, n = sorted(first.shape[-2:])
     batch = sum(e.grad.shape[0] for e in entries)
-    (X,) = stack.carve(first.dtype, first.device, (batch, m, n))
+    (X,) = stack.carve(dtype, first.device, (batch, *first.shape[-2:]))
     i = 0
     for e in entries:
         k = e.grad.shape[0]
-        g, buf = (e.grad.mT, e.buf.mT) if e.tall else (e.grad, e.buf)
-        if nesterov:
-            torch.lerp(g, buf, beta, out=X[i : i + k])  # (1 - beta) g + beta m
+        if nesterov:  # (1 - beta) g + beta m
+            in_blocks(X[i : i + k], lambda out, g, m: torch.lerp(g, m, beta, out=out), e.grad, e.buf)
         else:
-            X[i : i + k].copy_(buf)
+            X[i : i + k].copy_(e.buf)
         i += k
     return X
 
 
 def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: float, stats: StepStats) -> None:
     """W <- W (1 - lr wd) - lr scale O per parameter, leaving unchanged any whose update is not
-    finite. Decided on the device: no host sync (on CUDA the step's kernels stay queued)."""
-    sq = torch.linalg.vector_norm(O, dim=(1, 2), dtype=torch.promote_types(O.dtype, torch.float32)).square()
+    finite. Decided on the device: no host sync on an accelerator (its kernels stay queued)."""
+    # A bf16 update's norm is summed in fp32 and rounded to bf16 (update_rms then holds about 3
+    # digits); asking for an fp32 result would first copy the whole batch into fp32.
+    sq = torch.linalg.vector_norm(O, dim=(1, 2)).to(torch.promote_types(O.dtype, torch.float32)).square()
     keep = sq.isfinite()  # [B] per matrix; a parameter of k > 1 matrices is kept whole or not at all
     first = 0
     for e in entries:
@@ -57,7 +68,8 @@ def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: floa
         if k > 1:
             keep[first : first + k] = keep[first : first + k].all()
         first += k
-    O.masked_fill_(~keep.view(-1, 1, 1), 0.0)  # a skipped parameter gets a zero update
+    if O.device.type != "cpu" or not bool(keep.all()):  # on CPU the check costs no wait
+        O.masked_fill_(~keep.view(-1, 1, 1), 0.0)  # a skipped parameter gets a zero update
     by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
     weights, shares, first = [], [], 0  # per matrix: (lr * scale)^2, and 1 / k (so a parameter counts once)
     for e in entries:
@@ -67,21 +79,36 @@ def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: floa
         if weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
             e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
         update = O[first : first + k]
-        params, updates = by_scale[e.scale]
-        params.append(e.param)
-        updates.append((update.mT if e.tall else update).reshape(e.param.shape))
+        if update.dtype != e.param.dtype and e.param.is_contiguous():
+            alpha = -lr * e.scale
+            in_blocks(e.param.view(update.shape), lambda p, u, alpha=alpha: p.add_(u, alpha=alpha), update)
+        else:
+            params, updates = by_scale[e.scale]
+            params.append(e.param)
+            updates.append(update.reshape(e.param.shape))
         first += k
     for scale, (params, updates) in by_scale.items():  # one call per lr multiplier, not one per parameter
         torch._foreach_add_(params, updates, alpha=-lr * scale)
     stats.record(sq, keep, weights, shares, O[0].numel())  # summed once per step (StepStats.settle)
 
 
-def split_batches(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
-    """Split a bucket into batches of at most ``max_bytes`` (at least one entry each)."""
+def in_blocks(out: Tensor, op: Callable[..., object], *operands: Tensor) -> None:
+    """``op(out, *operands)`` on [k, rows, cols] tensors of one shape; where their precisions
+    differ on CPU, on blocks of about MIXED_BLOCK elements (whole rows) at a time."""
+    cols = out.shape[-1]
+    tensors = [t.flatten(0, -2) for t in (out, *operands)]  # [k * rows, cols]
+    mixed = any(t.dtype != out.dtype for t in operands) and out.device.type == "cpu"
+    step = max(1, MIXED_BLOCK // cols) if mixed else tensors[0].shape[0]
+    for start in range(0, tensors[0].shape[0], step):
+        op(*(t[start : start + step] for t in tensors))
+
+
+def split_batches(entries: list[Entry], sizes: list[int], max_bytes: int) -> list[list[Entry]]:
+    """Split a bucket into batches whose ``sizes`` (bytes per entry) sum to at most ``max_bytes``
+    (at least one entry each)."""
     batches: list[list[Entry]] = [[]]
     size = 0
-    for e in entries:
-        n = e.grad.numel() * e.grad.element_size()
+    for e, n in zip(entries, sizes):
         if batches[-1] and size + n > max_bytes:
             batches.append([])
             size = 0

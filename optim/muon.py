@@ -1,7 +1,8 @@
 """Muon: momentum orthogonalized by Newton–Schulz, with AdamW for the non-matrix parameters.
 
 One optimizer following the torch.optim contract. Its step reads as phases:
-finite check -> momentum -> orthogonalize (same-shape matrices batched, optim/batches.py) -> scale and apply;
+finite check -> momentum -> orthogonalize (same-shape matrices batched in the working precision,
+optim/batches.py) -> scale and apply;
 under data parallelism (``distributed=True``) each rank orthogonalizes and applies only the
 matrices it owns, then the owners' parameters are all-gathered (optim/distributed.py).
 """
@@ -18,22 +19,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adamw import adamw_update
-from .batches import Entry, apply_updates, nesterov_input, split_batches
+from .batches import Entry, apply_updates, nesterov_input, split_batches, stack_dtype
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
-from .newton_schulz import orthogonalize
+from .newton_schulz import orthogonalize, working_bytes
 from .precision import default_dtype
 from .scratch import Scratch
 from .stats import PhaseTimer, StepStats
 
-# Same-shape matrices are stacked into batches of at most this many bytes of gradient (a matrix
-# larger than that is a batch of its own): batching amortises per-call overhead on small
-# matrices, the cap bounds the step's transient memory. On the benchmark's GPT set (CPU, bf16 NS)
-# 1 MiB batches step as fast as 4 MiB ones on an AVX512-BF16 host and peak 6-8 MiB lower; on an
-# AMX host, where one bf16 product leaves the second thread idle, 5-8 MiB batches step 1.3-1.5x
-# faster but peak above torch.optim.Muon (docs/benchmarks.md). On CUDA a call costs kernel
+# Same-shape matrices are stacked into batches whose Newton–Schulz working set (the stacked input
+# in the working precision and the form's matrices, newton_schulz.working_bytes) is at most this
+# many bytes; a matrix larger than that is a batch of its own. Batching amortises per-call
+# overhead; the cap bounds the step's transient memory. On the benchmark's GPT set (CPU, bf16)
+# 3 MiB takes the 384 x 384 matrices in pairs and the larger ones (384 x 1536: 2.8 MiB) alone, and
+# the step's tensors stay under torch.optim.Muon's. Pairs of the larger ones (6 MiB) step faster
+# on a 2-core AMX host, where one wide bf16 product leaves the second core idle and a batch of two
+# does not, but peak above torch.optim.Muon (docs/benchmarks.md). On CUDA a call costs kernel
 # launches rather than flops at these sizes, so batches there are larger (MAX_BATCH_BYTES_CUDA).
-MAX_BATCH_BYTES = 1 << 20
+MAX_BATCH_BYTES = 3 << 20
 MAX_BATCH_BYTES_CUDA = 64 << 20
 
 
@@ -261,27 +264,29 @@ class Muon(torch.optim.Optimizer):
             bufs.append(state["momentum_buffer"])
         torch._foreach_lerp_(bufs, [p.grad for p in params], 1.0 - beta)  # EMA momentum; p.grad is only read
 
-        buckets: dict[tuple, list[Entry]] = defaultdict(list)  # same oriented shape -> one batch
+        buckets: dict[tuple, list[Entry]] = defaultdict(list)  # same shape -> one batch
         for p in params if update is None else update:
             g, buf = p.grad, self.state[p]["momentum_buffer"]
             g3, buf3 = as_matrices(g, group["experts"]), as_matrices(buf, group["experts"])
             rows, cols = g3.shape[-2:]
             entry = Entry(p, g3, buf3, update_scale(rows, cols, group["adjust_lr"]))
-            buckets[(min(rows, cols), max(rows, cols), g.dtype, g.device)].append(entry)
+            buckets[(rows, cols, g.dtype, g.device)].append(entry)
         if not buckets:
             return
 
         timer = stats.ns_timer = stats.ns_timer or PhaseTimer(params[0].device)
         cap = MAX_BATCH_BYTES_CUDA if params[0].device.type == "cuda" else MAX_BATCH_BYTES
-        for entries in (chunk for bucket in buckets.values() for chunk in split_batches(bucket, cap)):
-            X = nesterov_input(entries, beta, group["nesterov"], self._stack)  # [B, m, n]
-            dtype = group["ns_dtype"] or default_dtype(X)
-            with timer:
-                O = orthogonalize(  # in X's dtype, in X or in the scratch
-                    X, group["ns_steps"], group["ns_coefficients"], group["ns_method"], dtype,
-                    overwrite_input=True, scratch=self._scratch,
-                )  # fmt: skip
-            apply_updates(entries, O, lr, group["weight_decay"], stats)
+        for (rows, cols, grad_dtype, _), bucket in buckets.items():
+            dtype = group["ns_dtype"] or default_dtype(bucket[0].grad)
+            per_matrix = working_bytes(rows, cols, dtype, group["ns_method"])
+            for entries in split_batches(bucket, [e.grad.shape[0] * per_matrix for e in bucket], cap):
+                X = nesterov_input(entries, beta, group["nesterov"], self._stack, stack_dtype(grad_dtype, dtype))
+                with timer:
+                    O = orthogonalize(  # in X's dtype and orientation, in X or in the scratch
+                        X, group["ns_steps"], group["ns_coefficients"], group["ns_method"], dtype,
+                        overwrite_input=True, scratch=self._scratch,
+                    )  # fmt: skip
+                apply_updates(entries, O, lr, group["weight_decay"], stats)
 
     def state_dict(self) -> dict[str, Any]:
         """The torch.optim state dict, complete at any world size: with ``shard_momentum`` the

@@ -61,6 +61,8 @@ SYMMETRIC_BLOCK_MIN = 256
 GRAM_WHOLE_PRODUCT_BYTES = 1 << 20
 # Clamp for the normaliser; the references' "+ 1e-7" collapses inputs with a tiny norm.
 TINY = 1e-30
+# A norm in this range was summed without a square leaving fp32's range (:func:`normalize`).
+SAFE_NORM_LOW, SAFE_NORM_HIGH = 2.0**-40, 2.0**40
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,13 @@ def orthogonalize(
     schedule = resolve_coefficients(coefficients, steps)
     work_dtype = dtype or default_dtype(G)
     rows, cols = G.shape[-2:]
-    tall = rows > cols
     m, n = min(rows, cols), max(rows, cols)
-    X = (G.mT if tall else G).reshape(-1, m, n)  # [B, m, n], m <= n
     form = choose_method(m, n, method, work_dtype)
+    # The standard form runs in the input's own orientation (a tall batch as X <- a X + X (b A + c A^2),
+    # A = X^T X), so no transposed copy is ever made; the gram form works on the wide view.
+    transposed = rows > cols and form == "gram"
+    X = G.mT if transposed else G
+    X = X.reshape(-1, *X.shape[-2:])  # [B, r, c]
     own_scratch = scratch is None
     out_dtype = out_dtype or G.dtype
     # A lower working precision reads the input once (into its own copy), so G's memory is free
@@ -173,8 +178,8 @@ def orthogonalize(
         X = _standard_newton_schulz(X, schedule.steps, mats)
     if reuse and X.data_ptr() != first.data_ptr():  # the result lies in G's memory: out of it before G is written
         X = first.copy_(X)
-    X = X.reshape(*G.shape[:-2], m, n)
-    out = X.mT if tall else X
+    X = X.reshape(*G.shape[:-2], *X.shape[-2:])
+    out = X.mT if transposed else X
     if own_scratch:  # a tensor of its own, not a view that keeps the scratch alive
         return torch.empty(out.shape, dtype=out_dtype, device=out.device).copy_(out)
     if out.dtype != out_dtype and overwrite_input and G.dtype == out_dtype:
@@ -191,63 +196,105 @@ def _carve(
     in_place: bool,
     reuse_input: bool = False,
 ) -> tuple[Tensor, list]:
-    """The iterate normalised (by ``factor`` x its norm) in the working precision and the form's
-    matrices: S, P, Q, W [B, m, m] for gram (and the result [B, m, n] when it is small); A, P
-    [B, m, m] and the next iterate [B, m, n] for standard. The normalisation runs in fp32 or
-    wider: in X itself where allowed, else in the scratch; a lower working precision gets a copy.
-    With ``reuse_input`` (X contiguous and free once copied) the form's matrices go into X's own
-    memory as far as they fit (standard form in bf16: A and P always, the next iterate too from n >= 2m)."""
-    B, m, n = X.shape
+    """The iterate [B, r, c] normalised (by ``factor`` x its norm) in the working precision, and
+    the form's matrices: S, P, Q, W [B, m, m] for gram (and the result [B, r, c] when it is
+    small); A, P [B, m, m] and the next iterate [B, r, c] for standard (m = min(r, c)).
+
+    The input is converted to the working precision and normalised there (:func:`normalize`: the
+    norm is summed in fp32 or wider): in X itself where allowed and X is in that precision, else
+    in the scratch. fp16, whose range cannot hold an unnormalised gradient, is the exception: the
+    input is normalised in fp32 first, then converted. With ``reuse_input`` (X contiguous, wider
+    than the working precision and free once converted) the form's matrices go into X's own
+    memory as far as they fit (standard form in bf16: A and P always, the next iterate too from
+    n >= 2m)."""
+    mats = _form_shapes(*X.shape, form, work_dtype)
     wide = torch.float64 if X.dtype == torch.float64 else torch.float32
-    if form == "gram":  # S, P, Q, W, and the result's own matrix if it is small
-        whole = B * m * n * torch.finfo(work_dtype).bits // 8 <= GRAM_WHOLE_PRODUCT_BYTES
-        mats = [(B, m, m)] * 4 + [(B, m, n)] * whole
-    else:
-        mats = [(B, m, m), (B, m, m), (B, m, n)]
-    if in_place and X.dtype == wide:
-        normalized = normalize(X, factor)
-    elif work_dtype == wide:
-        normalized, *views = scratch.carve(wide, X.device, (B, m, n), *mats)
+    norm_dtype = work_dtype if keeps_range(work_dtype) else wide
+    if in_place and X.dtype == norm_dtype:
+        X = normalize(X, factor)
+        if norm_dtype == work_dtype:
+            return X, scratch.carve(work_dtype, X.device, *mats)
+    elif norm_dtype != work_dtype:
+        (normalized,) = scratch.carve(wide, X.device, X.shape)
+        X = normalize(X, factor, dst=normalized)
+    elif torch.finfo(work_dtype).bits >= 32:  # straight into the scratch, one pass
+        normalized, *views = scratch.carve(work_dtype, X.device, X.shape, *mats)
         return normalize(X, factor, dst=normalized), views
+    # Convert into the working precision (then normalise there, unless that was done above).
+    if reuse_input and X.is_contiguous():
+        inside, rest = fit(X.view(-1).view(work_dtype), mats)
+        low, *outside = scratch.carve(work_dtype, X.device, X.shape, *rest)
+        low.copy_(X)  # from here on X's memory is free
+        views = inside + outside
     else:
-        (normalized,) = scratch.carve(wide, X.device, (B, m, n))
-        normalize(X, factor, dst=normalized)
-    if work_dtype == wide:
-        return normalized, scratch.carve(wide, X.device, *mats)
-    if not (reuse_input and normalized is X and X.is_contiguous()):
-        low, *views = scratch.carve(work_dtype, X.device, (B, m, n), *mats)
-        return low.copy_(normalized), views
-    inside, rest = fit(X.view(-1).view(work_dtype), mats)
-    low, *outside = scratch.carve(work_dtype, X.device, (B, m, n), *rest)
-    low.copy_(normalized)  # from here on X's memory is free
-    return low, inside + outside
+        low, *views = scratch.carve(work_dtype, X.device, X.shape, *mats)
+        low.copy_(X)
+    return (low if norm_dtype != work_dtype else normalize(low, factor)), views
+
+
+def _form_shapes(B: int, r: int, c: int, form: str, work_dtype: torch.dtype) -> list[tuple[int, int, int]]:
+    """The matrices the form iterates with on a [B, r, c] batch (:func:`_carve`)."""
+    m = min(r, c)
+    if form == "gram":  # S, P, Q, W, and the result's own matrix if it is small
+        whole = B * r * c * torch.finfo(work_dtype).bits // 8 <= GRAM_WHOLE_PRODUCT_BYTES
+        return [(B, m, m)] * 4 + [(B, r, c)] * whole
+    return [(B, m, m), (B, m, m), (B, r, c)]
+
+
+def working_bytes(rows: int, cols: int, dtype: torch.dtype, method: str = "auto") -> int:
+    """Bytes a rows x cols matrix takes in :func:`orthogonalize`'s scratch in ``dtype``: its
+    input converted to ``dtype`` and the form's matrices (as a batch of one)."""
+    form = choose_method(min(rows, cols), max(rows, cols), method, dtype)
+    shapes = [(1, rows, cols), *_form_shapes(1, rows, cols, form, dtype)]
+    return sum(math.prod(shape) for shape in shapes) * torch.finfo(dtype).bits // 8
+
+
+def keeps_range(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds every finite fp32 magnitude a gradient may have (bf16, fp32, fp64:
+    fp32's exponent range or wider), so that a gradient may be converted before it is normalised."""
+    return torch.finfo(dtype).max >= torch.finfo(torch.float32).max * 0.99
 
 
 def normalize(X: Tensor, factor: float = 1.0, *, dst: Tensor | None = None) -> Tensor:
     """X / (factor * ||X||_F) per matrix of a [B, m, n] batch, written into ``dst`` (default: X,
-    in place), whose dtype must be fp32 or wider: fp64 for fp64 input, else fp32 (the norm's).
+    in place). ``dst`` must be fp32 or wider, or X itself in a precision with fp32's range (bf16).
 
-    Dividing by the largest entry first keeps the norm free of underflow (a matrix with Frobenius
-    norm 1e-20 has squares below fp32's range) and of overflow; zero stays zero. The largest
-    entry is max(max, -min): two vectorised reductions, where a max-abs norm is not vectorised on
-    CPU (about 20x slower).
+    The squares are summed in fp32 or wider (a bf16 norm is then rounded to bf16). Where that sum
+    could leave fp32's range (a norm outside [2^-40, 2^40]: squares below 2^-126 would be lost,
+    above 2^128 overflow), X is first divided by a power of two near its largest entry (exact in
+    any binary precision) and the norm taken again; zero stays zero. On CPU that check is a host
+    read of B numbers and a usual gradient is read once for its norm; on an accelerator, where a
+    host read would wait for the queue, every batch is rescaled. The largest entry is
+    max(max, -min): two vectorised reductions, where a max-abs norm is not vectorised on CPU
+    (about 20x slower).
     """
-    wide = torch.float64 if X.dtype == torch.float64 else torch.float32
     dst = X if dst is None else dst
+    if dst.element_size() < 4 and not (dst is X and keeps_range(X.dtype)):
+        raise ValueError(f"normalize writes fp32 or wider, or a {X.dtype} X in place with fp32's range")
     dims = (-2, -1)
-    peak = torch.maximum(X.amax(dim=dims, keepdim=True), X.amin(dim=dims, keepdim=True).neg())
-    torch.div(X, peak.to(wide).clamp_min(TINY), out=dst)  # entries in [-1, 1]
-    norm = torch.linalg.vector_norm(dst, dim=dims, keepdim=True)
-    return dst.div_((norm * factor).clamp_min(TINY))
+    norm = None
+    if X.device.type == "cpu":
+        norm = torch.linalg.vector_norm(X, dim=dims, keepdim=True, dtype=None if dst.dtype == X.dtype else dst.dtype)
+        if not bool(((norm >= SAFE_NORM_LOW) & (norm <= SAFE_NORM_HIGH)).all()):
+            norm = None
+    if norm is None:
+        peak = torch.maximum(X.amax(dim=dims, keepdim=True), X.amin(dim=dims, keepdim=True).neg())
+        wide = torch.float64 if peak.dtype == torch.float64 else torch.float32
+        power = torch.exp2(torch.floor(torch.log2(peak.to(wide)))).clamp_min(TINY)
+        X = torch.div(X, power.to(dst.dtype), out=dst)  # largest entry in [1, 2): every bit kept
+        norm = torch.linalg.vector_norm(X, dim=dims, keepdim=True)
+    return torch.div(X, (norm * factor).clamp_min(TINY), out=dst)
 
 
 def _standard_newton_schulz(X: Tensor, steps: Sequence[Triple], mats: list[Tensor]) -> Tensor:
-    # X: [B, m, n], m <= n. Per step: A = X X^T, P = b A + c A^2, X = a X + P X (into Y, then swapped).
+    # X: [B, r, c]. Per step, wide (r <= c): A = X X^T, P = b A + c A^2, X = a X + P X; tall: A = X^T X,
+    # X = a X + X P. Into Y, then swapped.
     A, P, Y = mats
+    tall = X.shape[-2] > X.shape[-1]
     for a, b, c in steps:
-        symmetric_product(X, X.mT, A)  # [B, m, m]
+        symmetric_product(*((X.mT, X) if tall else (X, X.mT)), A)  # [B, m, m]
         symmetric_product(A, A, P, add=A, alpha=c, beta=b)  # [B, m, m]
-        torch.baddbmm(X, P, X, beta=a, out=Y)  # [B, m, n]
+        torch.baddbmm(X, *((X, P) if tall else (P, X)), beta=a, out=Y)  # [B, r, c]
         X, Y = Y, X
     return X
 

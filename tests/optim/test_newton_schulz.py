@@ -244,6 +244,32 @@ def test_normalize_survives_tiny_entries_and_keeps_zero_exact(dtype):
         assert normalize(X) is X and torch.equal(X, dst)  # in place
 
 
+def test_bf16_normalizes_in_place_and_rescales_only_out_of_range_norms():
+    # In place in bf16 (fp32's range): the squares are summed in fp32; a norm whose squares
+    # would leave fp32's range (entries near 1e-30, 1e25) takes the exact power-of-two rescale.
+    for scale in (1.0, 1e-30, 1e25):
+        X = (gaussian(3, 20, 50) * scale).to(torch.bfloat16)
+        X[1] = 0
+        expected = X.double() / torch.linalg.vector_norm(X.double(), dim=(-2, -1), keepdim=True).clamp_min(1e-300)
+        assert normalize(X) is X and X.dtype == torch.bfloat16
+        assert (X.double() - expected).abs().max() < 1.5e-2 * expected.abs().max(), scale  # two bf16 roundings
+        norms = torch.linalg.vector_norm(X.double(), dim=(-2, -1))
+        assert torch.allclose(norms[[0, 2]], torch.ones(2, dtype=torch.float64), atol=1e-2) and norms[1] == 0
+    with pytest.raises(ValueError, match="fp32 or wider"):
+        normalize(gaussian(2, 4, 8).half())  # fp16 in place would lose small gradients
+
+
+def test_tall_standard_form_runs_untransposed_and_equals_the_wide_one():
+    G = gaussian(2, 300, 96)  # tall: A = X^T X, X <- a X + X P, no transposed copy
+    tall = orthogonalize(G, method="standard", dtype=FP32)
+    wide = orthogonalize(G.mT.contiguous(), method="standard", dtype=FP32).mT
+    assert tall.is_contiguous() and torch.allclose(tall, wide, atol=1e-5)
+    X, scratch = G.clone(), Scratch()
+    out = orthogonalize(X, method="standard", dtype=FP32, overwrite_input=True, scratch=scratch)
+    assert out.shape == G.shape and out.is_contiguous() and torch.allclose(out, tall, atol=1e-6)
+    assert scratch.nbytes <= (2 * 96 * 96 + 300 * 96 + 3 * SCRATCH_ALIGN) * 2 * 4  # A, P, one of X's shape
+
+
 @pytest.mark.parametrize("shape", [(96, 400), (400, 96), (3, 64, 64)])  # gram, gram transposed, standard
 def test_a_scratch_is_reused_and_changes_nothing(shape):
     G = gaussian(*shape)
