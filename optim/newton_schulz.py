@@ -250,9 +250,10 @@ def working_bytes(rows: int, cols: int, dtype: torch.dtype, method: str = "auto"
 
 
 def keeps_range(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` holds every finite fp32 magnitude a gradient may have (bf16, fp32, fp64:
-    fp32's exponent range or wider), so that a gradient may be converted before it is normalised."""
-    return torch.finfo(dtype).max >= torch.finfo(torch.float32).max * 0.99
+    """Whether ``dtype`` has fp32's exponent range or a wider one (bf16, fp32, fp64: the same
+    smallest normal number or a smaller one), so that a gradient may be converted to it before
+    it is normalised; fp16's smallest normal is 6e-5."""
+    return torch.finfo(dtype).tiny <= torch.finfo(torch.float32).tiny
 
 
 def normalize(X: Tensor, factor: float = 1.0, *, dst: Tensor | None = None) -> Tensor:
