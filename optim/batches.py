@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .newton_schulz import keeps_range
 from .scratch import Scratch
 from .stats import StepStats
 
@@ -30,13 +29,6 @@ class Entry:
     grad: Tensor
     buf: Tensor
     scale: float  # lr multiplier from the matrix shape (adjust_lr)
-
-
-def stack_dtype(grad_dtype: torch.dtype, work_dtype: torch.dtype) -> torch.dtype:
-    """The precision a batch is stacked in: the Newton–Schulz working precision where it holds
-    a raw gradient's range (bf16, fp32, fp64), so that no wider copy is made; else (fp16) the
-    gradient's own, which Newton–Schulz normalises before converting."""
-    return work_dtype if keeps_range(work_dtype) else grad_dtype
 
 
 def nesterov_input(entries: list[Entry], beta: float, nesterov: bool, stack: Scratch, dtype: torch.dtype) -> Tensor:

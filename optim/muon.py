@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adamw import adamw_update
-from .batches import Entry, apply_updates, nesterov_input, split_batches, stack_dtype
+from .batches import Entry, apply_updates, nesterov_input, split_batches
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
-from .newton_schulz import orthogonalize, working_bytes
+from .newton_schulz import normalizing_dtype, orthogonalize, working_bytes
 from .precision import default_dtype
 from .scratch import Scratch
 from .stats import PhaseTimer, StepStats
@@ -280,7 +280,7 @@ class Muon(torch.optim.Optimizer):
             dtype = group["ns_dtype"] or default_dtype(bucket[0].grad)
             per_matrix = working_bytes(rows, cols, dtype, group["ns_method"])
             for entries in split_batches(bucket, [e.grad.shape[0] * per_matrix for e in bucket], cap):
-                X = nesterov_input(entries, beta, group["nesterov"], self._stack, stack_dtype(grad_dtype, dtype))
+                X = nesterov_input(entries, beta, group["nesterov"], self._stack, normalizing_dtype(grad_dtype, dtype))
                 with timer:
                     O = orthogonalize(  # in X's dtype and orientation, in X or in the scratch
                         X, group["ns_steps"], group["ns_coefficients"], group["ns_method"], dtype,

@@ -208,14 +208,13 @@ def _carve(
     memory as far as they fit (standard form in bf16: A and P always, the next iterate too from
     n >= 2m)."""
     mats = _form_shapes(*X.shape, form, work_dtype)
-    wide = torch.float64 if X.dtype == torch.float64 else torch.float32
-    norm_dtype = work_dtype if keeps_range(work_dtype) else wide
+    norm_dtype = normalizing_dtype(X.dtype, work_dtype)
     if in_place and X.dtype == norm_dtype:
         X = normalize(X, factor)
         if norm_dtype == work_dtype:
             return X, scratch.carve(work_dtype, X.device, *mats)
-    elif norm_dtype != work_dtype:
-        (normalized,) = scratch.carve(wide, X.device, X.shape)
+    elif norm_dtype != work_dtype:  # fp16 work: normalised in fp32 first
+        (normalized,) = scratch.carve(norm_dtype, X.device, X.shape)
         X = normalize(X, factor, dst=normalized)
     elif torch.finfo(work_dtype).bits >= 32:  # straight into the scratch, one pass
         normalized, *views = scratch.carve(work_dtype, X.device, X.shape, *mats)
@@ -247,6 +246,15 @@ def working_bytes(rows: int, cols: int, dtype: torch.dtype, method: str = "auto"
     form = choose_method(min(rows, cols), max(rows, cols), method, dtype)
     shapes = [(1, rows, cols), *_form_shapes(1, rows, cols, form, dtype)]
     return sum(math.prod(shape) for shape in shapes) * torch.finfo(dtype).bits // 8
+
+
+def normalizing_dtype(input_dtype: torch.dtype, work_dtype: torch.dtype) -> torch.dtype:
+    """The precision an input is normalised in: the working precision where it keeps fp32's range
+    (:func:`keeps_range`), so the input is converted first; else (fp16) fp32, or fp64 for fp64
+    input, and the normalised input is converted after. The optimizer stacks its batches in it."""
+    if keeps_range(work_dtype):
+        return work_dtype
+    return torch.float64 if input_dtype == torch.float64 else torch.float32
 
 
 def keeps_range(dtype: torch.dtype) -> bool:
