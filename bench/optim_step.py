@@ -5,6 +5,7 @@ torch.optim.Muon and AdamW; plus singular-value bands and peak memory.
 Parameters: d_model 384, 4 layers, per layer the weights 1152x384, 384x384, 1536x384 and
 384x1536 (16 matrices). Every contender owns its copy of the seeded parameters and gradients,
 is warmed up once, then timed once per round in an interleaved order that rotates each round.
+Memory is measured in a fresh process per contender, after the automatic dtype's one-time probe.
 
     .venv/bin/python bench/optim_step.py [--rounds 7] [--memory-runs 3] [--threads N] [--quick] [--json PATH]
 """
@@ -49,6 +50,9 @@ NS_SETTINGS = {  # label -> (coefficients, method, dtype) for optim.orthogonaliz
     "keller auto": ("keller", "auto", None),
     "keller fp32": ("keller", "auto", torch.float32),
     "polar_express auto": ("polar_express", "auto", None),
+    # What "auto" declines in bf16 (optim.choose_method): the gram form, shown to leave the bands.
+    "keller gram bf16": ("keller", "gram", torch.bfloat16),
+    "polar_express gram bf16": ("polar_express", "gram", torch.bfloat16),
 }
 SPEC_BANDS = {"keller": (0.68, 1.14), "polar_express": (0.855, 1.143)}  # OPTIMIZER.md T2 / T3
 
@@ -178,8 +182,13 @@ def step_tensor_peak(step: Callable[[], object]) -> int:
 def memory_child(name: str) -> None:
     """Run in a fresh process: peak-RSS growth over 3 steps, the persistent state, and the tensor
     memory of a fourth step (its peak allocations plus the scratch the optimizer keeps between
-    steps); prints JSON."""
+    steps); prints JSON. The automatic Newton-Schulz dtype's probe runs first in every
+    contender's process alike: it runs once per process (the choice is cached), so it is not a
+    step's memory, and its own peak-RSS growth is reported apart."""
     params = make_params()
+    probe_before = peak_rss_kib()
+    optim.precision.auto_dtype(torch.device("cpu"))
+    probe_after = peak_rss_kib()
     if name == "bare":
         opt, step = None, lambda: bare_newton_schulz([p.grad for p in params])
     else:
@@ -194,6 +203,7 @@ def memory_child(name: str) -> None:
     scratch = sum(v.nbytes for v in vars(opt).values() if isinstance(v, optim.Scratch)) if opt else 0
     print(json.dumps({
         "rss_increase_mib": (after[1] - before[1]) / 1024,
+        "probe_rss_increase_mib": (probe_after[1] - probe_before[1]) / 1024,
         "ru_maxrss_increase_mib": (after[0] - before[0]) / 1024,
         "step_tensor_peak_mib": step_tensor_peak(step) / 2**20,
         "scratch_mib": scratch / 2**20,
@@ -258,15 +268,19 @@ def report(facts: dict, rounds: int, stats: dict, ratios: dict, acc: list[dict],
         )
         print(f"{name:<28}{r['median']:>8.3f}{r['min']:>8.3f}{target}")
     print("\nSingular values of optim.orthogonalize (Gaussian input, float64 svdvals)")
-    print(f"{'shape':<10}{'setting':<20}{'form':<18}{'sv min':>8}{'sv max':>8}  band over [low, 1]  low"
+    print(f"{'shape':<10}{'setting':<25}{'form':<18}{'sv min':>8}{'sv max':>8}  band over [low, 1]  low"
           "       in T2/T3 band")  # fmt: skip
     for r in acc:
         lo, hi = r["band"]
         verdict = {True: "yes", False: "NO", None: "n/a (square)"}[r["in_spec_band"]]
-        print(f"{r['shape']:<10}{r['setting']:<20}{r['form']:<18}{r['sv_min']:>8.4f}{r['sv_max']:>8.4f}"
+        print(f"{r['shape']:<10}{r['setting']:<25}{r['form']:<18}{r['sv_min']:>8.4f}{r['sv_max']:>8.4f}"
               f"  [{lo:.4f}, {hi:.4f}]    {r['low']:.2e}  {verdict}")  # fmt: skip
     runs = len(next(iter(mem.values()))["rss_increase_all_mib"])
-    print(f"\nMemory, fresh process per optimizer, 3 steps, median of {runs} runs (peak RSS: VmHWM)")
+    probe = [m["probe_rss_increase_mib"] for m in mem.values()]
+    print(
+        f"\nMemory, fresh process per optimizer, 3 steps, median of {runs} runs (peak RSS: VmHWM); the dtype"
+        f" probe ran first in each (once per process: +{min(probe):.1f}-{max(probe):.1f} MiB, not counted)"
+    )
     print(f"{'optimizer':<20}{'peak RSS +MiB':>14}{'transient MiB':>14}{'state MiB':>11}  every run +MiB"
           "        tensors/param  keys")  # fmt: skip
     for name, m in mem.items():
