@@ -270,7 +270,12 @@
     on("log", addLog);
     on("sample", addSample);
     on("checkpoint", refreshCheckpointsSoon);
-    stream.addEventListener("done", () => stream.close());
+    stream.addEventListener("done", () => {
+      stream.close();
+      // The job has finished and the stream has given every event: an empty panel stays empty.
+      for (const p of document.querySelectorAll("#samples > p.muted, #log > p.muted, #no-checkpoints"))
+        p.textContent = "None.";
+    });
     stream.addEventListener("error", () => {
       if (stream.readyState === EventSource.CLOSED) pollInstead(); // refused, not just dropped
     });
