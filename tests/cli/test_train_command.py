@@ -60,7 +60,7 @@ def test_data_flag_names_the_corpus(tmp_path):
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     spec = yaml.safe_load((ROOT / "examples" / "pysource-adamw.yaml").read_text())
     spec["model"].update(d_model=16, n_head=2, seq_len=16)
-    spec["train"].update(steps=3, batch_size=4, eval_every=3, checkpoint_every=3)
+    spec["train"].update(steps=3, batch_size=4, eval_every=3, checkpoint_every=3, warmup_steps=1)
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     proc = muonforge("train", str(path), "--out", str(tmp_path / "out"), "--data", str(corpus))
