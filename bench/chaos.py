@@ -1,7 +1,7 @@
 """Faults of four kinds under training jobs: no job lost, run twice or failed, no telemetry point
 lost or stored twice, no gap in any follower's event stream.
 
-    .venv/bin/python bench/chaos.py [--jobs 50] [--faults 100] [--seed 0] [--quick]
+    .venv/bin/python bench/chaos.py [--jobs 50] [--faults 100] [--seed 0] [--quick] [--json PATH]
 
 Setup: a fresh Postgres database (dropped at the end), a redis-server of its own on a free port
 (append-only file, as deployed), one API process and --workers Celery workers, the API and the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import random
 import statistics
 import sys
@@ -42,6 +43,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -337,9 +339,9 @@ def stream_problems(received: list[tuple[str, str | None, int | None]], steps: l
     return problems
 
 
-def report(chaos: Chaos, result: Result, wall: float) -> bool:
-    """The table of targets and the figures around it; True if every target is met and every
-    invariant holds."""
+def report(chaos: Chaos, result: Result, wall: float) -> dict:
+    """Print the table of targets and the figures around it; return them, with ``ok``: whether
+    every target is met and every invariant holds."""
     c, args = result.counts, chaos.args
     by_name = Counter(f.name for f in chaos.faults)
     by_kind = Counter(KIND_OF[f.name] for f in chaos.faults)
@@ -388,7 +390,13 @@ def report(chaos: Chaos, result: Result, wall: float) -> bool:
         print(f"  ... {len(failures) - 40} more")
     ok = all(met for *_, met in rows) and not failures
     print(f"targets {'met' if ok else 'NOT met'}")
-    return ok
+    return {
+        "ok": ok, "seed": args.seed, "workers": args.workers, "steps": args.steps, "wall_s": round(wall, 1),
+        "faults": dict(sorted(by_name.items())), "fault_seconds": span, "counts": c, "task_outcomes": outcomes,
+        "client_retries": chaos.followers.retries,
+        "targets": {name: [value, target, met] for name, value, target, met in rows},
+        "failures": [str(f) for f in failures],
+    }  # fmt: skip
 
 
 def main() -> int:
@@ -404,6 +412,7 @@ def main() -> int:
     parser.add_argument("--grace", type=float, default=300.0, help="seconds the jobs get to finish after the faults")
     parser.add_argument("--seed", type=int, default=0, help="seeds the faults' order, gaps, lengths and victims")
     parser.add_argument("--quick", action="store_true", help="6 jobs of 400 steps, 12 faults, a 10 s outage")
+    parser.add_argument("--json", type=Path, help="also write the figures and the targets to PATH")
     args = parser.parse_args()
     if args.quick:
         args.jobs, args.faults, args.steps, args.outage, args.in_flight = 6, 12, 400, 10.0, 3
@@ -425,7 +434,10 @@ def main() -> int:
                 chaos = Chaos(stack, redis_server, proxy, args)
                 try:
                     wall = chaos.run()
-                    ok = report(chaos, verify(chaos), wall)
+                    figures = report(chaos, verify(chaos), wall)
+                    ok = figures["ok"]
+                    if args.json:
+                        args.json.write_text(json.dumps(figures, indent=2, default=str))
                 finally:
                     chaos.followers.close()
                     chaos.client.close()
