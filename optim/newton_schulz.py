@@ -252,9 +252,7 @@ def normalizing_dtype(input_dtype: torch.dtype, work_dtype: torch.dtype) -> torc
     """The precision an input is normalised in: the working precision where it keeps fp32's range
     (:func:`keeps_range`), so the input is converted first; else (fp16) fp32, or fp64 for fp64
     input, and the normalised input is converted after. The optimizer stacks its batches in it."""
-    if keeps_range(work_dtype):
-        return work_dtype
-    return torch.float64 if input_dtype == torch.float64 else torch.float32
+    return work_dtype if keeps_range(work_dtype) else torch.promote_types(input_dtype, torch.float32)
 
 
 def keeps_range(dtype: torch.dtype) -> bool:
@@ -288,7 +286,7 @@ def normalize(X: Tensor, factor: float = 1.0, *, dst: Tensor | None = None) -> T
             norm = None
     if norm is None:
         peak = torch.maximum(X.amax(dim=dims, keepdim=True), X.amin(dim=dims, keepdim=True).neg())
-        wide = torch.float64 if peak.dtype == torch.float64 else torch.float32
+        wide = torch.promote_types(peak.dtype, torch.float32)
         power = torch.exp2(torch.floor(torch.log2(peak.to(wide)))).clamp_min(TINY)
         X = torch.div(X, power.to(dst.dtype), out=dst)  # largest entry in [1, 2): every bit kept
         norm = torch.linalg.vector_norm(X, dim=dims, keepdim=True)
