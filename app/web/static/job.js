@@ -210,6 +210,8 @@
 
   // -- events ---------------------------------------------------------------------------------
   function onStatus(next) {
+    // The stream replays the job's history: a finished job's earlier snapshots must not replace it.
+    if (FINISHED.has(job.status) && !FINISHED.has(next.status)) return;
     job = next;
     renderHead();
   }
