@@ -92,19 +92,32 @@ async def job_metrics(
     return await work(service.metric_history, job_id, names, max_points, from_step, to_step)
 
 
+EVENT_ID = r"^[0-9]{0,19}$"
+
+
 def event_cursor(
     last_event_id: Annotated[
+        str, Header(alias="Last-Event-ID", pattern=EVENT_ID, description="The last event's id: resume after it.")
+    ] = "",
+    after: Annotated[
         str,
-        Header(alias="Last-Event-ID", pattern=r"^[0-9]{0,19}$", description="The last event's id: resume after it."),
+        Query(
+            alias="last_event_id",
+            pattern=EVENT_ID,
+            description="The same as `Last-Event-ID`, for a client that cannot set headers (a browser opening a "
+            "new EventSource); the header wins.",
+        ),
     ] = "",
     from_step: Annotated[
-        int | None,
-        Query(ge=0, le=MAX_STEP, description="Telemetry from this step on (job events: all). `Last-Event-ID` wins."),
+        int | None, Query(ge=0, le=MAX_STEP, description="Telemetry from this step on (job events: all).")
     ] = None,
 ) -> events.Cursor:
-    if last_event_id or from_step is None:
-        return events.Cursor.parse(last_event_id)
-    return events.Cursor(next_step=from_step)
+    """Resume after the last event received (the header, else the query), telemetry from
+    ``from_step`` on at the earliest: an id sent on a stream opened with ``from_step`` is never
+    behind it, so the browser's own reconnects are unchanged."""
+    cursor = events.Cursor.parse(last_event_id or after, "Last-Event-ID" if last_event_id else "last_event_id")
+    cursor.next_step = max(cursor.next_step, from_step or 0)
+    return cursor
 
 
 async def first_page(job_id: JobId, work: Work, cursor: Annotated[events.Cursor, Depends(event_cursor)]) -> events.Page:
@@ -126,7 +139,8 @@ async def job_events(
     """Server-Sent Events: `status` (the Job), `metrics` ({step, metrics}, one per telemetry
     step), `checkpoint` ({step, bytes}), `log` ({level, message}), `sample` ({step, prompt,
     text}, at evaluations), then `done` once the job has finished. Reconnect with
-    `Last-Event-ID` to resume exactly after the last event received. A finished job's stream
+    `Last-Event-ID` (or `?last_event_id=`, for a new EventSource) to resume exactly after the
+    last event received. A finished job's stream
     replays its history and ends. `from_step` skips the telemetry before it (a page that has
     drawn the history follows from there). A `: ping` comment comes every 15 s. The key is
     checked again every `MUONFORGE_AUTH_CACHE_SECONDS`: once it is revoked, the stream ends

@@ -64,7 +64,7 @@ class Cursor:
     next_step: int = 0  # the first telemetry step not yet delivered
 
     @classmethod
-    def parse(cls, last_event_id: str | None) -> Cursor:
+    def parse(cls, last_event_id: str | None, param: str = "Last-Event-ID") -> Cursor:
         if not last_event_id:
             return cls()
         try:
@@ -73,7 +73,7 @@ class Cursor:
             value = -1
         seq, next_step = value >> STEP_BITS, value & ((1 << STEP_BITS) - 1)
         if value < 0 or seq > MAX_STEP or next_step > MAX_STEP:  # no stream sends those (int32 columns)
-            raise ValidationFailed("Last-Event-ID must be an id this stream sent", param="Last-Event-ID")
+            raise ValidationFailed(f"{param} must be an id this stream sent", param=param)
         return cls(seq, next_step)
 
     @property

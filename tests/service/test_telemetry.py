@@ -23,6 +23,7 @@ from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
 from app.services.job_events import record_sample, record_status
 from app.services.telemetry import history, store_metrics, unpack
+from muonforge.api import SseParser
 from muonforge.client import ApiError, Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
 from worker.engine.telemetry import SUMMARY_KEYS, Report
@@ -165,6 +166,38 @@ def test_follow_a_running_job_drop_the_connection_and_resume_exactly(api_url, se
     statuses = [e.data["status"] for e in received if e.event == "status"]
     assert statuses == ["queued", "running", "succeeded"]
     assert [e.data["step"] for e in received if e.event == "checkpoint"] == [500, 1000, 1500]
+
+
+def test_a_new_stream_resumes_after_an_id_given_as_a_query_parameter(api_url, settings, auth, start_worker):
+    """What a browser does when it opens a new EventSource after a refused one: it cannot set
+    Last-Event-ID, so it passes the id in the query; from_step may be ahead (it polled meanwhile)."""
+    start_worker()
+    with Client(api_url, auth["Authorization"].split()[1]) as client:
+        job = client.create_job(tiny_spec(steps=40))
+        replay = list(client.events(job["id"]))  # the finished job's whole history
+    cut = next(i for i, e in enumerate(replay) if e.event == "metrics" and e.data["step"] == 15)
+    job_events_after = [(e.event, e.data) for e in replay[cut + 1 :] if e.event not in ("metrics", "done")]
+    assert job_events_after, "a checkpoint, samples and the last status come after step 15"
+
+    def read(**params) -> list[tuple[str, dict]]:
+        parser = SseParser()
+        with httpx.stream("GET", f"{api_url}/v1/jobs/{job['id']}/events", params=params, headers=auth) as r:
+            assert r.status_code == 200, r.read()
+            events = [e for line in r.iter_lines() if (e := parser.feed(line)) is not None]
+        return [(e.event, e.data) for e in events]
+
+    resumed = read(last_event_id=replay[cut].id)
+    assert resumed == [(e.event, e.data) for e in replay[cut + 1 :]], "exactly what follows the id"
+    ahead = read(last_event_id=replay[cut].id, from_step=30)  # the steps up to 29 were polled
+    assert [d["step"] for k, d in ahead if k == "metrics"] == list(range(30, 41))
+    assert [(k, d) for k, d in ahead if k not in ("metrics", "done")] == job_events_after
+    header_wins = {**auth, "Last-Event-ID": replay[-2].id}
+    with httpx.stream(
+        "GET", f"{api_url}/v1/jobs/{job['id']}/events", params={"last_event_id": "0"}, headers=header_wins
+    ) as r:
+        assert [line for line in r.iter_lines() if line.startswith("event:")] == ["event: done"]
+    refused = httpx.get(f"{api_url}/v1/jobs/{job['id']}/events", params={"last_event_id": "033080603315"}, headers=auth)
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "last_event_id"
 
 
 def test_checkpoints_carry_their_metrics_and_history_matches_the_stream(api_url, settings, auth, start_worker):
