@@ -11,6 +11,8 @@
   const jobId = root.dataset.jobId;
   const $ = (id) => document.getElementById(id);
   const POLL_MS = 2000;
+  const RETRY_MS = 5000; // the first wait before a refused stream is opened again; it doubles up to
+  const MAX_RETRY_MS = 60000;
   const MAX_HEATMAP_ROWS = 512; // layers x heads drawn as rows
 
   let job = null;
@@ -21,6 +23,10 @@
   const latest = {}; // the newest value of every metric seen
   const elapsed = []; // [[step, elapsed_s], ...]: the wall-time axis
   let stream = null;
+  let lastEventId = ""; // the newest event id received: a new stream resumes after it
+  let retryMs = RETRY_MS;
+  let refused = false; // the server refused the last stream: the banner says so
+  let poller = null; // polls while the stream is refused and the job runs
 
   // -- head, facts, spec ----------------------------------------------------------------------
   function fact(label, value) {
@@ -263,10 +269,19 @@
   }
 
   // The events stream from the first step not drawn yet: every job event (status, checkpoint,
-  // log, sample), then live metrics; the browser reconnects by itself with Last-Event-ID.
+  // log, sample), then live metrics; the browser reconnects by itself with Last-Event-ID. A
+  // stream the server refuses (a 429 once the tenant holds its cap of open streams, a restart)
+  // is closed for good: the page then polls and opens a new one later, after the last event it
+  // received, so nothing is missed or repeated.
   function openStream() {
-    stream = new EventSource(`/v1/jobs/${jobId}/events?from_step=${lastStep + 1}`);
-    const on = (type, fn) => stream.addEventListener(type, (e) => fn(JSON.parse(e.data)));
+    const params = new URLSearchParams({ from_step: lastStep + 1 });
+    if (lastEventId) params.set("last_event_id", lastEventId);
+    stream = new EventSource(`/v1/jobs/${jobId}/events?${params}`);
+    const on = (type, fn) =>
+      stream.addEventListener(type, (e) => {
+        if (e.lastEventId) lastEventId = e.lastEventId;
+        fn(JSON.parse(e.data));
+      });
     on("metrics", (d) => onMetrics(d.step, d.metrics));
     on("status", onStatus);
     on("log", addLog);
@@ -275,25 +290,54 @@
     stream.addEventListener("done", () => {
       stream.close();
       // The job has finished and the stream has given every event: an empty panel stays empty.
-      for (const p of document.querySelectorAll("#samples > p.muted, #log > p.muted, #no-checkpoints"))
-        p.textContent = "None.";
+      for (const p of document.querySelectorAll("#samples > p.muted, #log > p.muted")) p.textContent = "None.";
+      loadCheckpoints()
+        .then(() => ($("no-checkpoints").textContent = "None."))
+        .catch(MF.showError);
+    });
+    stream.addEventListener("open", () => {
+      retryMs = RETRY_MS;
+      if (!refused) return;
+      refused = false;
+      if (poller) poller.stop();
+      poller = null;
+      MF.banner("");
     });
     stream.addEventListener("error", () => {
-      if (stream.readyState === EventSource.CLOSED) pollInstead(); // refused, not just dropped
+      if (stream.readyState === EventSource.CLOSED) streamRefused(); // refused, not just dropped
     });
   }
 
-  // The fallback when the stream cannot be opened: the job and new metrics every POLL_MS.
+  function streamRefused() {
+    refused = true;
+    const wait = retryMs;
+    retryMs = Math.min(retryMs * 2, MAX_RETRY_MS);
+    MF.banner(
+      `Live updates are unavailable: the page refreshes every ${POLL_MS / 1000} s and reconnects in ` +
+        `${wait / 1000} s. Logs and samples arrive once it has.`,
+      "info"
+    );
+    if (!poller && !FINISHED.has(job.status)) poller = pollInstead();
+    setTimeout(openStream, wait);
+  }
+
+  // The fallback while there is no stream: the job and its new metrics every POLL_MS, until it
+  // has finished.
   function pollInstead() {
     const names = [...new Set(charts.flatMap((c) => c.names).concat(heatmap ? heatmap.names() : [], ["elapsed_s"]))];
-    MF.poll(async () => {
+    const p = MF.poll(async () => {
       onStatus(await api(`/v1/jobs/${jobId}`));
       const params = new URLSearchParams({ names: names.join(","), max_points: "100000", from_step: lastStep + 1 });
       const data = await api(`/v1/jobs/${jobId}/metrics?${params}`);
       const byStep = new Map();
       for (const s of data.series) for (const [step, v] of s.points) (byStep.get(step) || byStep.set(step, {}).get(step))[s.name] = v;
       [...byStep.keys()].sort((a, b) => a - b).forEach((step) => onMetrics(step, byStep.get(step)));
+      if (FINISHED.has(job.status)) {
+        p.stop();
+        await loadCheckpoints();
+      }
     }, { visible: POLL_MS, hidden: POLL_MS * 5 });
+    return p;
   }
 
   // -- controls -------------------------------------------------------------------------------
