@@ -119,7 +119,13 @@ class SweepSpec(_Strict):
                     "base": {
                         "model": {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64},
                         "data": {"builtin": "synthetic"},
-                        "train": {"steps": 300, "batch_size": 16, "eval_every": 50},
+                        "train": {
+                            "steps": 300,
+                            "batch_size": 16,
+                            "eval_every": 50,
+                            "lr_schedule": "wsd",
+                            "warmup_steps": 15,
+                        },
                     },
                     "space": {
                         "optimizer.lr": {"log_uniform": [1e-3, 1e-1]},
