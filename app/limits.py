@@ -12,9 +12,10 @@ sits in front of the routes:
    and for a stream a slot taken and held until the stream ends; else the answer is 401 or 429
    with no routing and no dependency (and, for a cached key, no thread and no query). Under a
    flood of refused requests from one tenant the refusals are the only work, they are the
-   cheapest the server can do, and a tenant refused again within a second gets its refusals
-   after a pause (``RefusalPacer``), so that a client retrying at once makes about one attempt a
-   second per connection and other tenants keep their latency (bench/abuse.py). The tenant
+   cheapest the server can do, and a tenant refused again before its Retry-After has passed
+   gets its refusals after a pause of up to that Retry-After (``RefusalPacer``), so that a
+   client retrying at once makes about one attempt per Retry-After and connection and other
+   tenants keep their latency (bench/abuse.py). The tenant
    is kept in the request's state, where the unit of work takes it (one admission, not two). A
    request with a body is authenticated before its body is read. The web app's sign-in
    (/v1/session), whose body is the key, is only bounded;
@@ -89,7 +90,8 @@ class Limits:
                         return await self.app(scope, receive, send)
             except DomainError as exc:
                 response = error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
-                if exc.status == 429 and tenant is not None and not await self.pacer.pause(tenant.id):
+                retry_after = float(exc.headers.get("Retry-After", 0))
+                if exc.status == 429 and tenant is not None and not await self.pacer.pause(tenant.id, retry_after):
                     response.headers["Connection"] = "close"
                 return await response(scope, receive, send)
         if not with_body:

@@ -98,34 +98,36 @@ PACED_PER_TENANT = 1000  # a tenant's refusals held back at once; past it, answe
 
 class RefusalPacer:
     """The pace of a tenant's refusals (used from the event loop only). A tenant refused again
-    within ``seconds`` of its previous refusal gets the answer after a pause, between half and all
-    of ``seconds`` (spread, so that the paused requests do not come back together). A client that
-    retries the moment it is refused, as a flood does, is then paced by the server: each of its
-    connections makes about one attempt a second instead of as many as the process can refuse,
-    and refusing is no longer the process's main work while other tenants wait for it. A tenant's
-    first refusal, and any after a quiet ``seconds``, comes at once. At most ``cap`` of one
-    tenant's refusals wait at a time (each holds a connection); past that, the answer comes at
-    once and closes its connection, so a tenant cannot turn the pauses into a pile of them."""
+    before the time its previous refusal's Retry-After told it to wait for gets the answer after
+    a pause of half to all of this refusal's Retry-After (spread, so that the paused requests do
+    not come back together), at most ``seconds``. A client that retries the moment it is
+    refused, as a flood does, is then paced by the server: each of its connections makes about
+    one attempt per Retry-After instead of as many as the process can refuse, and refusing is no
+    longer the process's main work while other tenants wait for it. A client that waits as told
+    is never paused. At most ``cap`` of one tenant's refusals wait at a time (each holds a
+    connection); past that, the answer comes at once and closes its connection, so a tenant
+    cannot turn the pauses into a pile of them."""
 
     def __init__(self, seconds: float, cap: int = PACED_PER_TENANT) -> None:
         self.seconds, self.cap = seconds, cap
-        self._last: dict[str, float] = {}  # tenant -> its last refusal (monotonic)
+        self._told: dict[str, float] = {}  # tenant -> when its last refusal told it to come back (monotonic)
         self.waiting: Counter[str] = Counter()
 
-    async def pause(self, tenant_id: str) -> bool:
-        """Before a refusal to ``tenant_id``: wait as above. False when the refusal should close
-        its connection (the tenant has ``cap`` refusals waiting already)."""
+    async def pause(self, tenant_id: str, retry_after: float) -> bool:
+        """Before a refusal to ``tenant_id`` that says ``Retry-After: retry_after``: wait as above.
+        False when the refusal should close its connection (the tenant has ``cap`` refusals
+        waiting already)."""
         now = time.monotonic()
-        last = self._last.get(tenant_id)
-        self._last[tenant_id] = now
-        forget_oldest_half(self._last, at=lambda at: at)
-        if self.seconds <= 0 or last is None or now - last > self.seconds:
+        told = self._told.get(tenant_id)
+        self._told[tenant_id] = now + retry_after
+        forget_oldest_half(self._told, at=lambda at: at)
+        if self.seconds <= 0 or told is None or now >= told:
             return True
         if self.waiting[tenant_id] >= self.cap:
             return False
         self.waiting[tenant_id] += 1
         try:
-            await asyncio.sleep(self.seconds * random.uniform(0.5, 1.0))
+            await asyncio.sleep(min(retry_after, self.seconds) * random.uniform(0.5, 1.0))
         finally:
             self.waiting[tenant_id] -= 1
             if not self.waiting[tenant_id]:

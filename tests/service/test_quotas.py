@@ -112,19 +112,28 @@ def test_a_tenant_uses_at_most_its_share_of_the_thread_pool():
 
 
 def test_a_tenant_refused_again_at_once_gets_its_refusals_after_a_pause():
-    """Tenant a's first refusal comes at once; refused again, its answers wait (two at most here,
-    the third comes at once and closes its connection) while tenant b's first refusal is not held
-    behind them; after the pause both of a's held refusals are answered."""
-    pacer = RefusalPacer(0.3, cap=2)
+    """Tenant a's first refusal comes at once; refused again before its Retry-After, its answers
+    wait (two at most here, the third comes at once and closes its connection) while tenant b's
+    first refusal is not held behind them; after the pause both of a's held refusals are
+    answered. A tenant that comes back once its Retry-After has passed is answered at once."""
+    pacer = RefusalPacer(5.0, cap=2)
+
+    async def at_once(tenant: str, retry_after: float) -> bool:
+        task = asyncio.create_task(pacer.pause(tenant, retry_after))
+        await asyncio.sleep(0)  # one turn of the loop: a pause would still be sleeping
+        assert task.done(), "answered without a pause"
+        return task.result()
 
     async def scenario() -> None:
-        assert await asyncio.wait_for(pacer.pause("a"), 5)  # the first: no pause
-        held = [asyncio.create_task(pacer.pause("a")) for _ in range(2)]
+        assert await at_once("a", 0.3)  # the first: no pause
+        held = [asyncio.create_task(pacer.pause("a", 0.3)) for _ in range(2)]
         await asyncio.sleep(0)
         assert not any(task.done() for task in held) and pacer.waiting["a"] == 2
-        assert await asyncio.wait_for(pacer.pause("a"), 5) is False  # past the cap: at once, close
-        assert await asyncio.wait_for(pacer.pause("b"), 5)  # another tenant's first: at once
+        assert await at_once("a", 0.3) is False  # past the cap: at once, close
+        assert await at_once("b", 0.3)  # another tenant's first: at once
         assert await asyncio.wait_for(asyncio.gather(*held), 5) == [True, True]
         assert not pacer.waiting
+        await asyncio.sleep(0.35)  # longer than the last Retry-After: waited as told
+        assert await at_once("a", 0.3)
 
     asyncio.run(scenario())
