@@ -44,7 +44,7 @@ async def create_job(
     work: Work,
     intake: JobIntake,
     response: Response,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)] = None,
 ) -> schemas.Job:
     """Validate a JobSpec, store it and queue it. A replay with the same `Idempotency-Key` and
     body answers 200 with the same job; the same key with another body is 409."""

@@ -27,7 +27,7 @@ REPLAY = {
 )
 async def create_sweep(
     spec: SweepSpec, work: Work, response: Response,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)] = None,
 ) -> schemas.SweepDetail:  # fmt: skip
     """Validate the sweep and every trial's JobSpec (the base with the trial's values; a 422
     names `space.<path>` or `base.<field>`, and nothing is stored), store it and start its first

@@ -90,6 +90,10 @@ def test_idempotency_key(client, auth):
     other = client.post("/v1/jobs", json=tiny_spec(steps=21), headers=headers)
     assert other.status_code == 409 and other.json()["error"]["param"] == "Idempotency-Key"
     assert len(client.get("/v1/jobs", headers=auth).json()["data"]) == 1
+    for _ in range(2):  # an empty key is no key: refused, never stored (twice was a 500)
+        empty = client.post("/v1/jobs", json=tiny_spec(), headers={**auth, "Idempotency-Key": ""})
+        assert empty.status_code == 422 and empty.json()["error"]["param"] == "Idempotency-Key", empty.text
+    assert len(client.get("/v1/jobs", headers=auth).json()["data"]) == 1
     cancel_all(client, auth)
 
 

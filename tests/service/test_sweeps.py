@@ -137,6 +137,9 @@ def test_a_repeated_idempotency_key_answers_with_the_sweep_it_created(client, au
     theirs = {"Authorization": f"Bearer {new_key(settings)}", "Idempotency-Key": "sweep-once"}
     mine_too = client.post("/v1/sweeps", json=sweep_body(), headers=theirs)
     assert mine_too.status_code == 201 and mine_too.json()["id"] != first.json()["id"]
+    for _ in range(2):  # an empty key is no key: refused, never stored (twice was a 500)
+        empty = client.post("/v1/sweeps", json=sweep_body(), headers={**auth, "Idempotency-Key": ""})
+        assert empty.status_code == 422 and empty.json()["error"]["param"] == "Idempotency-Key", empty.text
     for sweep_id, headers in ((first.json()["id"], auth), (mine_too.json()["id"], theirs)):
         assert client.post(f"/v1/sweeps/{sweep_id}/cancel", headers=headers).status_code == 200
 
