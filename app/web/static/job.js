@@ -291,6 +291,8 @@
       stream.close();
       // The job has finished and the stream has given every event: an empty panel stays empty.
       for (const p of document.querySelectorAll("#samples > p.muted, #log > p.muted")) p.textContent = "None.";
+      clearTimeout(checkpointsPending); // the list is read once more here, at the end: not twice
+      checkpointsPending = null;
       loadCheckpoints()
         .then(() => ($("no-checkpoints").textContent = "None."))
         .catch(MF.showError);
