@@ -33,7 +33,7 @@ COPY muonforge ./muonforge
 COPY alembic.ini ./
 COPY migrations ./migrations
 COPY examples ./examples
-# Editable: app.migrate finds alembic.ini and migrations/ beside the packages.
+# Editable: app.db.migrate finds alembic.ini and migrations/ beside the packages.
 RUN pip install --no-cache-dir -e .
 
 RUN useradd --create-home --uid 1000 muonforge && mkdir -p /artifacts && chown muonforge /artifacts

@@ -47,5 +47,5 @@ test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
-	$(VENV)/bin/ruff check optim app worker muonforge migrations tests bench
-	$(VENV)/bin/ruff format --check optim app worker muonforge migrations tests bench
+	$(VENV)/bin/ruff check contract optim app worker muonforge migrations tests bench
+	$(VENV)/bin/ruff format --check contract optim app worker muonforge migrations tests bench

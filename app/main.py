@@ -9,11 +9,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from app.api.limits import Limits
+from app.api.observability import install_metrics
+from app.api.routes import checkpoints, datasets, health, jobs, session, sweeps, webhooks
 from app.errors import install_error_handlers
-from app.limits import Limits
-from app.live import LiveReader
-from app.observability import install_metrics
-from app.routes import checkpoints, datasets, health, jobs, session, sweeps, webhooks
+from app.messaging.live_bus import LiveReader
 from app.services.auth import KeyCache
 from app.services.intake import Intake
 from app.services.quotas import RefusalPacer, RequestRate, StreamSlots, TenantThreads

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.destinations import AllowList
+from app.services.webhook_destinations import AllowList
 
 VAR = Path("var")
 MEMORY_SHARE = 0.8  # of the machine's (or container's) memory, a job's by default; the rest: the worker, the OS
@@ -132,7 +132,7 @@ class Settings(BaseSettings):
     )
     live_stream_maxlen: int = Field(10_000, description="Entries each job's Redis Stream keeps (about).")
 
-    # Webhooks (app.services.webhooks, app.services.webhook_delivery, app.destinations).
+    # Webhooks (app.services.webhooks, app.services.webhook_delivery, app.services.webhook_destinations).
     webhook_allow: str = Field(
         "",
         description="Where webhooks may be delivered: comma-separated networks (10.0.0.0/8), addresses, host "

@@ -53,7 +53,7 @@ from stack import FINISHED, PG_ADMIN, Stack, check_job, free_port, job_spec, pic
 
 from muonforge import AsyncClient, Client, MuonforgeError, Retry
 
-STEP_BITS = 32  # an event id is seq << 32 | next step (app/services/events.py)
+STEP_BITS = 32  # an event id is seq << 32 | next step (app/services/event_stream.py)
 # The clients wait through a 30 s outage: 120 retries, at most 2 s apart, counted afresh at every event.
 PATIENT = Retry(max_retries=120, backoff=0.25, max_backoff=2.0, max_wait=60.0)
 WEIGHTS = {"worker_kill": 35, "api_kill": 25, "redis_kill": 10, "redis_pause": 10, "pg_restart": 20}

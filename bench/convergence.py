@@ -79,8 +79,8 @@ from typing import Any
 import torch
 
 import optim
-from app.schemas import JobSpec
-from worker.engine.config import job_config_from_dict
+from contract.spec import JobSpec
+from worker.engine.config import job_config
 from worker.engine.data import TokenData, load_data
 from worker.engine.outcome import TrainingError
 from worker.engine.telemetry import Report
@@ -294,8 +294,8 @@ def train(contender: str, lr: float, spec: dict[str, Any], data: TokenData, eval
           replay_tau: float | None = None, spread_tau: float | None = None) -> RunRecord:  # fmt: skip
     """Train one spec through the engine's Trainer and collect its telemetry (``eval_batches`` is
     an engine setting the JobSpec does not expose, so it is set on the built config)."""
-    job = job_config_from_dict(spec)
-    job = replace(job, train=replace(job.train, eval_batches=eval_batches))
+    job = job_config(spec)
+    job = replace(job, eval_batches=eval_batches)
     sink = RecordingSink()
     trainer = BenchTrainer(job, data, None, sink, replay_tau=replay_tau)
     result = trainer.run(resume=False)
@@ -807,7 +807,7 @@ def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path
     out: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     out["settings"].update(threads=torch.get_num_threads(), model=cfg.model, ns_auto_dtype=ns_dtype, where=where)
     start = time.perf_counter()
-    data = load_data(job_config_from_dict(make_spec(cfg.model, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
+    data = load_data(job_config(make_spec(cfg.model, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
     print(f"vocab {data.vocab_size}, train {len(data.train):,} chars, val {len(data.val):,} chars")
     if args.part in ("all", "convergence"):
         t0 = time.perf_counter()

@@ -218,7 +218,7 @@ def ddp_job(steps: int, cores: int) -> dict:
     """bench/convergence.py's small GPT on pysource (char) for ``steps`` steps through the engine,
     with resources.nproc 1 and then 2 (DDP under torchrun, the same global batch of 32 x 64):
     each run's tokens/s and wall time per step."""
-    from app.schemas import JobSpec
+    from contract.spec import JobSpec
     from worker.engine.run import run_job
 
     out = {}

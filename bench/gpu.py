@@ -759,7 +759,7 @@ def cuda_kernels(fn: Callable[[], object], repeats: int) -> float:
 
 
 def host_section(device: torch.device, steps: int) -> dict:
-    from worker.engine.config import job_config_from_dict
+    from worker.engine.config import job_config
     from worker.engine.data import synthetic_task
     from worker.engine.trainer import Trainer
 
@@ -772,7 +772,7 @@ def host_section(device: torch.device, steps: int) -> dict:
                       "device": device.type, "precision": "auto"},
             "telemetry": {"every": 10**6, "sample_tokens": 0},
         }  # fmt: skip
-        out[name] = host_row(Trainer(job_config_from_dict(spec), data, None, None), steps)
+        out[name] = host_row(Trainer(job_config(spec), data, None, None), steps)
     out["muon_train_step_vs_adamw"] = out["muon"]["train_step_ms"] / out["adamw"]["train_step_ms"]
     return out
 

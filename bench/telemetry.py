@@ -44,14 +44,14 @@ from stack import ROOT, CpuMeter, Stack, processes
 from train_overhead import measure, summarize
 
 from app.db.session import transaction
-from app.live import live_bus
+from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
-from app.schemas import JobSpec
 from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
-from app.services.job_events import record_status
-from app.services.telemetry import store_metrics
+from app.services.job_journal import record_status
+from app.services.metric_history import store_metrics
 from app.settings import Settings
+from contract.spec import JobSpec
 from worker.engine.telemetry import Report
 from worker.sink import JobSink
 
@@ -93,7 +93,7 @@ def step_report(step: int, values: dict[str, float]) -> Report:
 
 def gpt_telemetry() -> dict[str, float]:
     """The telemetry of one real step of a 4-layer, 4-head gpt (MuonClip) on the synthetic task."""
-    from worker.engine.config import job_config_from_dict
+    from worker.engine.config import job_config
     from worker.engine.data import synthetic_task
     from worker.engine.trainer import Trainer
 
@@ -119,7 +119,7 @@ def gpt_telemetry() -> dict[str, float]:
         "train": {"steps": 2, "batch_size": 8, "eval_every": 100, "checkpoint_every": 100, "device": "cpu"},
     }).model_dump()  # fmt: skip
     sink = Keep()
-    Trainer(job_config_from_dict(spec), synthetic_task(0), None, sink).run(resume=False)
+    Trainer(job_config(spec), synthetic_task(0), None, sink).run(resume=False)
     return sink.steps[1]
 
 
@@ -307,13 +307,13 @@ def overhead_part(rounds: int, steps: int) -> dict[str, Any]:
     import torch
     from train_overhead import make_spec
 
-    from worker.engine.config import job_config_from_dict
+    from worker.engine.config import job_config
     from worker.engine.data import load_data
 
     with Stack("telemetry_overhead", REDIS, SETTINGS) as stack, tempfile.TemporaryDirectory() as tmp:
         settings = settings_of(stack)
         recorder = ServiceRecorder(settings, stack.api_key("bench"))
-        data = load_data(job_config_from_dict(make_spec("muon", 1, 1)).data, 0, Path(tmp))
+        data = load_data(job_config(make_spec("muon", 1, 1)).data, 0, Path(tmp))
         runs = measure("muon", rounds, steps, data, recorder, accounted_cpu=service_cpu)
     out = summarize(runs)
     out["threads"] = torch.get_num_threads()

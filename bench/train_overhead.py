@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from app.schemas import JobSpec
-from worker.engine.config import job_config_from_dict
+from contract.spec import JobSpec
+from worker.engine.config import job_config
 from worker.engine.data import TokenData, load_data
 from worker.engine.telemetry import JsonlSink
 from worker.engine.trainer import Trainer
@@ -95,8 +95,8 @@ def timed_run(
     returns how many telemetry steps it recorded. Returns end-to-end and engine tokens/s, the wall
     time, the steps recorded and the CPU that processes other than ``accounted_cpu``'s took."""
     spec = make_spec(optimizer, steps, 1 if mode == "on" else steps + 1)
-    job = job_config_from_dict(spec)
-    job = replace(job, train=replace(job.train, eval_batches=EVAL_BATCHES))
+    job = job_config(spec)
+    job = replace(job, eval_batches=EVAL_BATCHES)
     sink = recorder.open(mode)
     trainer = Trainer(job, data, None, sink)
     busy0, own0, t0 = machine_busy(), accounted_cpu(), time.perf_counter()
@@ -244,7 +244,7 @@ def main() -> None:
           f"batch {BATCH_SIZE}")  # fmt: skip
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        data = load_data(job_config_from_dict(make_spec(args.optimizer, 1, 1)).data, 0, Path(tmp))
+        data = load_data(job_config(make_spec(args.optimizer, 1, 1)).data, 0, Path(tmp))
         runs = measure(args.optimizer, args.rounds, args.steps, data, JsonlRecorder(Path(tmp)),
                        args.max_retries)  # fmt: skip
     loads = (load_before, os.getloadavg()[0])

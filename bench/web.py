@@ -36,10 +36,10 @@ from stack import ROOT, Stack
 from telemetry import running_job, settings_of, step_report
 
 from app.db.session import transaction
-from app.live import live_bus
+from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
-from app.services.job_events import record_status
-from app.services.telemetry import store_metrics
+from app.services.job_journal import record_status
+from app.services.metric_history import store_metrics
 from app.settings import Settings
 from worker.sink import JobSink
 

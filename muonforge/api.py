@@ -13,12 +13,15 @@ from urllib.parse import quote
 
 import httpx
 
+from contract import status
+from contract.status import JobStatus, SweepStatus
 from muonforge.retry import Repeat
 
-ACTIVE = ("queued", "running", "cancelling")
-FINISHED = ("succeeded", "failed", "cancelled", "stopped_early")  # terminal: a job in one of these never changes again
-STATUSES = ACTIVE + FINISHED
-SWEEP_STATUSES = ("running", "completed", "cancelled")  # a sweep's: running until every trial has finished
+# The contract's statuses as plain strings (argparse shows its choices' repr).
+STATUSES = tuple(s.value for s in JobStatus)
+ACTIVE = tuple(s.value for s in JobStatus if s in status.ACTIVE)
+FINISHED = tuple(s.value for s in JobStatus if s in status.FINISHED)  # terminal: such a job never changes again
+SWEEP_STATUSES = tuple(s.value for s in SweepStatus)
 
 # The server pings an open events stream every 15 s: a minute without a byte is a dead connection.
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=60.0)

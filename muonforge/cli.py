@@ -14,8 +14,8 @@ from pathlib import Path
 
 from muonforge import errors
 from muonforge.client_commands import add_client_commands, after_ctrl_c
-from muonforge.services import UpFailed
 from muonforge.specs import InputError, SpecError, load_spec
+from muonforge.supervisor import UpFailed
 
 EXIT_STATUS = """\
 exit status:
@@ -56,7 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from app.migrate import upgrade
+    from app.db.migrate import upgrade
     from app.settings import get_settings
 
     upgrade(get_settings())
@@ -177,13 +177,13 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from muonforge.services import worker_command
+    from muonforge.supervisor import worker_command
 
     os.execv(sys.executable, worker_command(args.queues, args.concurrency))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from muonforge.services import run_up
+    from muonforge.supervisor import run_up
 
     return run_up(args.host, args.port, args.workers)
 

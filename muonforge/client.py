@@ -25,11 +25,12 @@ from typing import Any, BinaryIO
 
 import httpx
 
+from contract.export import EXPORT_FILE
 from muonforge import api
 from muonforge.api import ACTIVE, FINISHED, STATUSES, Call, Event, SseParser
 from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError
 from muonforge.retry import NO_RETRY, Attempts, Retry
-from muonforge.transfer import EXPORT_FILE, Download, Progress, open_upload, write_export_config
+from muonforge.transfer import Download, Progress, open_upload, write_export_config
 
 __all__ = [
     "ACTIVE", "FINISHED", "STATUSES", "ApiError", "AsyncClient", "Client", "ConfigError", "ConnectionFailed", "Event",

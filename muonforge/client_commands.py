@@ -15,6 +15,9 @@ from typing import Any
 from rich.console import Group
 from rich.live import Live
 
+from contract import metrics
+from contract.export import CONFIG_FILE, EXPORT_FILE
+from contract.status import JobStatus, SweepStatus
 from muonforge.api import SWEEP_STATUSES
 from muonforge.client import FINISHED, PAGE_SIZE, STATUSES, Client, Event, Retry
 from muonforge.output import (
@@ -34,7 +37,6 @@ from muonforge.output import (
 )
 from muonforge.progress import follow, transfer_bar
 from muonforge.specs import InputError, read_spec, with_source
-from muonforge.transfer import CONFIG_FILE, EXPORT_FILE
 
 # Someone is waiting at the terminal: give up after two quick retries; wait as a 429 asks (each
 # wait is shown as a note), up to a minute.
@@ -55,7 +57,7 @@ def positive(text: str) -> int:
 
 def outcome(job: dict[str, Any]) -> int:
     """The exit status of a command that waited for the job to end."""
-    return 0 if job["status"] == "succeeded" else 1
+    return 0 if job["status"] == JobStatus.SUCCEEDED else 1
 
 
 def after_ctrl_c() -> str:
@@ -160,7 +162,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    names = list(dict.fromkeys(n for arg in args.name or ["loss"] for n in arg.split(",") if n))
+    names = list(dict.fromkeys(n for arg in args.name or [metrics.LOSS] for n in arg.split(",") if n))
     with connect(args) as client:
         series = client.metrics(args.job_id, names, max_points=args.max_points)
     for name in names:
@@ -245,7 +247,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return 0
         try:
             with Live(sweep_view(sweep), console=console(), auto_refresh=False) as live:
-                while sweep["status"] == "running":
+                while sweep["status"] == SweepStatus.RUNNING:
                     time.sleep(args.interval)
                     sweep = client.get_sweep(sweep["id"])
                     live.update(sweep_view(sweep), refresh=True)
@@ -253,7 +255,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             again = f"muonforge sweeps show {sweep['id']}"
             print(f"{after_ctrl_c()}detached; {sweep['id']} goes on. Look again: {again}", file=sys.stderr)
             return 130
-    return 0 if sweep["status"] == "completed" else 1
+    return 0 if sweep["status"] == SweepStatus.COMPLETED else 1
 
 
 def cmd_sweeps_list(args: argparse.Namespace) -> int:

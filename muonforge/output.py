@@ -13,10 +13,19 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from contract import metrics
+from contract.status import TRIAL_FINISHED, JobStatus, SweepStatus
+from contract.webhooks import DeliveryStatus
+
 STATUS_STYLE = {
-    "succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow", "stopped_early": "magenta",
-    "paused": "cyan", "completed": "green",
-}  # fmt: skip
+    JobStatus.SUCCEEDED: "green",
+    JobStatus.FAILED: "red",
+    JobStatus.CANCELLED: "yellow",
+    JobStatus.CANCELLING: "yellow",
+    JobStatus.STOPPED_EARLY: "magenta",
+    JobStatus.PAUSED: "cyan",
+    SweepStatus.COMPLETED: "green",
+}
 
 
 def console() -> Console:
@@ -47,12 +56,12 @@ def status(job: dict[str, Any], detail: str = "") -> Text:
 
 
 def jobs_table(jobs: list[dict[str, Any]]) -> Table:
-    table = Table("id", "name", "status", "step", "loss", "val_loss", "age", box=None, header_style="bold")
+    table = Table("id", "name", "status", "step", metrics.LOSS, metrics.VAL_LOSS, "age", box=None, header_style="bold")
     for job in jobs:
         progress, summary = job["progress"], job["summary"]
         table.add_row(
             Text(job["id"]), Text(job["name"] or "-"), status(job), f"{progress['step']}/{progress['total_steps']}",
-            number(summary.get("loss")), number(summary.get("val_loss")), age(job["created_at"]),
+            number(summary.get(metrics.LOSS)), number(summary.get(metrics.VAL_LOSS)), age(job["created_at"]),
         )  # fmt: skip
     return table
 
@@ -101,7 +110,7 @@ def sweeps_table(sweeps: list[dict[str, Any]]) -> Table:
     table = Table("id", "name", "status", "trials", "best", "age", box=None, header_style="bold")
     for s in sweeps:
         counts = s["counts"]
-        done = sum(n for st, n in counts["by_status"].items() if st in FINISHED_TRIALS)
+        done = sum(n for st, n in counts["by_status"].items() if st in TRIAL_FINISHED)
         best = s["best"]
         best_text = f"#{best['number']} {s['metric']} {number(best['metric'])}" if best else "-"
         table.add_row(
@@ -109,9 +118,6 @@ def sweeps_table(sweeps: list[dict[str, Any]]) -> Table:
             age(s["created_at"]),
         )  # fmt: skip
     return table
-
-
-FINISHED_TRIALS = ("succeeded", "failed", "cancelled", "stopped_early", "not_started")
 
 
 def param_value(value: Any) -> str:
@@ -123,7 +129,7 @@ def rung_mark(trial: dict[str, Any], rung: dict[str, Any]) -> str:
     ``=`` waits there now, ``x`` stopped there."""
     if rung["continued"]:
         return "^" if rung.get("promoted") else "+"
-    return "=" if trial["status"] == "paused" else "x"
+    return "=" if trial["status"] == JobStatus.PAUSED else "x"
 
 
 def trials_table(sweep: dict[str, Any]) -> Table:
@@ -151,7 +157,7 @@ def sweep_heading(sweep: dict[str, Any]) -> Text:
     return text
 
 
-DELIVERY_STYLE = {"delivered": "green", "failed": "red"}
+DELIVERY_STYLE = {DeliveryStatus.DELIVERED: "green", DeliveryStatus.FAILED: "red"}
 
 
 def deliveries_table(deliveries: list[dict[str, Any]]) -> Table:

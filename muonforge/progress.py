@@ -21,16 +21,16 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from contract import metrics
+from contract.status import FINISHED
 from muonforge.output import STATUS_STYLE, event_line
-
-FINAL = ("succeeded", "failed", "cancelled", "stopped_early")
 
 
 class EtaColumn(TimeRemainingColumn):
     """The time left as "ETA h:mm:ss" while the run goes on; nothing once it has ended."""
 
     def render(self, task: Task) -> Text:
-        if task.fields["state"] in FINAL:
+        if task.fields["state"] in FINISHED:
             return Text("")
         return Text("ETA ") + super().render(task)
 
@@ -66,12 +66,12 @@ class ProgressSink:
     def show(self, completed: int, values: dict[str, float]) -> None:
         """Steps completed, and whichever of loss, val_loss and tokens_per_s are known."""
         fields = {}
-        if "loss" in values:
-            fields["loss"] = f"{values['loss']:.4f}"
-        if "val_loss" in values:
-            fields["val"] = f"{values['val_loss']:.4f}"
-        if "tokens_per_s" in values:
-            fields["tps"] = f"{values['tokens_per_s']:,.0f}"
+        if metrics.LOSS in values:
+            fields["loss"] = f"{values[metrics.LOSS]:.4f}"
+        if metrics.VAL_LOSS in values:
+            fields["val"] = f"{values[metrics.VAL_LOSS]:.4f}"
+        if metrics.TOKENS_PER_S in values:
+            fields["tps"] = f"{values[metrics.TOKENS_PER_S]:,.0f}"
         self._progress.update(self._task, completed=completed, **fields)
 
     def end(self, status: str) -> None:
@@ -103,7 +103,7 @@ def follow(client, job: dict) -> dict:
                 bar.show(event.data["progress"]["step"], {})
             if (line := event_line(event.event, event.data)) is not None:
                 bar.console.log(line, markup=False, highlight=False)
-            if event.event == "status" and event.data["status"] in FINAL:
+            if event.event == "status" and event.data["status"] in FINISHED:
                 bar.end(event.data["status"])
     return client.get_job(job["id"])
 

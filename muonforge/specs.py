@@ -40,7 +40,7 @@ def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
     """Read a job spec, apply ``--data``, validate it with JobSpec; return its dict."""
     import pydantic
 
-    from app.schemas import JobSpec
+    from contract.spec import JobSpec
 
     raw = read_spec(path)
     if data is not None:

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from contract.export import CONFIG_FILE, EXPORT_KEY
+
 Progress = Callable[[int, "int | None"], None]
-EXPORT_FILE, CONFIG_FILE = "model.safetensors", "config.json"  # what an export writes
-EXPORT_KEY = "muonforge.model"  # the metadata key of the model's config (the server's app.services.export)
 
 
 class ProgressReader:

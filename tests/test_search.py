@@ -1,4 +1,4 @@
-"""A sweep's pure parts (app.search): grid and seeded random trials, values set at spec paths,
+"""A sweep's pure parts (app.services.search): grid and seeded random trials, values set at spec paths,
 and the ASHA rule."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app import search
+from app.services import search
 
 SPACE = {
     "optimizer.lr": {"log_uniform": [1e-3, 1e-1]},

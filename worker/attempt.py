@@ -24,18 +24,19 @@ import torch
 
 from app.db.models import Sweep
 from app.db.session import is_transient, retrying, transaction
-from app.job_status import JobStatus
-from app.live import live_bus
+from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.services import sweeps
 from app.services.asha import record_rung, rung_outcome
-from app.services.caps import gib, peak_memory_bytes, vocabulary
-from app.services.job_events import record_status
+from app.services.caps import gib
+from app.services.job_journal import record_status
 from app.services.reaper import release_attempt
 from app.settings import Settings
+from contract.status import JobStatus
 from worker.engine.checkpoints import checkpoint_path
 from worker.engine.early_stop import RungCheck
+from worker.engine.facts import peak_memory_bytes, vocabulary
 from worker.engine.launch import RankFailed
 from worker.engine.outcome import TrainingError
 from worker.engine.run import checkpoint_dir, run_job

@@ -26,7 +26,7 @@ STALE_SECONDS = 3 * ALIVE_SECONDS  # two checks missed in a row: unhealthy
 
 def keep_alive(settings: Settings, path: Path, stop: threading.Event) -> None:
     """Touch ``path`` every ALIVE_SECONDS while the database and the broker answer, until ``stop``."""
-    from app.observability import readiness
+    from app.api.observability import readiness
 
     while True:
         checks = readiness(settings)

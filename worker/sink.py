@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from app.db.session import is_transient, on_commit, retrying, transaction
-from app.live import live_bus
+from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
-from app.services.job_events import record_checkpoint, record_log, record_sample
-from app.services.telemetry import store_metrics
+from app.services.job_journal import record_checkpoint, record_log, record_sample
+from app.services.metric_history import store_metrics
 from app.settings import Settings
+from contract import metrics
 from worker.engine.checkpoints import checkpoints_in, load_checkpoint, remove_stale_temp_files, to_prune
 from worker.engine.telemetry import Report
 
@@ -98,7 +99,7 @@ class JobSink:
         # holds it shared until that commits, so no checkpoint goes that a new job was admitted on.
         repo.locked(self.job_id)
         rows = {c.step: c for c in repo.checkpoints(self.job_id)}
-        steps = to_prune([(s, c.metrics.get("val_loss")) for s, c in rows.items()], self.keep_checkpoints)
+        steps = to_prune([(s, c.metrics.get(metrics.VAL_LOSS)) for s, c in rows.items()], self.keep_checkpoints)
         started_from = repo.warm_start_steps(self.job_id)  # other jobs start (and restart) from these
         steps = [s for s in steps if s not in started_from]
         if not steps:

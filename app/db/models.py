@@ -10,8 +10,8 @@ from sqlalchemy import BigInteger, Boolean, Double, ForeignKey, Index, Integer, 
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import Text
 
-from app.job_status import JobStatus, SweepStatus
-from app.webhook_events import DeliveryStatus
+from contract.status import JobStatus, SweepStatus
+from contract.webhooks import DeliveryStatus
 
 from .base import Base, IdColumn, JSONDoc, Timestamped, UTCDateTime, new_id
 
@@ -21,7 +21,7 @@ class Tenant(Timestamped, Base):
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("ten"))
     name: Mapped[str] = mapped_column(String(100), unique=True)
     job_cap: Mapped[int | None] = mapped_column(Integer)  # overrides the global cap when set
-    # Its jobs in app.job_status.ACTIVE, kept by triggers on jobs (migration 0005): the job cap
+    # Its jobs in contract.status.ACTIVE, kept by triggers on jobs (migration 0005): the job cap
     # reads one row instead of counting them. The service's code never writes it.
     active_jobs: Mapped[int] = mapped_column(Integer, server_default="0")
 

@@ -2,7 +2,7 @@
 may leave (and, for a worker, its attempt number: the fencing token), so a stale writer
 changes nothing and learns so from the row count.
 
-A change into or out of app.job_status.ACTIVE also updates the tenant's ``active_jobs``, by
+A change into or out of contract.status.ACTIVE also updates the tenant's ``active_jobs``, by
 trigger (migration 0005), in its transaction: it locks the job's row, then the tenant's. So a
 transaction changes the status of one existing job at most, and locks no tenant before it: two
 such changes in one transaction, or a tenant's lock then a change, can wait in a cycle on
@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Checkpoint, Job, JobEvent, JobNode
-from app.job_status import FINISHED, RUNNING, JobStatus
+from contract.status import FINISHED, RUNNING, JobStatus, check_transition
 
 
 class JobRepository:
@@ -147,6 +147,7 @@ class JobRepository:
     # -- writes by a worker attempt (fenced by the attempt number) --------------------------------
     def claim(self, job_id: str, owner: str, lease: timedelta) -> int | None:
         """queued -> running for a new attempt holding a lease; returns the attempt or None."""
+        check_transition((JobStatus.QUEUED,), JobStatus.RUNNING)
         now = utcnow()
         result = self.session.execute(
             update(Job)
@@ -263,6 +264,7 @@ class JobRepository:
 
     def release_expired(self, job: Job, now: datetime, status: str, error: dict | None = None) -> bool:
         """A dead attempt's job: back to queued (to resume), or to its final state."""
+        check_transition(RUNNING, status)
         stmt = (
             update(Job)
             .where(Job.id == job.id, Job.attempt == job.attempt, Job.status.in_(RUNNING), Job.lease_expires_at < now)
@@ -369,7 +371,11 @@ class JobRepository:
         return {(job_id, step) for job_id, step in self.session.execute(query)}
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _cas(self, job_id: str, states: Sequence[str], attempt: int | None = None, **values: Any) -> bool:
+    def _cas(self, job_id: str, states: Collection[str], attempt: int | None = None, **values: Any) -> bool:
+        """UPDATE the job if its status is one of ``states`` (and its attempt ``attempt``); whether it
+        did. A change of status must be one that contract.status.TRANSITIONS allows from each."""
+        if "status" in values:
+            check_transition(states, values["status"])
         stmt = update(Job).where(Job.id == job_id, Job.status.in_(states))
         if attempt is not None:
             stmt = stmt.where(Job.attempt == attempt)

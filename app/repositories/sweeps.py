@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Job, Sweep, SweepRung, SweepTrial
-from app.job_status import ACTIVE, FINISHED, JobStatus, SweepStatus
+from contract.status import ACTIVE, FINISHED, JobStatus, SweepStatus
 
 
 class SweepRepository:

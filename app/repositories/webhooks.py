@@ -16,7 +16,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
-from app.webhook_events import DeliveryStatus
+from contract.webhooks import DeliveryStatus
 
 
 class Claimed(NamedTuple):

@@ -1,5 +1,1 @@
-"""Request and response schemas; JobSpec is the training job contract."""
-
-from .job_spec import DataSpec, JobSpec, ModelSpec, OptimizerSpec, ResourcesSpec, TelemetrySpec, TrainSpec
-
-__all__ = ["DataSpec", "JobSpec", "ModelSpec", "OptimizerSpec", "ResourcesSpec", "TelemetrySpec", "TrainSpec"]
+"""Request and response schemas of the HTTP API (the job spec is the contract's: contract.spec)."""

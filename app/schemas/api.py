@@ -7,9 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.job_status import JobStatus, SweepStatus
-from app.services.caps import CHAR_VOCAB_MAX
-from app.webhook_events import DeliveryStatus, WebhookEventType
+from contract import metrics
+from contract.status import JobStatus, SweepStatus, TrialStatus
+from contract.webhooks import DeliveryStatus, WebhookEventType
+from worker.engine.facts import CHAR_VOCAB_MAX
 
 
 class FieldError(BaseModel):
@@ -170,7 +171,7 @@ class MetricHistory(BaseModel):
     model_config = ConfigDict(
         json_schema_extra={
             "examples": [
-                {"job_id": "job_01hx…", "series": [{"name": "loss", "points": [[0, 5.54], [1, 5.31], [2, 4.98]]}]}
+                {"job_id": "job_01hx…", "series": [{"name": metrics.LOSS, "points": [[0, 5.54], [1, 5.31], [2, 4.98]]}]}
             ]
         }
     )
@@ -288,7 +289,7 @@ class SweepTrial(BaseModel):
     number: int = Field(description="0, 1, ...: the order trials start in.")
     params: dict[str, Any] = Field(description="Spec path -> the trial's value.")
     job_id: str | None = Field(description="Its job, once started; null while it waits for a slot.")
-    status: JobStatus | Literal["pending", "not_started"] = Field(
+    status: JobStatus | TrialStatus = Field(
         description="Its job's status; `pending` while it waits, `not_started` if it could not start (see `error`)."
     )
     metric: float | None = Field(description="The latest evaluation of the sweep's metric (the job's summary).")

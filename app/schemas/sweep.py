@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .job_spec import NO_NUL
+from contract import metrics
+from contract.spec import NO_NUL
 
 # Numbers as numbers: strict, so that a JSON true or false is refused, not read as 1 or 0.
 Number = Annotated[float, Field(strict=True)]
@@ -106,7 +107,9 @@ class SweepSpec(_Strict):
     max_concurrent: int = Field(
         2, strict=True, ge=1, le=MAX_TRIALS, description="Trials queued or running at once, at most."
     )
-    metric: Literal["val_loss"] = Field("val_loss", description="What ranks trials (evaluated at every rung).")
+    metric: metrics.EvaluationMetric = Field(
+        metrics.VAL_LOSS, description="What ranks trials (evaluated at every rung)."
+    )
     mode: Literal["min", "max"] = Field("min", description="min: lower is better.")
     asha: AshaSpec | None = Field(None, description="ASHA early termination; null: every trial runs to the end.")
 
@@ -135,7 +138,7 @@ class SweepSpec(_Strict):
                     "seed": 7,
                     "max_trials": 9,
                     "max_concurrent": 3,
-                    "metric": "val_loss",
+                    "metric": metrics.VAL_LOSS,
                     "mode": "min",
                     "asha": {"rungs": [50, 150], "reduction_factor": 3},
                 }

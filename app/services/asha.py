@@ -2,7 +2,7 @@
 sweep's lock), what it means for the trial's attempt (``rung_outcome``), and in the promote form
 the promotions of waiting trials (``promotion_candidates``, ``promote``) or, when the sweep has
 nothing left to run, the end of their waits (``stop_waiting``). The rules themselves are pure
-functions (app.search). Services never commit.
+functions (app.services.search). Services never commit.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from app import search
-from app.broker import send_train_tasks, train_tasks
 from app.db.models import Sweep, SweepRung, Tenant
 from app.db.session import on_commit
 from app.errors import NotFound
-from app.job_status import JobStatus
-from app.live import live_bus
+from app.messaging.broker import send_train_tasks, train_tasks
+from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.sweeps import SweepRepository
 from app.repositories.tenants import TenantRepository
-from app.services.job_events import record_status
+from app.services import search
+from app.services.job_journal import record_status
 from app.services.tenants import job_cap
 from app.settings import Settings
+from contract.status import JobStatus
 
 
 def waits_at_rungs(asha: dict[str, Any] | None) -> bool:

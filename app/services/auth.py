@@ -4,7 +4,7 @@ A key has 256 bits of entropy, so a fast hash is safe here and costs microsecond
 (a password hash such as bcrypt would cost 50-100 ms on every call). A verified key is
 remembered for ``auth_cache_seconds``, which saves a database round trip on every request; a
 revoked key therefore keeps working for at most that long (an open events stream verifies its
-key again as often, app.services.events), and a tenant's new job cap (app.services.tenants)
+key again as often, app.services.event_stream), and a tenant's new job cap (app.services.tenants)
 applies after at most as long. Unknown keys are never remembered.
 
 A key's ``last_used_at`` costs no write per request: it is written only when the key is looked

@@ -31,8 +31,8 @@ from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
-from app.services.caps import CHAR_VOCAB_MAX
 from app.settings import Settings
+from worker.engine.facts import CHAR_VOCAB_MAX
 
 log = logging.getLogger("muonforge.datasets")
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# The metadata key of the model's config; worker.engine.export reads it (tests/test_parity.py).
-EXPORT_KEY = "muonforge.model"
+from contract.export import EXPORT_KEY
+
 CHUNK_BYTES = 1 << 20
 
 

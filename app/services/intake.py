@@ -32,22 +32,23 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session
 
-from app.broker import send_train_tasks, train_tasks
 from app.db.base import new_id, utcnow
 from app.db.models import Job
 from app.db.session import transaction
 from app.errors import Conflict, RateLimited, TenantSuspended, ValidationFailed
-from app.job_status import JobStatus
+from app.messaging.broker import send_train_tasks, train_tasks
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
-from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import TenantRef
-from app.services.caps import CHAR_VOCAB_MAX, check_caps, vocabulary
-from app.services.job_events import record_first_statuses
+from app.services.caps import check_caps
+from app.services.job_journal import record_first_statuses
 from app.services.tenants import job_cap
 from app.services.warm_start import parent_columns
 from app.settings import Settings
+from contract.spec import JobSpec
+from contract.status import JobStatus
+from worker.engine.facts import CHAR_VOCAB_MAX, vocabulary
 
 log = logging.getLogger("muonforge.api")
 T = TypeVar("T")
@@ -325,7 +326,7 @@ class TaskPublisher:
 
 
 # -- the whole path ------------------------------------------------------------------------------
-RunInUnitOfWork = Callable[..., Awaitable[Any]]  # app.deps.UnitOfWork: runs fn(session, tenant, *args)
+RunInUnitOfWork = Callable[..., Awaitable[Any]]  # app.api.deps.UnitOfWork: runs fn(session, tenant, *args)
 
 
 class Intake:

@@ -8,13 +8,13 @@ from sqlalchemy.orm import Session
 from app.db.base import utcnow
 from app.db.models import Job
 from app.errors import Conflict, NotFound
-from app.job_status import JobStatus
-from app.live import LiveBus
+from app.messaging.live_bus import LiveBus
 from app.repositories.jobs import JobRepository
 from app.schemas import api as schemas
-from app.services import telemetry
 from app.services.auth import TenantRef
-from app.services.job_events import record_status
+from app.services.job_journal import record_status
+from app.services.metric_history import history
+from contract.status import JobStatus
 
 MAX_LIMIT = 100
 
@@ -62,6 +62,5 @@ def metric_history(
 ) -> schemas.MetricHistory:  # fmt: skip
     get_job(session, tenant, job_id)  # 404 for another tenant's job (a from_step after to_step: no points)
     wanted = [n for n in names.split(",") if n.strip()] if names else None
-    series = telemetry.history(session, job_id, [n.strip() for n in wanted] if wanted else None, max_points,
-                               from_step, to_step)  # fmt: skip
+    series = history(session, job_id, [n.strip() for n in wanted] if wanted else None, max_points, from_step, to_step)
     return schemas.MetricHistory(job_id=job_id, series=series)

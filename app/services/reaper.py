@@ -11,17 +11,17 @@ import threading
 import time
 from datetime import datetime, timedelta
 
-from app.broker import send_train_tasks, train_tasks
 from app.db.base import utcnow
 from app.db.models import Job
 from app.db.session import transaction
-from app.job_status import JobStatus
-from app.live import live_bus
+from app.messaging.broker import send_train_tasks, train_tasks
+from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
 from app.services.datasets import sweep_orphans
-from app.services.job_events import record_status
+from app.services.job_journal import record_status
 from app.services.sweeps import advance_running
 from app.settings import Settings
+from contract.status import JobStatus
 
 log = logging.getLogger("muonforge.reaper")
 SWEEP_SECONDS = 600.0  # how often the dataset files are swept (a directory listing per tenant)

@@ -1,7 +1,7 @@
 """Sweeps: submission (every trial's spec validated, the sweep, its trials and its first jobs
 stored in one transaction), list, get, cancel; ``advance``, which promotes waiting trials and
 starts the next ones as slots free up and completes the sweep. ASHA's decisions and promotions
-are app.services.asha; the rules themselves are pure functions (app.search). Services never commit.
+are app.services.asha; the rules themselves are pure functions (app.services.search). Services never commit.
 
 Trials are ordinary jobs, inserted through the job intake's own stages (``prepare_submission``,
 ``insert_submissions``): the tenant's job cap holds exactly, and a trial beyond it or beyond the
@@ -20,30 +20,29 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from app import search
-from app.broker import send_train_tasks, train_tasks
 from app.db.base import utcnow
 from app.db.models import Job, Sweep, SweepTrial, Tenant
 from app.db.session import on_commit, transaction
 from app.errors import Conflict, DomainError, NotFound, RateLimited, TenantSuspended, ValidationFailed
-from app.job_status import JobStatus, SweepStatus
-from app.live import LiveBus
+from app.messaging.broker import send_train_tasks, train_tasks
+from app.messaging.live_bus import LiveBus
 from app.repositories.jobs import JobRepository
 from app.repositories.sweeps import SweepRepository
 from app.repositories.tenants import TenantRepository
-from app.schemas import JobSpec
 from app.schemas import api as schemas
 from app.schemas.sweep import SweepSpec
-from app.services import webhooks
+from app.services import search, webhooks
 from app.services.asha import promote, promotion_candidates, stop_waiting, waits_at_rungs
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
 from app.services.intake import data_facts, insert_submissions, prepare_submission, request_hash
-from app.services.job_events import record_status
+from app.services.job_journal import record_status
 from app.services.tenants import job_cap
 from app.services.warm_start import parent_columns
 from app.settings import Settings
-from app.webhook_events import WebhookEventType
+from contract.spec import JobSpec
+from contract.status import JobStatus, SweepStatus, TrialStatus
+from contract.webhooks import WebhookEventType
 
 log = logging.getLogger("muonforge.sweeps")
 MAX_LIMIT = 100
@@ -278,7 +277,7 @@ def sweep_payload(session: Session, sweep: Sweep) -> dict[str, Any]:
 
 
 def trial_view(trial: SweepTrial, job: Job | None, metric: str, rungs: list[schemas.SweepRung]) -> schemas.SweepTrial:
-    status = job.status if job is not None else "not_started" if trial.error else "pending"
+    status = job.status if job is not None else TrialStatus.NOT_STARTED if trial.error else TrialStatus.PENDING
     value = (job.summary or {}).get(metric) if job is not None else None
     return schemas.SweepTrial(
         number=trial.number, params=trial.params, job_id=trial.job_id, status=status,

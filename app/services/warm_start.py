@@ -12,9 +12,9 @@ from app.db.models import Job
 from app.errors import ValidationFailed
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
-from app.schemas.job_spec import ModelSpec
 from app.services.auth import TenantRef
-from app.services.caps import vocabulary
+from contract.spec import ModelSpec
+from worker.engine.facts import vocabulary
 
 MODEL_FIELDS = tuple(ModelSpec.model_fields)  # compared in the order people write them
 

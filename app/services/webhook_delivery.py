@@ -3,7 +3,7 @@ deliveries (app.services.webhooks), signed as Standard Webhooks signs them, and 
 one again with exponential backoff and jitter until the retry window (24 h) has passed.
 
 One attempt: claim the delivery (a short transaction, WebhookRepository.claim_due), check its
-URL against the allow-list and resolve it (app.destinations), POST to the checked address,
+URL against the allow-list and resolve it (app.services.webhook_destinations), POST to the checked address,
 record the outcome (another short transaction, fenced by the attempt's number). Several API
 processes share the work; one that dies mid-attempt leaves its claim to lapse and the delivery
 is sent again with the same ``webhook-id``: at least once.
@@ -26,11 +26,11 @@ import httpx
 
 from app.db.base import utcnow
 from app.db.session import retrying, transaction
-from app.destinations import NotAllowed, Unresolved, resolve
 from app.repositories.webhooks import Claimed, WebhookRepository
+from app.services.webhook_destinations import NotAllowed, Unresolved, resolve
 from app.services.webhooks import SECRET_PREFIX
 from app.settings import Settings
-from app.webhook_events import DeliveryStatus
+from contract.webhooks import DeliveryStatus
 
 log = logging.getLogger("muonforge.webhooks")
 # Each wait about 6 times the one before: 5 s, 30 s, 3 min, 18 min, 1.8 h, then the cap (2 h) until

@@ -12,14 +12,14 @@ from sqlalchemy.orm import Session
 
 from app.db.base import new_id, utcnow
 from app.db.models import WebhookEndpoint
-from app.destinations import NotAllowed, Unresolved, resolve
 from app.errors import Conflict, NotFound, ValidationFailed
 from app.repositories.tenants import TenantRepository
 from app.repositories.webhooks import WebhookRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
+from app.services.webhook_destinations import NotAllowed, Unresolved, resolve
 from app.settings import Settings
-from app.webhook_events import DeliveryStatus, WebhookEventType
+from contract.webhooks import DeliveryStatus, WebhookEventType
 
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32  # Standard Webhooks asks for 24 to 64 random bytes

@@ -17,9 +17,11 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from app.deps import Work
+from app.api.deps import Work
 from app.errors import Unauthorized
 from app.services.auth import tenant_name
+from contract import metrics, status
+from contract.spec import choices as spec_choices
 
 log = logging.getLogger("muonforge.web")
 WEB = Path(__file__).parent
@@ -49,6 +51,8 @@ def asset(path: str) -> str:
 
 
 templates.env.globals["asset"] = asset
+# Embedded in every page: the scripts' only statuses and metric names.
+templates.env.globals["contract"] = {"status": status.as_json(), "metrics": metrics.as_json()}
 
 
 @lru_cache(maxsize=1)
@@ -100,7 +104,7 @@ async def sweep_page(request: Request, work: Work, sweep_id: str) -> HTMLRespons
 
 @router.get("/new", response_class=HTMLResponse)
 async def new_job_page(request: Request, work: Work) -> HTMLResponse:
-    return await page(request, work, "new.html", page="new", presets=presets())
+    return await page(request, work, "new.html", page="new", presets=presets(), choices=spec_choices())
 
 
 def install_web(app: FastAPI) -> None:

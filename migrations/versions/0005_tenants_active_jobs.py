@@ -9,7 +9,7 @@ statements in three triggers of its own.
 
 The active statuses are spelled here, as this revision knows them (a migration never imports
 code that may change): tests/service/test_active_jobs.py checks them against
-app.job_status.ACTIVE. SQLite drops a table's triggers with the table: a later migration whose
+contract.status.ACTIVE. SQLite drops a table's triggers with the table: a later migration whose
 batch mode recreates ``jobs`` must create them again.
 
 Revision ID: 0005

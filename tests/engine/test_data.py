@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.engine.config import DataConfig
+from contract.spec import DataSpec
 from worker.engine.data import (
     CHAR_VOCAB_MAX,
     PYSOURCE_BYTES,
@@ -54,12 +54,12 @@ def test_pysource_refuses_an_interpreter_without_its_sources(tmp_path, monkeypat
 
 def test_pysource_tokenizers(tmp_path):
     """char is the fixed ASCII alphabet (128 on every Python), so its ids are the byte ids."""
-    data = {kind: load_data(DataConfig(builtin="pysource", tokenizer=kind), 0, tmp_path) for kind in ("byte", "char")}
+    data = {kind: load_data(DataSpec(builtin="pysource", tokenizer=kind), 0, tmp_path) for kind in ("byte", "char")}
     assert data["byte"].vocab_size == 256 and data["char"].vocab_size == len(PYSOURCE_CHARS) == 128
     assert np.array_equal(data["byte"].train, data["char"].train)
     assert np.array_equal(data["byte"].val, data["char"].val)
     assert data["char"].decode(data["char"].val[:200]) == pysource_text()[len(data["char"].train) :][:200]
-    again = load_data(DataConfig(builtin="pysource", tokenizer="char"), 0, tmp_path)  # from the cache
+    again = load_data(DataSpec(builtin="pysource", tokenizer="char"), 0, tmp_path)  # from the cache
     assert again.tokenizer.chars == PYSOURCE_CHARS and np.array_equal(again.val, data["char"].val)
 
 

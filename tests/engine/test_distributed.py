@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from app.schemas import JobSpec
+from contract.spec import JobSpec
 from tests.engine.test_trainer import ListSink, trainer
 from worker.engine.checkpoints import checkpoint_path
 from worker.engine.data import synthetic_task

@@ -7,15 +7,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from app.schemas import JobSpec
+from contract.spec import EarlyStopSpec, JobSpec
 from tests.engine.test_trainer import ListSink, spec, trainer
-from worker.engine.config import EarlyStopConfig
 from worker.engine.early_stop import EarlyStop, RungCheck
 from worker.engine.trainer import Trainer
 
 
 def rule(mode="min", patience=3, min_delta=0.0) -> EarlyStop:
-    return EarlyStop.of(EarlyStopConfig(mode=mode, patience=patience, min_delta=min_delta))
+    return EarlyStop.of(EarlyStopSpec(mode=mode, patience=patience, min_delta=min_delta))
 
 
 def judged(stop: EarlyStop, values: list[float], every: int = 100) -> list[bool]:

@@ -9,9 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from app.schemas import JobSpec
 from app.services.export import EXPORT_KEY, export_config, to_safetensors
-from muonforge.transfer import CONFIG_FILE, EXPORT_FILE, write_export_config
+from contract.export import CONFIG_FILE, EXPORT_FILE
+from contract.spec import JobSpec
+from muonforge.transfer import write_export_config
 from worker.engine.checkpoints import latest_checkpoint, load_checkpoint
 from worker.engine.config import ModelConfig
 from worker.engine.export import load_safetensors

@@ -1,4 +1,4 @@
-"""The memory cap's estimate (app.services.caps.peak_memory_bytes) against the peak resident
+"""The memory cap's estimate (worker.engine.facts.peak_memory_bytes) against the peak resident
 memory of real runs: above it, and within a factor of 2, for runs whose peak is dominated by
 each term in turn (attention scores, parameters and optimizer state, routed experts). The
 estimate's coefficients were fitted on a wider grid (docs/service.md, "Admission")."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.schemas import JobSpec
-from app.services.caps import SYNTHETIC_VOCAB, peak_memory_bytes
+from contract.spec import JobSpec
+from worker.engine.facts import SYNTHETIC_VOCAB, peak_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = {

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from app.schemas import JobSpec
-from worker.engine.config import DataConfig, TrainConfig, job_config_from_dict
+from contract.metrics import SUMMARY
+from contract.spec import DataSpec, JobSpec, TrainSpec
+from worker.engine.config import job_config
 from worker.engine.data import SYNTHETIC_ALPHABET, Tokenizer, load_corpus, synthetic_task
 from worker.engine.optimizer import lr_factor
 from worker.engine.outcome import TimeLimitReached, TrainingError
 from worker.engine.run import run_job
 from worker.engine.sample import PROMPT_TOKENS
-from worker.engine.telemetry import SUMMARY_KEYS, JsonlSink, Report
+from worker.engine.telemetry import JsonlSink, Report
 from worker.engine.trainer import Trainer
 
 
@@ -47,7 +48,7 @@ class ListSink:
 
 
 def trainer(s: dict, tmp_path: Path, sink=None, cancel=None) -> Trainer:
-    job = job_config_from_dict(s)
+    job = job_config(s)
     return Trainer(job, synthetic_task(job.train.seed), tmp_path / "ckpt", sink or ListSink(), cancel)
 
 
@@ -146,8 +147,8 @@ def test_reports_carry_the_steps_completed_and_the_run_summary(tmp_path):
     result = trainer(spec(steps=6, eval_every=3), tmp_path, sink).run()
     assert [(r.step, r.completed) for r in sink.reports] == [(s, s + 1) for s in range(6)] + [(6, 6)]
     for report in sink.reports:
-        assert set(report.summary) <= set(SUMMARY_KEYS)
-        assert all(report.summary[k] == v for k, v in report.values.items() if k in SUMMARY_KEYS)
+        assert set(report.summary) <= set(SUMMARY)
+        assert all(report.summary[k] == v for k, v in report.values.items() if k in SUMMARY)
     last = sink.reports[-1]
     assert last.summary == result.summary and last.summary["val_loss"] == last.values["val_loss"]
     assert last.summary["loss"] == sink.reports[-2].values["loss"]  # the last training step's
@@ -187,12 +188,12 @@ def test_telemetry_every_k_steps(tmp_path):
     ],
 )
 def test_lr_schedules(schedule, expected):
-    cfg = TrainConfig(steps=10, warmup_steps=2, lr_schedule=schedule)
+    cfg = TrainSpec(steps=10, warmup_steps=2, lr_schedule=schedule)
     assert [lr_factor(s, cfg) for s in range(10)] == pytest.approx(expected)
 
 
 def test_cosine_schedule_decays_to_zero():
-    cfg = TrainConfig(steps=101, warmup_steps=1, lr_schedule="cosine")
+    cfg = TrainSpec(steps=101, warmup_steps=1, lr_schedule="cosine")
     values = [lr_factor(s, cfg) for s in range(101)]
     assert values[1] == pytest.approx(1.0) and values[51] == pytest.approx(0.5) and values[-1] < 1e-3
     assert all(a >= b for a, b in itertools.pairwise(values))
@@ -209,10 +210,10 @@ def test_tokenizers_round_trip(kind):
 def test_corpus_is_memory_mapped_split_and_cached(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("abcdefghij" * 100)
-    data = load_corpus(DataConfig(tokenizer="char", val_fraction=0.1), corpus, tmp_path / "cache")
+    data = load_corpus(DataSpec(path=str(corpus), tokenizer="char", val_fraction=0.1), corpus, tmp_path / "cache")
     assert isinstance(data.train.base, np.memmap) or isinstance(data.train, np.memmap)
     assert len(data.train) == 900 and len(data.val) == 100 and data.vocab_size == 10
-    again = load_corpus(DataConfig(tokenizer="char", val_fraction=0.1), corpus, tmp_path / "cache")
+    again = load_corpus(DataSpec(path=str(corpus), tokenizer="char", val_fraction=0.1), corpus, tmp_path / "cache")
     assert np.array_equal(again.train, data.train) and len(list((tmp_path / "cache").iterdir())) == 2
 
 
@@ -228,7 +229,7 @@ def test_non_utf8_corpus_is_refused(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\x00abc")
     with pytest.raises(ValueError, match="not UTF-8"):
-        load_corpus(DataConfig(), bad, tmp_path / "cache")
+        load_corpus(DataSpec(path=str(bad)), bad, tmp_path / "cache")
 
 
 def test_run_job_writes_metrics_checkpoints_and_summary(tmp_path):

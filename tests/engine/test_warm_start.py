@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from app.schemas import JobSpec
+from contract.spec import JobSpec
 from tests.engine.test_trainer import ListSink, trainer
 from worker.engine.checkpoints import checkpoint_path, load_checkpoint
 from worker.engine.outcome import TrainingError

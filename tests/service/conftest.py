@@ -20,9 +20,9 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
+from app.db.migrate import upgrade
 from app.db.session import transaction
 from app.main import create_app
-from app.migrate import upgrade
 from app.services.auth import create_api_key
 from app.settings import Settings
 

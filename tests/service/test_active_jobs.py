@@ -1,6 +1,6 @@
 """A tenant's ``active_jobs``, kept by the triggers of migration 0005, on Postgres and on SQLite:
 equal to a count of its active jobs after every transition the service makes, moved by every
-status change exactly as membership in app.job_status.ACTIVE changes (the one list the
+status change exactly as membership in contract.status.ACTIVE changes (the one list the
 triggers' literal must match), and back-filled by the migration."""
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ import pytest
 from sqlalchemy import delete, func, insert, inspect, select, text, update
 
 from app.db.base import utcnow
+from app.db.migrate import downgrade, upgrade
 from app.db.models import Dataset, Job, Tenant
 from app.db.session import make_engine, transaction
 from app.errors import RateLimited
-from app.job_status import ACTIVE, JobStatus
-from app.live import live_bus
-from app.migrate import downgrade, upgrade
+from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
-from app.schemas import JobSpec
 from app.services.auth import authenticate, create_api_key
 from app.services.datasets import delete_dataset
 from app.services.intake import insert_submissions, prepare_submission
 from app.services.jobs import cancel_job
 from app.services.reaper import release
 from app.settings import Settings
+from contract.spec import JobSpec
+from contract.status import ACTIVE, JobStatus
 from tests.service.conftest import PG_ADMIN, _create_database, _drop_database, tiny_spec
 
 LEASE = timedelta(minutes=10)  # no other test's reaper sees these leases expire
@@ -201,7 +201,7 @@ def test_a_trial_paused_at_a_rung_leaves_the_cap_and_its_promotion_takes_a_place
 
 def test_every_status_change_moves_the_counter_as_membership_in_active_changes(db):
     """Every (from, to) pair of statuses, also those the service never makes, and a job moved to
-    another tenant: the triggers' list of statuses is app.job_status.ACTIVE, nothing else."""
+    another tenant: the triggers' list of statuses is contract.status.ACTIVE, nothing else."""
     one, other = new_tenant(db).id, new_tenant(db).id
     with transaction(db) as session:
         tenants = TenantRepository(session)

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.services.telemetry import bucket_extremes
+from app.services.metric_history import bucket_extremes
 
 
 def reference(steps: list[int], values: list[float], lo: int, width: int) -> dict[int, dict[str, list]]:

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from alembic import command
 
-from app.migrate import alembic_config, downgrade, upgrade
+from app.db.migrate import alembic_config, downgrade, upgrade
 from app.settings import Settings
 from muonforge.client import Client
 from tests.service.conftest import PG_ADMIN, ROOT, _create_database, _drop_database, service_env, tiny_spec

@@ -18,12 +18,12 @@ from app.db.models import Dataset
 from app.db.session import transaction
 from app.errors import StorageQuotaExceeded
 from app.repositories.tenants import DatasetRepository
-from app.schemas import JobSpec
 from app.services.auth import authenticate
-from app.services.caps import CHAR_VOCAB_MAX
 from app.services.datasets import CHUNK, ORPHAN_AGE_SECONDS, sweep_orphans, write_upload
 from app.services.intake import insert_submissions, prepare_submission
+from contract.spec import JobSpec
 from tests.service.conftest import new_key, tiny_spec, wait_for
+from worker.engine.facts import CHAR_VOCAB_MAX
 
 
 def tenant_of(settings, key: str) -> str:

@@ -19,10 +19,10 @@ from app.db.session import transaction
 from app.errors import Conflict, Unauthorized
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import TenantRepository
-from app.schemas import JobSpec
 from app.services.admission import Admission
 from app.services.auth import KeyCache, authenticate, hash_key
 from app.services.intake import JobWriter, TaskPublisher, insert_submissions, prepare_submission
+from contract.spec import JobSpec
 from tests.service.conftest import new_key, tiny_spec, wait_for
 
 QUEUE = "intake-test"  # no worker listens here

@@ -21,7 +21,7 @@ from app.db.base import utcnow
 from app.db.models import ApiKey
 from app.db.session import transaction
 from app.services.auth import authenticate, hash_key
-from app.services.events import while_key_valid
+from app.services.event_stream import while_key_valid
 from tests.service.conftest import ROOT, running_api, service_env, tiny_spec, wait_for
 
 CACHE_SECONDS = 1

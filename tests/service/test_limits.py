@@ -109,7 +109,7 @@ def test_requests_in_flight_with_an_uncached_key_share_one_lookup(settings, monk
     import threading
     import time
 
-    from app.limits import Limits
+    from app.api.limits import Limits
     from app.main import create_app
 
     key = new_key(settings)

@@ -150,18 +150,18 @@ def test_a_stream_polls_the_database_at_a_bounded_rate_while_redis_refuses_conne
     the stream reads the database every POLL_SECONDS, not as fast as the failures come back."""
     import asyncio
 
-    from app.live import LiveReader
-    from app.services import events
+    from app.messaging.live_bus import LiveReader
+    from app.services import event_stream
 
     auth = {"Authorization": f"Bearer {new_key(settings)}"}
     job_id = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"]
     reads = []
-    original = events.read_page
-    monkeypatch.setattr(events, "read_page", lambda *args: reads.append(1) or original(*args))
+    original = event_stream.read_page
+    monkeypatch.setattr(event_stream, "read_page", lambda *args: reads.append(1) or original(*args))
 
     async def follow_for(seconds: float) -> None:
         reader = LiveReader(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
-        stream = events.follow(settings, reader, job_id, events.Cursor.parse(None))
+        stream = event_stream.follow(settings, reader, job_id, event_stream.Cursor.parse(None))
         try:
             await asyncio.wait_for(anext(stream), seconds)  # the queued status
             with contextlib.suppress(TimeoutError):
@@ -172,4 +172,4 @@ def test_a_stream_polls_the_database_at_a_bounded_rate_while_redis_refuses_conne
 
     asyncio.run(follow_for(2.0))
     # About 2 / POLL_SECONDS + 1 reads; without the pause it was hundreds.
-    assert 2 <= len(reads) <= 2 / events.POLL_SECONDS + 4, len(reads)
+    assert 2 <= len(reads) <= 2 / event_stream.POLL_SECONDS + 4, len(reads)

@@ -15,11 +15,11 @@ import pytest
 import yaml
 from sqlalchemy import select
 
-from app import search
 from app.db.models import Job, SweepRung
 from app.db.session import transaction
-from app.job_status import ACTIVE
 from app.repositories.tenants import TenantRepository
+from app.services import search
+from contract.status import ACTIVE
 from tests.http_stub import Reply, StubServer, scripted
 from tests.service.conftest import new_key, running_api, tiny_spec, wait_for
 from tests.service.test_cli_client import muonforge

@@ -16,17 +16,18 @@ from sqlalchemy import select
 
 from app.db.models import Job, MetricChunk, MetricSeries
 from app.db.session import transaction
-from app.live import live_bus, stream_key
+from app.messaging.live_bus import live_bus, stream_key
 from app.repositories.jobs import JobRepository
-from app.schemas import JobSpec
 from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
-from app.services.job_events import record_sample, record_status
-from app.services.telemetry import history, store_metrics, unpack
+from app.services.job_journal import record_sample, record_status
+from app.services.metric_history import history, store_metrics, unpack
+from contract.metrics import SUMMARY
+from contract.spec import JobSpec
 from muonforge.api import SseParser
 from muonforge.client import ApiError, Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
-from worker.engine.telemetry import SUMMARY_KEYS, Report
+from worker.engine.telemetry import Report
 from worker.sink import JobSink
 
 
@@ -41,7 +42,7 @@ def new_job(settings) -> str:
 
 def report(step: int, values: dict[str, float]) -> Report:
     """The trainer's report of a training step's values."""
-    return Report(step, values, completed=step + 1, summary={k: v for k, v in values.items() if k in SUMMARY_KEYS})
+    return Report(step, values, completed=step + 1, summary={k: v for k, v in values.items() if k in SUMMARY})
 
 
 def stored(settings, job_id: str) -> dict[str, dict[int, float]]:
@@ -378,10 +379,10 @@ def test_the_backfill_reads_bounded_pages_in_the_same_order(client, settings, au
     """A long job's history read in pages of 7 steps and 5 events gives exactly the events one
     page gives, in the same order: a page costs the same however long the job."""
     from app.db.session import transaction
-    from app.live import NoBus
-    from app.services import events as stream
-    from app.services.job_events import record_log
-    from app.services.telemetry import store_metrics
+    from app.messaging.live_bus import NoBus
+    from app.services import event_stream as stream
+    from app.services.job_journal import record_log
+    from app.services.metric_history import store_metrics
 
     job_id = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"]
     with transaction(settings) as session:

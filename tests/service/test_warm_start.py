@@ -11,9 +11,9 @@ import pytest
 from app.db.session import transaction
 from app.errors import ValidationFailed
 from app.repositories.jobs import JobRepository
-from app.schemas import JobSpec
 from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
+from contract.spec import JobSpec
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
 from tests.service.test_worker import events, job

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from app.deps import SESSION_COOKIE
+from app.api.deps import SESSION_COOKIE
 from app.web.pages import EXAMPLES, NODE_MODULES
 from muonforge.api import SseParser
 from muonforge.client import Client

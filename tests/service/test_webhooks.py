@@ -19,12 +19,12 @@ from sqlalchemy import select
 
 from app.db.models import WebhookAttempt, WebhookDelivery
 from app.db.session import transaction
-from app.destinations import AllowList, NotAllowed, Unresolved, resolve
 from app.main import create_app
 from app.repositories.webhooks import WebhookRepository
 from app.services.webhook_delivery import next_attempt_at, prune_log, retry_delay, signature
+from app.services.webhook_destinations import AllowList, NotAllowed, Unresolved, resolve
 from app.settings import Settings
-from app.webhook_events import DeliveryStatus
+from contract.webhooks import DeliveryStatus
 from muonforge import Client
 from tests.http_stub import Reply, StubServer, scripted
 from tests.service.conftest import new_key, tiny_spec, wait_for

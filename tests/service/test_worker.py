@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from app.broker import send_train_tasks
 from app.db.session import transaction
+from app.messaging.broker import send_train_tasks
 from app.repositories.jobs import JobRepository
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for

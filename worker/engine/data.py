@@ -19,15 +19,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import DataConfig
+from contract.spec import DataSpec
 
-SYNTHETIC_VOCAB = 64
+from .facts import CHAR_VOCAB_MAX, PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB
+
 SYNTHETIC_ALPHABET = (
     "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz+/"  # a token's character in samples
 )
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
-CHAR_VOCAB_MAX = 1 << 16  # the char tokenizer's ids are uint16
 PYSOURCE_BYTES = 4 << 20  # the builtin pysource corpus: the first 4 MiB
 # Directories left out: installed packages (not the stdlib), tests (fixtures, deliberately broken
 # files) and the codecs' generated character tables.
@@ -35,7 +35,7 @@ PYSOURCE_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "i
 # The pysource text is ASCII, so its char tokenizer is the fixed ASCII alphabet rather than the
 # characters one interpreter's text happens to use: the vocabulary (128) and every id are the
 # same on every Python, the API's parameter count is exact and a checkpoint fits any worker.
-PYSOURCE_CHARS = "".join(map(chr, range(128)))
+PYSOURCE_CHARS = "".join(map(chr, range(PYSOURCE_CHAR_VOCAB)))
 
 
 class Tokenizer:
@@ -122,7 +122,7 @@ class TokenData:
         return w[:, :-1], w[:, 1:]
 
 
-def load_corpus(cfg: DataConfig, corpus: Path, cache_dir: Path) -> TokenData:
+def load_corpus(cfg: DataSpec, corpus: Path, cache_dir: Path) -> TokenData:
     """Tokenize a UTF-8 text file once into ``cache_dir`` and memory-map the result."""
     raw = Path(corpus).read_bytes()
     try:
@@ -132,7 +132,7 @@ def load_corpus(cfg: DataConfig, corpus: Path, cache_dir: Path) -> TokenData:
     return load_text(cfg, raw, cache_dir)
 
 
-def load_text(cfg: DataConfig, raw: bytes, cache_dir: Path, chars: str | None = None) -> TokenData:
+def load_text(cfg: DataSpec, raw: bytes, cache_dir: Path, chars: str | None = None) -> TokenData:
     """UTF-8 text tokenized once into ``cache_dir`` (named by its sha256) and memory-mapped; a char
     tokenizer over ``chars`` when given, else over the text's own characters."""
     digest = hashlib.sha256(raw).hexdigest()[:16]
@@ -212,7 +212,7 @@ def synthetic_task(seed: int, val_fraction: float = 0.1, tokens: int = SYNTHETIC
     return TokenData(seq[:split], seq[split:], None, V, entropy_floor=floor)
 
 
-def load_data(cfg: DataConfig, seed: int, cache_dir: Path, corpus: Path | None = None) -> TokenData:
+def load_data(cfg: DataSpec, seed: int, cache_dir: Path, corpus: Path | None = None) -> TokenData:
     """The job's data: the builtin task, or a corpus file (``corpus`` overrides ``cfg.path``)."""
     if cfg.builtin == "synthetic":
         return synthetic_task(seed, cfg.val_fraction)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import EarlyStopConfig
+from contract.spec import EarlyStopSpec
+from contract.status import JobStatus
 
 
 @dataclass
@@ -30,7 +31,7 @@ class EarlyStop:
     judged_step: int = -1
 
     @classmethod
-    def of(cls, cfg: EarlyStopConfig) -> EarlyStop:
+    def of(cls, cfg: EarlyStopSpec) -> EarlyStop:
         return cls(cfg.metric, cfg.mode, cfg.patience, cfg.min_delta)
 
     def judge(self, step: int, value: float) -> bool:
@@ -74,11 +75,11 @@ class EarlyStop:
 class RungCheck:
     """Stops decided outside the run (a sweep's ASHA): at each of ``steps`` the run evaluates,
     and ``decide(step, value)`` takes the evaluation's ``metric`` and returns None to go on, or
-    how the run ends there and why: ("stopped_early", reason) to stop, ("paused", reason) to
+    how the run ends there and why: (JobStatus.STOPPED_EARLY, reason) to stop, (JobStatus.PAUSED, reason) to
     wait there for a promotion (its state in a checkpoint at that step, to resume from). The
     decider answers the same for the same step until a promotion (a resumed run evaluates its
     checkpoint's step again; a promoted one is told to go on)."""
 
     steps: tuple[int, ...]
     metric: str
-    decide: Callable[[int, float], tuple[str, str] | None]
+    decide: Callable[[int, float], tuple[JobStatus, str] | None]

@@ -10,11 +10,11 @@ from typing import Any
 
 from torch import nn
 
+from contract.export import EXPORT_KEY
+
 from .config import ModelConfig
 from .data import Tokenizer
 from .models import build_model
-
-EXPORT_KEY = "muonforge.model"  # the safetensors metadata key that holds the model's config
 
 
 def model_from_config(config: dict[str, Any]) -> nn.Module:

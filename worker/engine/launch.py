@@ -36,8 +36,11 @@ from typing import Any
 
 import torch
 
+from contract.spec import TrainSpec
+from contract.status import JobStatus
+
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, deliver, encode
-from .config import TrainConfig, job_config_from_dict
+from .config import job_config
 from .outcome import NotEnoughGpus, RunResult, TrainingError
 from .telemetry import TelemetrySink
 from .trainer import resolve_device
@@ -112,7 +115,7 @@ def run_group(
     of memory), or RankFailed. ``node``: this process's node of a job of several; a node other
     than 0 returns None once its ranks ended well (the outcome is node 0's). ``init_from``: a
     warm start's checkpoint file, which every rank loads."""
-    job = job_config_from_dict(spec)
+    job = job_config(spec)
     resources = job.resources
     check_gpus(job.train, resources.nproc)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +142,7 @@ def run_group(
         group.kill()
 
 
-def check_gpus(train: TrainConfig, nproc: int) -> None:
+def check_gpus(train: TrainSpec, nproc: int) -> None:
     """A CUDA run puts each rank of a node on a GPU of its own (LOCAL_RANK's; nccl refuses two ranks
     on one device): a node with fewer GPUs than ranks fails the run at once, with the figures,
     instead of starting ranks that fail at every restart."""
@@ -220,7 +223,7 @@ class Launch:
             elif self.cancel_at is not None and time.monotonic() - self.cancel_at > CANCEL_GRACE_SECONDS:
                 log.warning("the group did not stop %.0f s after a cancel: it is killed", CANCEL_GRACE_SECONDS)
                 completed, summary = self.progress
-                return RunResult("cancelled", completed, summary, None, 0.0)
+                return RunResult(JobStatus.CANCELLED, completed, summary, None, 0.0)
         finished = len(self.done) == self.nproc
         if self.proc.returncode != 0 and finished:
             log.warning(

@@ -8,14 +8,13 @@ import torch
 from torch import nn
 
 import optim
-
-from .config import OptimizerConfig, TrainConfig
+from contract.spec import OptimizerSpec, TrainSpec
 
 NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
+def lr_factor(step: int, cfg: TrainSpec) -> float:
     """Multiplier on every group's base lr before optimizer step ``step`` (0-based)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -31,7 +30,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, distributed: bool = False, ns_dtype: torch.dtype | None = None
+    model: nn.Module, cfg: OptimizerSpec, distributed: bool = False, ns_dtype: torch.dtype | None = None
 ) -> torch.optim.Optimizer:
     """muon / muonclip: optim.Muon(Clip) over role-split groups; adamw: AdamW on every parameter.
     ``distributed``: data-parallel Muon over the default process group (each rank orthogonalizes

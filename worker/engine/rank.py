@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, RankChannel
-from .config import job_config_from_dict
+from .config import job_config
 from .distributed import join_group, leave_group
 from .outcome import TrainingError
 from .run import run_process
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = RankChannel(os.environ[ADDRESS_ENV], os.environ[TOKEN_ENV], rank, report)
     lead = rank == 0
     try:
-        device, _ = resolve_device(job_config_from_dict(spec).train)
+        device, _ = resolve_device(job_config(spec).train)
         group = join_group(device.type == "cuda")
         result = run_process(
             spec, args.out, args.corpus, sink=channel if lead else None,

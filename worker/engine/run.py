@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import job_config_from_dict
+from .config import job_config
 from .data import load_data
 from .distributed import Group
 from .early_stop import RungCheck
@@ -43,7 +43,7 @@ def run_job(
     this process launches and follows (launch.run_group, which calls ``watch`` every fraction of a
     second: it raises to stop the group at once), on this process's ``node`` of a job of several
     (None: a node other than 0 is done); every rank starts from ``init_from``'s file."""
-    if job_config_from_dict(spec).resources.world_size > 1:
+    if job_config(spec).resources.world_size > 1:
         if rungs is not None:
             raise ValueError("a sweep's rungs apply to trials of one process")
         return run_group(spec, out_dir, corpus, sink, should_cancel, resume, watch, node, init_from=init_from)
@@ -63,7 +63,7 @@ def run_process(
 ) -> RunResult:
     """Train in this process: the whole job, or this rank's part of it in ``group`` (rank 0 alone
     writes the run's files; it tokenizes a corpus first, the others then read its cache)."""
-    job = job_config_from_dict(spec)
+    job = job_config(spec)
     lead = group is None or group.lead
     out_dir.mkdir(parents=True, exist_ok=True)
     with group.lead_first() if group else contextlib.nullcontext():

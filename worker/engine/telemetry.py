@@ -11,8 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-# The run's summary: the latest value of each of these (summary.json, and a service job's summary).
-SUMMARY_KEYS = ("loss", "val_loss", "attn_max_logit", "tokens_per_s", "lr", "grad_norm", "update_rms")
+from contract import metrics
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,9 @@ class Report:
     step: int  # optimizer steps completed before this forward pass: the step the values belong to
     values: dict[str, float]
     completed: int  # optimizer steps completed once this report is made: the run's progress
-    summary: dict[str, Any]  # the run's summary so far (SUMMARY_KEYS; stopped_at and stop_reason once it stopped early)
+    summary: dict[
+        str, Any
+    ]  # the run's summary so far (metrics.SUMMARY; stopped_at and stop_reason once it stopped early)
 
 
 class TelemetrySink(Protocol):
@@ -106,24 +107,24 @@ def model_metrics(
     per_layer = [layer.qk_max_logits() for layer in model.attention_layers()]
     if per_layer and all(m is not None for m in per_layer):
         heads = torch.stack(per_layer)  # [L, H]
-        out["attn_max_logit"] = heads.max()
+        out[metrics.ATTN_MAX_LOGIT] = heads.max()
         for i, row in enumerate(heads):
-            out[f"attn_max_logit/l{i}"] = row.max()
+            out[metrics.layer_max_logit(i)] = row.max()
             for j, value in enumerate(row if per_head else ()):
-                out[f"attn_max_logit/l{i}h{j}"] = value
+                out[metrics.head_max_logit(i, j)] = value
     flat = logits.detach().float()
-    out["logits/max_abs"] = flat.abs().max()
-    out["logits/std"] = flat.std()
+    out[metrics.LOGITS_MAX_ABS] = flat.abs().max()
+    out[metrics.LOGITS_STD] = flat.std()
     moe = model.moe_layers()
     if moe:
         loads = torch.stack([m.last_load for m in moe])  # [L, E]
-        out["router/aux_loss"] = torch.stack([m.aux_loss.detach() for m in moe]).mean()
-        out["router/entropy"] = torch.stack([m.last_probs_entropy for m in moe]).mean()
-        out["router/load_max"] = loads.max() * loads.shape[1]  # 1.0 = perfectly even
-        out["router/load_min"] = loads.min() * loads.shape[1]
+        out[metrics.ROUTER_AUX_LOSS] = torch.stack([m.aux_loss.detach() for m in moe]).mean()
+        out[metrics.ROUTER_ENTROPY] = torch.stack([m.last_probs_entropy for m in moe]).mean()
+        out[metrics.ROUTER_LOAD_MAX] = loads.max() * loads.shape[1]  # 1.0 = perfectly even
+        out[metrics.ROUTER_LOAD_MIN] = loads.min() * loads.shape[1]
         for i, row in enumerate(loads if per_expert else ()):
             for j, value in enumerate(row):
-                out[f"router/load/l{i}e{j}"] = value
+                out[metrics.expert_load(i, j)] = value
     return out
 
 

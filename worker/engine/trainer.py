@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -16,9 +16,12 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import optim
+from contract import metrics
+from contract.spec import TrainSpec
+from contract.status import JobStatus
 
 from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
-from .config import JobConfig, TrainConfig
+from .config import JobConfig
 from .data import TokenData
 from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
@@ -26,7 +29,7 @@ from .models import build_model
 from .optimizer import build_optimizer, lr_factor
 from .outcome import RunResult, TimeLimitReached, TrainingError
 from .sample import PROMPT_TOKENS, generate
-from .telemetry import SUMMARY_KEYS, Report, TelemetrySink, model_metrics, to_floats
+from .telemetry import Report, TelemetrySink, model_metrics, to_floats
 
 STOPS = (None, "time_limit", "cancel")  # why a run stops before a step (Trainer._stop), by number
 
@@ -36,7 +39,7 @@ def device_type(device: str) -> str:
     return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def resolve_device(cfg: TrainConfig, index: int | None = None) -> tuple[torch.device, torch.dtype | None]:
+def resolve_device(cfg: TrainSpec, index: int | None = None) -> tuple[torch.device, torch.dtype | None]:
     """(device, autocast dtype or None for plain fp32); ``index``: the CUDA device of a rank."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("train.device is 'cuda' but no CUDA device is available")
@@ -93,7 +96,7 @@ class Trainer:
         self.stopped_at: int | None = None  # the step the run stopped at, early (before train.steps)
         self.stop_reason: str | None = None
         self.rungs = rungs
-        self.rung_status: str | None = None  # how ``rungs`` ended the run (stopped_early, paused), if they did
+        self.rung_status: JobStatus | None = None  # how ``rungs`` ended the run (stopped_early, paused), if they did
 
     def _group_ns_dtype(self) -> torch.dtype | None:
         """In a group, the Newton-Schulz precision of ``ns_dtype: auto`` is rank 0's (its device's
@@ -107,9 +110,9 @@ class Trainer:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """The run's summary so far: the latest value of each SUMMARY_KEYS metric, and, once it
+        """The run's summary so far: the latest value of each metrics.SUMMARY metric, and, once it
         stopped early, where and why."""
-        summary: dict[str, Any] = {k: self.last[k] for k in SUMMARY_KEYS if k in self.last}
+        summary: dict[str, Any] = {k: self.last[k] for k in metrics.SUMMARY if k in self.last}
         if self.stopped_at is not None:
             summary.update(stopped_at=self.stopped_at, stop_reason=self.stop_reason)
         return summary
@@ -123,15 +126,15 @@ class Trainer:
             self._warm_start(init_from)
         first = self.step
         # elapsed_s continues from the checkpoint: the run's wall time, attempts end to end.
-        self._clock = (start_wall, self.last.get("elapsed_s", 0.0))
+        self._clock = (start_wall, self.last.get(metrics.ELAPSED_S, 0.0))
         tokens = step_seconds = 0.0
         while True:
             step = self.step
             values: dict[str, Any] = {}
             at_rung = self.rungs is not None and step in self.rungs.steps and 0 < step < cfg.steps
             if step % cfg.eval_every == 0 or step == cfg.steps or at_rung:
-                values["val_loss"] = self.evaluate()
-                self.last["val_loss"] = float(values["val_loss"])  # in the checkpoint written next
+                values[metrics.VAL_LOSS] = self.evaluate()
+                self.last[metrics.VAL_LOSS] = float(values[metrics.VAL_LOSS])  # in the checkpoint written next
                 self.write_sample()
                 self._judge(step, values)
             if step > first and (step % cfg.checkpoint_every == 0 or step in (cfg.steps, self.stopped_at)):
@@ -150,18 +153,18 @@ class Trainer:
                 if step > first and step % cfg.checkpoint_every:
                     self.save_checkpoint()
                 self.sink.log("info", f"cancelled before step {step}")
-                return self._result("cancelled", tokens, step_seconds, start_wall)
+                return self._result(JobStatus.CANCELLED, tokens, step_seconds, start_wall)
             report = step % self.job.telemetry.every == 0
             t0 = time.perf_counter()
             values.update(self.train_step(report))
             dt = time.perf_counter() - t0
             n_tokens = cfg.batch_size * self.job.model.seq_len
             tokens, step_seconds = tokens + n_tokens, step_seconds + dt
-            if report or "val_loss" in values:
+            if report or metrics.VAL_LOSS in values:
                 if report:
-                    values.update(step_time_ms=dt * 1e3, tokens_per_s=n_tokens / dt)
+                    values |= {metrics.STEP_TIME_MS: dt * 1e3, metrics.TOKENS_PER_S: n_tokens / dt}
                 self._report(step, values)
-        return self._result(self.rung_status or "succeeded", tokens, step_seconds, start_wall)
+        return self._result(self.rung_status or JobStatus.SUCCEEDED, tokens, step_seconds, start_wall)
 
     def _judge(self, step: int, values: dict[str, Any]) -> None:
         """Early stopping (``train.early_stop``), then the rung decider (``rungs``, at its steps),
@@ -181,9 +184,10 @@ class Trainer:
         if self.stopped_at is None and rungs is not None and step in rungs.steps and 0 < step < self.job.train.steps:
             outcome = rungs.decide(step, float(values[rungs.metric]))
             if outcome is not None:
-                self.rung_status, reason = outcome
+                status, reason = outcome
+                self.rung_status = JobStatus(status)
                 self.stopped_at, self.stop_reason = step, reason
-                ended = "paused" if self.rung_status == "paused" else "stopped early"
+                ended = self.rung_status.value.replace("_", " ")  # paused, stopped early
                 self.sink.log("info", f"{ended} at step {step}: {reason}")
 
     def _stop(self) -> str | None:
@@ -203,7 +207,7 @@ class Trainer:
     def _report(self, step: int, values: dict[str, Any]) -> None:
         """Hand the values measured at ``step`` to the sink, with the steps completed by now."""
         started, before = self._clock
-        floats = to_floats(values) | {"elapsed_s": before + time.perf_counter() - started}
+        floats = to_floats(values) | {metrics.ELAPSED_S: before + time.perf_counter() - started}
         self.last.update(floats)
         self.sink.metrics(Report(step, floats, completed=self.step, summary=self.summary))
 
@@ -237,7 +241,8 @@ class Trainer:
             if self.group is not None:  # the global batch's maxima, in the layers' own tensors (QK-Clip reads them)
                 maxima = [layer.qk_max_logits() for layer in self.model.attention_layers()]
                 self.group.max_([m for m in maxima if m is not None])
-            values = {"loss": batch_loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+            lr = self.optimizer.param_groups[0]["lr"]
+            values = {metrics.LOSS: batch_loss, metrics.LR: lr, metrics.GRAD_NORM: grad_norm}
             telemetry = self.job.telemetry
             values.update(model_metrics(self.model, logits, telemetry.per_head, telemetry.per_expert))
         if clipping and self.job.optimizer.qk_clip_remeasure:
@@ -247,8 +252,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if report and isinstance(self.optimizer, optim.Muon):
             stats = self.optimizer.last_step_stats()
-            values["update_rms"] = stats.pop("update_rms")
-            values.update({k if "/" in k else f"optim/{k}": v for k, v in stats.items()})
+            values.update({metrics.optimizer_series(k): v for k, v in stats.items()})
         self.step += 1
         return values
 
@@ -267,10 +271,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> Tensor:
         """Mean validation loss over the fixed evaluation batches."""
-        cfg = self.job.train
         self.model.eval()
         losses = []
-        for i in range(cfg.eval_batches):
+        for i in range(self.job.eval_batches):
             x, y = self._batch("val", i)
             with self._autocast():
                 logits = self.model(x)
@@ -301,7 +304,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "data_position": self.step,  # batches are a function of (seed, step)
             "last_metrics": dict(self.last),
-            "config": asdict(self.job),
+            "config": self.job.as_dict(),
             "tokenizer": self.data.tokenizer.to_dict() if self.data.tokenizer else None,
             "early_stop": self.early_stop.state_dict() if self.early_stop else None,
         }
@@ -355,7 +358,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _result(self, status: str, tokens: float, seconds: float, start: float) -> RunResult:
+    def _result(self, status: JobStatus, tokens: float, seconds: float, start: float) -> RunResult:
         return RunResult(
             status=status,
             steps=self.step,

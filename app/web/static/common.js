@@ -85,7 +85,16 @@
     },
   };
 
-  const FINISHED = new Set(["succeeded", "failed", "cancelled", "stopped_early"]);
+  // The server's statuses and metric names (contract.status, contract.metrics), embedded in
+  // every page: no page spells one itself. M.head(l, h) names a head's max logit series.
+  const CONTRACT = JSON.parse(document.getElementById("contract").textContent);
+  const STATUS = CONTRACT.status;
+  const FINISHED = new Set(STATUS.finished);
+  const fill = (template, values) => template.replace(/\{(\w+)\}/g, (_, key) => String(values[key]));
+  const M = {
+    ...CONTRACT.metrics.names,
+    head: (layer, head) => fill(CONTRACT.metrics.templates.head_max_logit, { layer, head }),
+  };
 
   function statusBadge(status) {
     return el("span", { class: `status status-${status}` }, status);
@@ -170,6 +179,6 @@
   });
 
   window.MF = {
-    ApiError, api, el, fmt, FINISHED, statusBadge, jobDuration, progressBar, poll, banner, showError, query, markDrawn,
+    ApiError, api, el, fmt, STATUS, FINISHED, M, statusBadge, jobDuration, progressBar, poll, banner, showError, query, markDrawn,
   };
 })();

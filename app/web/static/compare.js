@@ -5,12 +5,10 @@
 "use strict";
 
 (function () {
-  const { api, el, fmt, statusBadge } = MF;
+  const { api, el, fmt, statusBadge, M } = MF;
   const root = document.getElementById("compare");
   const ids = root.dataset.jobIds ? root.dataset.jobIds.split(",") : [];
   const $ = (id) => document.getElementById(id);
-  const METRICS = ["loss", "val_loss", "attn_max_logit", "qk_clip/heads_clipped", "qk_clip/min_gamma", "lr",
-    "grad_norm", "update_rms", "tokens_per_s", "logits/max_abs", "logits/std", "step_time_ms", "elapsed_s"];
 
   let jobs = []; // found jobs, in the order asked
   let chart = null;
@@ -56,14 +54,14 @@
     return Object.fromEntries(list.map((id, i) => [id, lists[i]]));
   }
 
-  const metricName = () => $("metric").value.trim() || "loss";
+  const metricName = () => $("metric").value.trim() || M.LOSS;
 
   // ``prefetched``: the metric's points, asked for together with the jobs themselves.
   async function load(prefetched) {
     const metric = metricName();
     $("chart-title").textContent = metric;
     const needTime = $("x-axis").value === "time" && jobs.some((j) => !elapsed[j.id]);
-    const [points, times] = await Promise.all([prefetched || fetchAll(metric), needTime ? fetchAll("elapsed_s") : null]);
+    const [points, times] = await Promise.all([prefetched || fetchAll(metric), needTime ? fetchAll(M.ELAPSED_S) : null]);
     if (times) Object.assign(elapsed, times);
     overview = points;
     const spec = { title: metric, series: jobs.map((j) => ({ name: j.id, label: label(j) })), height: 420 };
@@ -110,10 +108,10 @@
           el("td", { class: "num" }, String(o.lr)),
           el("td", {}, `${m.arch} ${m.n_layer}×${m.d_model}`),
           el("td", { class: "num" }, `${fmt.int(job.progress.step)} / ${fmt.int(job.progress.total_steps)}`),
-          el("td", { class: "num" }, fmt.num(s.loss)),
-          el("td", { class: "num" }, fmt.num(s.val_loss)),
-          el("td", { class: "num" }, fmt.num(s.attn_max_logit)),
-          el("td", { class: "num" }, fmt.int(s.tokens_per_s))
+          el("td", { class: "num" }, fmt.num(s[M.LOSS])),
+          el("td", { class: "num" }, fmt.num(s[M.VAL_LOSS])),
+          el("td", { class: "num" }, fmt.num(s[M.ATTN_MAX_LOGIT])),
+          el("td", { class: "num" }, fmt.int(s[M.TOKENS_PER_S]))
         );
       })
     );
@@ -131,7 +129,6 @@
     if (missing.length) MF.banner(`Not found: ${missing.join(", ")}`);
     if (!jobs.length) return;
     $("content").hidden = false;
-    $("metric-names").replaceChildren(...METRICS.map((m) => el("option", { value: m })));
     $("smoothing-value").textContent = Number($("smoothing").value).toFixed(2);
     renderTable();
     await load(await early);

@@ -42,7 +42,7 @@
     }
 
     name(layer, head) {
-      return `attn_max_logit/l${layer}h${head}`;
+      return MF.M.head(layer, head);
     }
 
     names() {

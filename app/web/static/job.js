@@ -6,7 +6,7 @@
 "use strict";
 
 (function () {
-  const { api, el, fmt, statusBadge, progressBar, jobDuration, FINISHED, ApiError } = MF;
+  const { api, el, fmt, statusBadge, progressBar, jobDuration, STATUS, FINISHED, M, ApiError } = MF;
   const root = document.getElementById("job");
   const jobId = root.dataset.jobId;
   const $ = (id) => document.getElementById(id);
@@ -36,8 +36,8 @@
   function eta() {
     const done = job.progress.step;
     const total = job.progress.total_steps;
-    if (FINISHED.has(job.status) || job.status === "paused" || done >= total) return null;
-    const seconds = latest.elapsed_s ?? (job.summary || {}).elapsed_s;
+    if (FINISHED.has(job.status) || job.status === STATUS.job.PAUSED || done >= total) return null;
+    const seconds = latest[M.ELAPSED_S] ?? (job.summary || {})[M.ELAPSED_S];
     return seconds && done > 0 ? (seconds / done) * (total - done) : null;
   }
 
@@ -54,10 +54,10 @@
       fact("progress", progressBar(job)),
       fact("ETA", eta() === null ? "–" : fmt.duration(eta())),
       fact("attempt", String(job.attempt)),
-      fact("loss", fmt.num(s.loss)),
-      fact("val_loss", fmt.num(s.val_loss)),
-      fact("max attention logit", fmt.num(s.attn_max_logit)),
-      fact("tokens/s", fmt.int(s.tokens_per_s)),
+      fact(M.LOSS, fmt.num(s[M.LOSS])),
+      fact(M.VAL_LOSS, fmt.num(s[M.VAL_LOSS])),
+      fact("max attention logit", fmt.num(s[M.ATTN_MAX_LOGIT])),
+      fact("tokens/s", fmt.int(s[M.TOKENS_PER_S])),
       fact("optimizer", `${opt.name}, lr ${opt.lr}${opt.qk_clip_tau ? `, tau ${opt.qk_clip_tau}` : ""}`),
       fact("model", `${model.arch} ${model.n_layer}×${model.d_model}, ${model.n_head} heads, seq ${model.seq_len}`),
       fact("created", fmt.time(job.created_at)),
@@ -70,7 +70,7 @@
       const link = el("a", { href: `/jobs/${encodeURIComponent(parent)}` }, `${parent} at step ${step}`);
       $("facts").append(fact("started from", link));
     }
-    $("cancel").hidden = FINISHED.has(job.status) || job.status === "cancelling";
+    $("cancel").hidden = FINISHED.has(job.status) || job.status === STATUS.job.CANCELLING;
     $("compare-link").href = `/compare?jobs=${job.id}`;
     const error = $("job-error");
     error.hidden = !job.error;
@@ -78,7 +78,7 @@
     const stopped = $("job-stopped"); // early stopping (train.early_stop, ASHA): where and why; or where it waits
     const summary = job.summary || {};
     stopped.hidden = summary.stopped_at === undefined;
-    const how = job.status === "paused" ? "Paused" : "Stopped early";
+    const how = job.status === STATUS.job.PAUSED ? "Paused" : "Stopped early";
     if (!stopped.hidden) stopped.textContent = `${how} at step ${summary.stopped_at}: ${summary.stop_reason}`;
   }
 
@@ -101,23 +101,23 @@
     const opt = spec.optimizer;
     const clip = opt.name === "muonclip";
     return [
-      { title: "Loss", series: [{ name: "loss" }, { name: "val_loss" }] },
+      { title: "Loss", series: [{ name: M.LOSS }, { name: M.VAL_LOSS }] },
       attention && {
         title: "Max attention logit",
-        series: [{ name: "attn_max_logit", label: "max logit" }],
+        series: [{ name: M.ATTN_MAX_LOGIT, label: "max logit" }],
         refLine: clip ? { value: opt.qk_clip_tau, label: `tau ${opt.qk_clip_tau}` } : null,
       },
       clip && {
         title: "QK-Clip",
         series: [
-          { name: "qk_clip/heads_clipped", label: "heads clipped" },
-          { name: "qk_clip/min_gamma", label: "min gamma", scale: "y2" },
+          { name: M.QK_CLIP_HEADS_CLIPPED, label: "heads clipped" },
+          { name: M.QK_CLIP_MIN_GAMMA, label: "min gamma", scale: "y2" },
         ],
       },
-      { title: "Learning rate", series: [{ name: "lr" }] },
-      { title: "Gradient norm (before clipping)", series: [{ name: "grad_norm", label: "grad norm" }] },
-      opt.name !== "adamw" && { title: "Muon update RMS", series: [{ name: "update_rms", label: "update rms" }] },
-      { title: "Tokens/s", series: [{ name: "tokens_per_s", label: "tokens/s" }] },
+      { title: "Learning rate", series: [{ name: M.LR }] },
+      { title: "Gradient norm (before clipping)", series: [{ name: M.GRAD_NORM, label: "grad norm" }] },
+      opt.name !== "adamw" && { title: "Muon update RMS", series: [{ name: M.UPDATE_RMS, label: "update rms" }] },
+      { title: "Tokens/s", series: [{ name: M.TOKENS_PER_S, label: "tokens/s" }] },
     ].filter(Boolean);
   }
 
@@ -167,8 +167,8 @@
   async function loadHistory() {
     const width = Math.max(...charts.map((c) => c.width));
     // The first chart first: its curves are drawn while the others load.
-    const first = await history([...charts[0].names, "elapsed_s"], width);
-    elapsed.push(...(first.elapsed_s || []));
+    const first = await history([...charts[0].names, M.ELAPSED_S], width);
+    elapsed.push(...(first[M.ELAPSED_S] || []));
     noteHistory(first);
     charts[0].setView(view());
     charts[0].setHistory(first);
@@ -207,7 +207,7 @@
     if (step <= lastStep) return; // drawn already (the history and the stream overlap)
     lastStep = Math.max(lastStep, step);
     Object.assign(latest, values);
-    if (values.elapsed_s !== undefined) elapsed.push([step, values.elapsed_s]);
+    if (values[M.ELAPSED_S] !== undefined) elapsed.push([step, values[M.ELAPSED_S]]);
     charts.forEach((c) => c.append(step, values));
     if (heatmap) heatmap.append(step, values);
     job.progress.step = Math.max(job.progress.step, step);
@@ -258,9 +258,9 @@
           {},
           el("td", { class: "num" }, fmt.int(c.step)),
           el("td", { class: "num" }, fmt.bytes(c.bytes)),
-          el("td", { class: "num" }, fmt.num(c.metrics.loss)),
-          el("td", { class: "num" }, fmt.num(c.metrics.val_loss)),
-          el("td", { class: "num" }, fmt.num(c.metrics.attn_max_logit)),
+          el("td", { class: "num" }, fmt.num(c.metrics[M.LOSS])),
+          el("td", { class: "num" }, fmt.num(c.metrics[M.VAL_LOSS])),
+          el("td", { class: "num" }, fmt.num(c.metrics[M.ATTN_MAX_LOGIT])),
           el("td", {}, fmt.time(c.created_at)),
           el("td", {}, el("a", { href: `/v1/jobs/${jobId}/checkpoints/${c.step}`, download: "" }, "download"))
         )
@@ -326,7 +326,7 @@
   // The fallback while there is no stream: the job and its new metrics every POLL_MS, until it
   // has finished.
   function pollInstead() {
-    const names = [...new Set(charts.flatMap((c) => c.names).concat(heatmap ? heatmap.names() : [], ["elapsed_s"]))];
+    const names = [...new Set(charts.flatMap((c) => c.names).concat(heatmap ? heatmap.names() : [], [M.ELAPSED_S]))];
     const p = MF.poll(async () => {
       onStatus(await api(`/v1/jobs/${jobId}`));
       const params = new URLSearchParams({ names: names.join(","), max_points: "100000", from_step: lastStep + 1 });

@@ -3,7 +3,7 @@
 "use strict";
 
 (function () {
-  const { api, el, fmt, statusBadge, progressBar, jobDuration, poll } = MF;
+  const { api, el, fmt, statusBadge, progressBar, jobDuration, poll, M } = MF;
   const PAGE = 20;
   const MAX_REFRESH = 100; // the API's largest page: rows beyond it are refreshed when loaded again
   const MAX_COMPARE = 20;
@@ -39,10 +39,10 @@
       el("td", { class: "id" }, el("a", { href: `/jobs/${job.id}` }, job.id)),
       el("td", {}, statusBadge(job.status)),
       el("td", {}, progressBar(job)),
-      el("td", { class: "num" }, fmt.num(s.loss)),
-      el("td", { class: "num" }, fmt.num(s.val_loss)),
-      el("td", { class: "num" }, fmt.num(s.attn_max_logit)),
-      el("td", { class: "num" }, fmt.int(s.tokens_per_s)),
+      el("td", { class: "num" }, fmt.num(s[M.LOSS])),
+      el("td", { class: "num" }, fmt.num(s[M.VAL_LOSS])),
+      el("td", { class: "num" }, fmt.num(s[M.ATTN_MAX_LOGIT])),
+      el("td", { class: "num" }, fmt.int(s[M.TOKENS_PER_S])),
       el("td", { title: fmt.time(job.created_at) }, fmt.age(job.created_at)),
       el("td", {}, fmt.duration(jobDuration(job)))
     );

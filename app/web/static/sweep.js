@@ -4,13 +4,13 @@
 "use strict";
 
 (function () {
-  const { api, el, fmt, statusBadge, poll, showError } = MF;
+  const { api, el, fmt, statusBadge, poll, showError, STATUS } = MF;
   const root = document.getElementById("sweep");
   const sweepId = root.dataset.sweepId;
   const maxJobs = Number(root.dataset.maxJobs) || 20;
   const GROUPS = [
-    ["succeeded", "#2b8a3e"],
-    ["stopped_early", "#8e44ad"],
+    [STATUS.job.SUCCEEDED, "#2b8a3e"],
+    [STATUS.job.STOPPED_EARLY, "#8e44ad"],
     ["other", "#868e96"],
   ];
   let sweep = null;
@@ -67,7 +67,7 @@
   function trialRow(t, paths) {
     const best = sweep.best && sweep.best.number === t.number;
     const rungs = t.rungs.map((r) => {
-      const waits = !r.continued && t.status === "paused";
+      const waits = !r.continued && t.status === STATUS.job.PAUSED;
       const word = r.continued ? (r.promoted ? "promoted" : "continued") : waits ? "waits" : "stopped";
       return el("span", { class: `rung ${r.continued ? "rung-go" : waits ? "rung-wait" : "rung-stop"}`, title: `${sweep.metric} ${r.value} (#${r.position} at this rung)` },
         `${r.rung}: ${word}`);
@@ -103,7 +103,7 @@
           Object.entries(best.params).map(([p, v]) => `${p} = ${paramText(v)}`).join(", "))
         : el("span", { class: "muted" }, "None yet: no trial has succeeded.")
     );
-    document.getElementById("cancel").hidden = sweep.status !== "running";
+    document.getElementById("cancel").hidden = sweep.status !== STATUS.sweep.RUNNING;
     const started = sweep.trials.filter((t) => t.job_id);
     started.sort((a, b) => (a.metric === null) - (b.metric === null) || (a.metric !== null ? better(a.metric, b.metric) : 0));
     const link = document.getElementById("compare-link");
@@ -214,7 +214,7 @@
     if (sweep.mode === "max" && sort.key === "metric" && !load.sorted) sort.dir = -1;
     load.sorted = true;
     render();
-    if (sweep.status !== "running" && poller) poller.stop();
+    if (sweep.status !== STATUS.sweep.RUNNING && poller) poller.stop();
   }
 
   document.getElementById("cancel").addEventListener("click", async () => {

@@ -2,14 +2,14 @@
 "use strict";
 
 (function () {
-  const { api, el, fmt, statusBadge, poll } = MF;
+  const { api, el, fmt, statusBadge, poll, STATUS } = MF;
   const PAGE = 20;
   const body = document.querySelector("#sweeps tbody");
   const filter = document.getElementById("status-filter");
   const more = document.getElementById("load-more");
   let sweeps = [];
   let nextAfter = null;
-  const DONE = new Set(["succeeded", "failed", "cancelled", "stopped_early", "not_started"]);
+  const DONE = new Set(STATUS.trial_finished);
 
   function listUrl(limit, after) {
     const params = new URLSearchParams({ limit: String(limit) });

@@ -11,11 +11,12 @@ from torch import Tensor, nn
 
 from optim import QKClipTarget, fused_qkv_targets
 
+from ..facts import MAX_LOGIT_BLOCK
+
 # On CUDA the output comes from fused attention (no [T, T] matrix is kept); the exact maxima are
 # then recomputed under no_grad, one block of query rows at a time: one extra causal Q K^T product
 # per layer (attention's forward is two such products, Q K^T and P V), 16-bit q and k multiplied
 # into fp32 on tensor cores, and at most B * H * MAX_LOGIT_BLOCK * T extra floats of memory.
-MAX_LOGIT_BLOCK = 256
 
 
 class CausalSelfAttention(nn.Module):

@@ -11,11 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from ..facts import MLP_CONTEXT  # the mlp baseline predicts each token from this many before it (Bengio et al. 2003)
 from .attention import CausalSelfAttention
 from .moe import MoEFeedForward
-
-# The mlp baseline predicts each token from this many preceding tokens (Bengio et al. 2003 style).
-MLP_CONTEXT = 8
 
 
 class FeedForward(nn.Module):

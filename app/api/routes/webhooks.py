@@ -7,8 +7,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from app.deps import After, WebhookId, Work
-from app.routes.jobs import ERRORS
+from app.api.deps import After, WebhookId, Work
+from app.api.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.services import webhooks as service
 

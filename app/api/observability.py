@@ -13,12 +13,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import text
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.broker import broker_reachable
 from app.db.session import open_session
 from app.errors import Unauthorized
-from app.job_status import JobStatus
+from app.messaging.broker import broker_reachable
 from app.repositories.jobs import JobRepository
 from app.settings import Settings
+from contract.status import JobStatus
 
 
 class JobCollector:

@@ -1,4 +1,4 @@
-"""/v1/jobs: thin routes over app.services.jobs (and app.services.events for the stream)."""
+"""/v1/jobs: thin routes over app.services.jobs (and app.services.event_stream for the stream)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.sse import EventSourceResponse
 
-from app.deps import After, JobId, JobIntake, Work
-from app.job_status import JobStatus
-from app.schemas import JobSpec
+from app.api.deps import After, JobId, JobIntake, Work
 from app.schemas import api as schemas
-from app.schemas.job_spec import NO_NUL
-from app.services import events
+from app.services import event_stream
 from app.services import jobs as service
-from app.services.telemetry import MAX_STEP
+from app.services.metric_history import MAX_STEP
+from contract.spec import NO_NUL, JobSpec
+from contract.status import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -111,21 +110,23 @@ def event_cursor(
     from_step: Annotated[
         int | None, Query(ge=0, le=MAX_STEP, description="Telemetry from this step on (job events: all).")
     ] = None,
-) -> events.Cursor:
+) -> event_stream.Cursor:
     """Resume after the last event received (the header, else the query), telemetry from
     ``from_step`` on at the earliest: an id sent on a stream opened with ``from_step`` is never
     behind it, so the browser's own reconnects are unchanged."""
-    cursor = events.Cursor.parse(last_event_id or after, "Last-Event-ID" if last_event_id else "last_event_id")
+    cursor = event_stream.Cursor.parse(last_event_id or after, "Last-Event-ID" if last_event_id else "last_event_id")
     cursor.next_step = max(cursor.next_step, from_step or 0)
     return cursor
 
 
-async def first_page(job_id: JobId, work: Work, cursor: Annotated[events.Cursor, Depends(event_cursor)]) -> events.Page:
+async def first_page(
+    job_id: JobId, work: Work, cursor: Annotated[event_stream.Cursor, Depends(event_cursor)]
+) -> event_stream.Page:
     """The stream's first page, once the job is known to be the tenant's (404 before any event is
     sent), in one unit of work. The tenant's stream slot is not taken here: the edge
-    (app.limits) takes it before routing and holds it until the stream ends, so a burst beyond
+    (app.api.limits) takes it before routing and holds it until the stream ends, so a burst beyond
     the cap never gets this far."""
-    return await work(events.first_page, job_id, cursor)
+    return await work(event_stream.first_page, job_id, cursor)
 
 
 @router.get("/{job_id}/events", response_class=EventSourceResponse, responses=JSON_ERRORS)
@@ -133,8 +134,8 @@ async def job_events(
     request: Request,
     work: Work,
     job_id: JobId,
-    first: Annotated[events.Page, Depends(first_page)],
-    cursor: Annotated[events.Cursor, Depends(event_cursor)],
+    first: Annotated[event_stream.Page, Depends(first_page)],
+    cursor: Annotated[event_stream.Cursor, Depends(event_cursor)],
 ):
     """Server-Sent Events: `status` (the Job), `metrics` ({step, metrics}, one per telemetry
     step), `checkpoint` ({step, bytes}), `log` ({level, message}), `sample` ({step, prompt,
@@ -146,6 +147,6 @@ async def job_events(
     checked again every `MUONFORGE_AUTH_CACHE_SECONDS`: once it is revoked, the stream ends
     without `done` and a reconnect answers 401."""
     state = request.app.state
-    stream = events.follow(state.settings, state.live_reader, job_id, cursor, first, work.in_thread)
-    async for event in events.while_key_valid(stream, work.key_still_valid, state.settings.auth_cache_seconds):
+    stream = event_stream.follow(state.settings, state.live_reader, job_id, cursor, first, work.in_thread)
+    async for event in event_stream.while_key_valid(stream, work.key_still_valid, state.settings.auth_cache_seconds):
         yield event

@@ -37,8 +37,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.deps import SESSION_COOKIE, request_key
 from app.db.session import open_session
-from app.deps import SESSION_COOKIE, request_key
 from app.errors import DomainError, Unauthorized, error_response
 from app.services.auth import MISSING_KEY, KeyCache, TenantRef, authenticate, bearer_digest, cached_tenant
 from app.services.quotas import RefusalPacer, RequestRate, StreamSlots

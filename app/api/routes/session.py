@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from app.deps import SESSION_COOKIE, Work
-from app.routes.jobs import ERRORS
+from app.api.deps import SESSION_COOKIE, Work
+from app.api.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.services.auth import tenant_name
 

@@ -5,7 +5,7 @@ committed (not at all on rollback).
 Every writer of a job event goes through here: the API (cancel), the job intake (a new job's
 first status), a worker attempt (claim, finish), its telemetry sink (checkpoints, logs,
 samples) and the reaper. The event's seq comes from the job's row (locked until commit), so a
-job's events commit in seq order; the events stream (app.services.events) replays them from the
+job's events commit in seq order; the events stream (app.services.event_stream) replays them from the
 database and tails them from the bus. A final status also queues the job's webhook deliveries
 (app.services.webhooks) in its transaction: the one place every job's end passes.
 """
@@ -19,12 +19,12 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job
 from app.db.session import on_commit
-from app.job_status import is_finished
-from app.live import LiveBus
+from app.messaging.live_bus import LiveBus
 from app.repositories.jobs import JobRepository
 from app.schemas import api as schemas
 from app.services import webhooks
-from app.webhook_events import job_event_type
+from contract.status import is_finished
+from contract.webhooks import job_event_type
 
 
 def record_status(session: Session, bus: LiveBus, job_id: str) -> Job:

@@ -39,13 +39,13 @@ from starlette.concurrency import run_in_threadpool
 from app.db.models import Job
 from app.db.session import open_session
 from app.errors import ValidationFailed
-from app.job_status import is_finished
-from app.live import REDIS_TIMEOUT, LiveReader, Resync
+from app.messaging.live_bus import REDIS_TIMEOUT, LiveReader, Resync
 from app.repositories.jobs import JobRepository
 from app.services.auth import TenantRef
 from app.services.jobs import get_job
-from app.services.telemetry import MAX_STEP, steps_from
+from app.services.metric_history import MAX_STEP, steps_from
 from app.settings import Settings
+from contract.status import is_finished
 
 STEP_BITS = 32  # the id packs (seq, next step) into one increasing integer
 log = logging.getLogger("muonforge.api")

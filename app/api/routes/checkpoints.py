@@ -8,12 +8,12 @@ from fastapi import APIRouter, Path, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, StreamingResponse
 
-from app.deps import JobId, Work
-from app.routes.jobs import ERRORS
+from app.api.deps import JobId, Work
+from app.api.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.services import checkpoints as service
 from app.services import export
-from app.services.telemetry import MAX_STEP
+from app.services.metric_history import MAX_STEP
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 

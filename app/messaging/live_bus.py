@@ -2,7 +2,7 @@
 
 With Redis (full mode), each job has one Redis Stream: the worker's sink appends every telemetry
 step as it happens (XADD, trimmed to about ``live_stream_maxlen`` entries), and whoever commits a
-job event (app.services.job_events) appends it once committed. The events stream reads it with
+job event (app.services.job_journal) appends it once committed. The events stream reads it with
 XREAD BLOCK. The database stays the record: the stream only brings events sooner, and the
 events stream falls back to the database for anything the stream no longer holds.
 
@@ -25,8 +25,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from app.job_status import is_finished
 from app.settings import Settings
+from contract.status import is_finished
 
 log = logging.getLogger("muonforge.live")
 STREAM_TTL_SECONDS = 24 * 3600  # a job's stream outlives its last event by a day

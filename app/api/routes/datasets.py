@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 
-from app.deps import After, DatasetId, Work
-from app.routes.jobs import ERRORS
+from app.api.deps import After, DatasetId, Work
+from app.api.routes.jobs import ERRORS
 from app.schemas import api as schemas
-from app.schemas.job_spec import NO_NUL
 from app.services import datasets as service
+from contract.spec import NO_NUL
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 

@@ -1,11 +1,11 @@
-"""Liveness and readiness (Prometheus' /metrics is installed by app.observability)."""
+"""Liveness and readiness (Prometheus' /metrics is installed by app.api.observability)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from app.observability import readiness
+from app.api.observability import readiness
 
 router = APIRouter(tags=["health"])
 

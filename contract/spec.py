@@ -6,7 +6,7 @@ documented default. A validated spec's ``model_dump()`` is what the engine consu
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Literal, Self, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -19,6 +19,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from contract import metrics
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -167,7 +169,7 @@ class OptimizerSpec(_Strict):
 class EarlyStopSpec(_Strict):
     """Ends a run whose evaluations stopped improving, judged at every evaluation (``train.eval_every``)."""
 
-    metric: Literal["val_loss"] = Field("val_loss", description="The evaluation's metric that is judged.")
+    metric: metrics.EvaluationMetric = Field(metrics.VAL_LOSS, description="The evaluation's metric that is judged.")
     mode: Literal["min", "max"] = Field("min", description="min: lower is better; max: higher is better.")
     patience: int = Field(
         5, ge=1, le=100_000, description="Evaluations in a row without an improvement that end the run."
@@ -324,3 +326,16 @@ class JobSpec(_Strict):
             ]
         },
     )
+
+
+def choices(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, list[str]]:
+    """Every field of the spec that takes one of a fixed set of words, by its path
+    (``{"model.arch": ["gpt", "moe", "mlp"], …}``): what the new-job form offers."""
+    out: dict[str, list[str]] = {}
+    for name, field in model.model_fields.items():
+        for arg in (field.annotation, *get_args(field.annotation)):
+            if get_origin(arg) is Literal:
+                out[f"{prefix}{name}"] = [str(v) for v in get_args(arg)]
+            elif isinstance(arg, type) and issubclass(arg, BaseModel):
+                out |= choices(arg, f"{prefix}{name}.")
+    return out

@@ -276,7 +276,7 @@ def run_up(host: str, port: int, workers: int) -> int:
     key (``local_api_key``), then run until Ctrl-C, SIGTERM or SIGHUP (0) or until a child exits (UpFailed)."""
     check_port(host, port)
     with Signals() as signals:
-        from app.migrate import upgrade
+        from app.db.migrate import upgrade
         from app.settings import VAR, get_settings
 
         settings = get_settings()

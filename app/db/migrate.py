@@ -9,7 +9,7 @@ from alembic.config import Config
 
 from app.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: alembic.ini and migrations/
 
 
 def alembic_config(url: str) -> Config:

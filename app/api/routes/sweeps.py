@@ -7,12 +7,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
 
-from app.deps import After, SweepId, Work
-from app.job_status import SweepStatus
-from app.routes.jobs import ERRORS
+from app.api.deps import After, SweepId, Work
+from app.api.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.schemas.sweep import SweepSpec
 from app.services import sweeps as service
+from contract.status import SweepStatus
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 

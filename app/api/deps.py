@@ -16,7 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.db.session import open_session
 from app.errors import Unauthorized
-from app.live import LiveBus, live_bus
+from app.messaging.live_bus import LiveBus, live_bus
 from app.services.auth import TenantRef, authenticate, cached_tenant
 from app.services.intake import Intake
 
@@ -36,7 +36,7 @@ class UnitOfWork:
         self.request, self.settings, self.key_cache = request, request.app.state.settings, request.app.state.key_cache
         self.bus: LiveBus = live_bus(self.settings)
         self._authorization = authorization
-        self._tenant = tenant  # admitted already (app.limits, for requests with a body)
+        self._tenant = tenant  # admitted already (app.api.limits, for requests with a body)
 
     def with_key(self, key: str) -> UnitOfWork:
         """The same unit of work for the tenant of ``key`` (a sign-in's key, not the request's)."""

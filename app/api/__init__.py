@@ -1,0 +1,1 @@
+"""The HTTP edge of the service: request dependencies, limits before work, metrics, and the routes."""

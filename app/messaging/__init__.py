@@ -1,0 +1,1 @@
+"""What the service sends beyond its database: task messages to the workers and the live bus."""
