@@ -1,5 +1,7 @@
-"""An exported checkpoint: the safetensors metadata key that holds its model's config, and the
-files ``muonforge export`` writes."""
+"""An exported checkpoint's names: its metadata key and the files ``muonforge export`` writes.
+
+The safetensors metadata key (``EXPORT_KEY``) holds the model's config as JSON.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Telemetry names: every series a run reports, the run's summary keys, and the names of the
-per-layer, per-head and per-expert series.
+"""Telemetry names: every series a run reports, the run's summary keys and the per-unit series.
 
-A step number is the number of optimizer steps completed before that forward pass. The
-optimizer's own statistics (``optim.Muon.last_step_stats()``) are reported under their own
-names, prefixed ``optim/`` unless they carry a prefix of their own (``qk_clip/``).
+The per-unit series are named per layer, per head and per expert. A step number is the number
+of optimizer steps completed before that forward pass. The optimizer's own statistics
+(``optim.Muon.last_step_stats()``) are reported under their own names, prefixed ``optim/``
+unless they carry a prefix of their own (``qk_clip/``).
 """
 
 from __future__ import annotations

@@ -262,10 +262,13 @@ class InitFromSpec(_Strict):
 
 
 class ResourcesSpec(_Strict):
-    """The processes that train the job. More than one in all makes it a torch.distributed job:
-    PyTorch's launcher (torchrun) starts ``nproc`` ranks on each of ``nnodes`` workers, DDP keeps
-    their replicas equal (gloo on the CPU, nccl on CUDA), and ``train.batch_size`` is the global
-    batch, split evenly over the ranks, so the run sees the batches one process would."""
+    """The processes that train the job.
+
+    More than one in all makes it a torch.distributed job: PyTorch's launcher (torchrun) starts
+    ``nproc`` ranks on each of ``nnodes`` workers, DDP keeps their replicas equal (gloo on the CPU,
+    nccl on CUDA), and ``train.batch_size`` is the global batch, split evenly over the ranks, so the
+    run sees the batches one process would.
+    """
 
     nproc: int = Field(1, ge=1, description="Processes per node (one per GPU on CUDA). Cap: MUONFORGE_MAX_NPROC.")
     nnodes: int = Field(

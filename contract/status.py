@@ -1,4 +1,4 @@
-"""Job, sweep and trial statuses, the sets the service reasons with, and the transitions a job may take.
+"""Job, sweep and trial statuses, the sets the service reasons with, and a job's transitions.
 
 A job is created ``queued``; a worker's attempt claims it (``running``) and ends it (``succeeded``,
 ``failed``, ``cancelled``, ``stopped_early``), with ``cancelling`` between a cancel request and

@@ -1,4 +1,4 @@
-"""The webhook event types and delivery statuses. The one place they are spelled."""
+"""The webhook event types and delivery statuses: the one place they are spelled."""
 
 from __future__ import annotations
 
