@@ -1,6 +1,9 @@
-"""One Muon step's batches: same-shape matrices stacked, in their own orientation and in the
-Newton–Schulz working precision, into one input; batches bounded in bytes; the orthogonalized
-updates applied back to each parameter with the finite check decided on the device."""
+"""One Muon step's batches: same-shape matrices stacked into one Newton–Schulz input.
+
+Each matrix is stacked in its own orientation and in the Newton–Schulz working precision, and
+batches are bounded in bytes. The orthogonalized updates are applied back to each parameter,
+with the finite check decided on the device.
+"""
 
 from __future__ import annotations
 

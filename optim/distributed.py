@@ -1,5 +1,7 @@
-"""Data-parallel Muon's pieces that are not the optimizer: who orthogonalizes which matrix, how
-every rank gets what the owners computed, and how sharded momentum is gathered and dropped.
+"""Data-parallel Muon outside the optimizer: matrix owners, the all-gather, sharded momentum.
+
+These pieces say who orthogonalizes which matrix, how every rank gets what the owners computed,
+and how sharded momentum is gathered and dropped.
 
 Under data parallelism every rank holds the same gradients (DDP averaged them), so running
 Newton–Schulz on every matrix on every rank repeats the same work world-size times. Instead each
@@ -28,10 +30,12 @@ def ns_flops(matrix_shape: Sequence[int]) -> int:
 
 
 def assign_owners(costs: Sequence[int | float], world_size: int) -> list[int]:
-    """The rank that owns each item: greedy longest-processing-time. Items are taken largest
-    cost first (ties in list order) and each goes to the least-loaded rank (ties to the lowest
-    rank). A pure function of the costs, so every rank computes the same assignment; its
-    largest load is at most 4/3 of the optimum's (Graham's bound for LPT)."""
+    """The rank that owns each item: greedy longest-processing-time.
+
+    Items are taken largest cost first (ties in list order) and each goes to the least-loaded rank
+    (ties to the lowest rank). A pure function of the costs, so every rank computes the same
+    assignment; its largest load is at most 4/3 of the optimum's (Graham's bound for LPT).
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     loads = [0] * world_size
@@ -107,9 +111,11 @@ class Ownership:
     @torch.no_grad()
     def share_parameters(self, rank: int, group: dist.ProcessGroup | None) -> None:
         """Copy every owner's parameters into the other ranks' (one all-gather per dtype).
+
         Every Muon parameter is sent by its owner whether or not it had a gradient, so the
-        collective's shape never depends on the step: a gradient missing on one rank cannot
-        hang it (the owner's value wins)."""
+        collective's shape never depends on the step: a gradient missing on one rank cannot hang it
+        (the owner's value wins).
+        """
         received = all_gather_from_owners(self.shards, self.shards[rank], group)
         for r, (params, values) in enumerate(zip(self.shards, received)):
             if r != rank and params:

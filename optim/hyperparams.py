@@ -1,5 +1,7 @@
-"""Muon's hyper-parameters: their allowed values, their checks, and the lr scale that one of
-them (``adjust_lr``) gives each matrix shape."""
+"""Muon's hyper-parameters: their allowed values, their checks, and each matrix shape's lr scale.
+
+One of them, ``adjust_lr``, picks the rule that scales lr by the matrix's shape (``update_scale``).
+"""
 
 from __future__ import annotations
 

@@ -226,10 +226,12 @@ class Muon(torch.optim.Optimizer):
         stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped = owners.sum_over_ranks(totals, self._group)
 
     def _finite_grads(self) -> dict[Tensor, bool]:
-        """Whether each gradient is finite: one fused L2 norm and one host transfer per device. A
-        finite norm means finite entries; a norm that is not finite is either a non-finite entry
-        or an overflow of finite ones, which an exact check of that gradient tells apart. (A fused
-        max-abs would need no second look but is not vectorised on CPU: about 20x slower.)"""
+        """Whether each gradient is finite: one fused L2 norm and one host transfer per device.
+
+        A finite norm means finite entries; a norm that is not finite is either a non-finite entry or
+        an overflow of finite ones, which an exact check of that gradient tells apart. (A fused
+        max-abs would need no second look but is not vectorised on CPU: about 20x slower.)
+        """
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         for p in params:
             if p.grad.is_sparse:

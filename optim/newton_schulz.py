@@ -111,12 +111,14 @@ def resolve_coefficients(coefficients: str | Sequence, steps: int) -> Schedule:
 
 
 def choose_method(m: int, n: int, method: str = "auto", dtype: torch.dtype = torch.float32) -> str:
-    """The NS form for an m x n iterate (m <= n) in ``dtype``: ``auto`` takes gram where it needs
-    fewer flops and the precision is 32 bits or more. In bf16 the gram form (even with restarts)
-    leaves the T2/T3 bands by a few 1e-3 on every shape measured, the standard form stays inside.
-    The same on CUDA: there fp32 gram lost where launches dominate (an H200: the GPT set of
-    bench/optim_step.py, 6.3 against 4.3 ms) and won where flops do (a 151 M-parameter set's
-    step, 54 against 81 ms)."""
+    """The NS form for an m x n iterate (m <= n) in ``dtype``.
+
+    ``auto`` takes gram where it needs fewer flops and the precision is 32 bits or more. In bf16 the
+    gram form (even with restarts) leaves the T2/T3 bands by a few 1e-3 on every shape measured, the
+    standard form stays inside. The same on CUDA: there fp32 gram lost where launches dominate (an
+    H200: the GPT set of bench/optim_step.py, 6.3 against 4.3 ms) and won where flops do (a
+    151 M-parameter set's step, 54 against 81 ms).
+    """
     if method not in METHODS:
         raise ValueError(f"ns_method must be one of {METHODS}, got {method!r}")
     if method != "auto":

@@ -1,6 +1,8 @@
-"""The working precision of Newton–Schulz when none is given: bf16 where the device has native
-bf16 matrix products and a short probe measures them clearly faster than fp32, fp32 elsewhere;
-decided once per process and device (docs/optimizer.md, "The working precision")."""
+"""The working precision of Newton–Schulz when none is given, decided once per process and device.
+
+bf16 where the device has native bf16 matrix products and a short probe measures them clearly
+faster than fp32; fp32 elsewhere (docs/optimizer.md, "The working precision").
+"""
 
 from __future__ import annotations
 

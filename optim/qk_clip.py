@@ -103,10 +103,13 @@ def fused_qkv_targets(
 def mla_targets(
     q_up: Tensor, kv_up: Tensor, n_head: int, qk_nope_dim: int, qk_rope_dim: int, v_head_dim: int
 ) -> list[QKClipTarget]:
-    """Multi-head latent attention (DeepSeek-V3 layout): q_up [n_head*(nope+rope), q_rank] holds
-    each head's q^C then q^R rows; kv_up [n_head*(nope+v), kv_rank] holds each head's k^C then v
-    rows. q^C and k^C take sqrt(gamma), the head's rotary q^R takes gamma, and the shared rotary
-    key k^R is left alone (Kimi K2, section 2.1)."""
+    """The QK-Clip targets of multi-head latent attention (DeepSeek-V3 layout).
+
+    q_up [n_head*(nope+rope), q_rank] holds each head's q^C then q^R rows; kv_up
+    [n_head*(nope+v), kv_rank] holds each head's k^C then v rows. q^C and k^C take sqrt(gamma), the
+    head's rotary q^R takes gamma, and the shared rotary key k^R is left alone (Kimi K2,
+    section 2.1).
+    """
     q_stride, kv_stride = qk_nope_dim + qk_rope_dim, qk_nope_dim + v_head_dim
     return [
         QKClipTarget(q_up, n_head, qk_nope_dim, 0, q_stride, 0.5),  # q^C
@@ -185,11 +188,13 @@ class MuonClip(Muon):
 
     @torch.no_grad()
     def step(self, closure=None, remeasure: Callable[[], object] | None = None):
-        """The Muon step, then QK-Clip. ``remeasure``: a forward of the step's batch (run here,
-        with no grad, between the update and the clip) whose recorded max logits the clip uses:
-        each head's maximum on that batch with the updated weights, rather than the training
-        forward's with the weights before the update. Every head then ends at or below tau on
-        the batch it was measured on, for one more forward per step."""
+        """The Muon step, then QK-Clip.
+
+        ``remeasure``: a forward of the step's batch (run here, with no grad, between the update and
+        the clip) whose recorded max logits the clip uses: each head's maximum on that batch with the
+        updated weights, rather than the training forward's with the weights before the update. Every
+        head then ends at or below tau on the batch it was measured on, for one more forward per step.
+        """
         loss = super().step(closure)
         if remeasure is not None:
             for src in self.qk_sources:

@@ -1,5 +1,8 @@
-"""Scratch memory kept across calls: one flat buffer per dtype and device, carved into the views
-a call needs, so that work repeated every step allocates nothing once the buffer has grown."""
+"""Scratch memory kept across calls: one flat buffer per dtype and device, carved into views.
+
+A call carves the views it needs, so that work repeated every step allocates nothing once the
+buffer has grown.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""What an optimizer step did, for telemetry: its statistics, and the wall time of a phase
-without forcing a device sync on the hot path."""
+"""What an optimizer step did, for telemetry: its statistics and the wall time of its phases.
+
+A phase is timed without forcing a device sync on the hot path.
+"""
 
 from __future__ import annotations
 
