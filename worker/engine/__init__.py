@@ -1,1 +1,5 @@
-"""The training engine: models, data, trainer, telemetry and checkpoints (imports optim and torch only)."""
+"""The training engine: models, data, the trainer, telemetry and checkpoints.
+
+Of the project's packages it imports only contract and optim, never the service or the client
+(tests/test_layers.py); it trains models with torch, without Celery.
+"""

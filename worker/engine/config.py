@@ -1,5 +1,7 @@
-"""The engine's configs: a job is its validated spec (contract.spec, where every field and default
-is declared) and the network that the engine builds for it."""
+"""The engine's configs: a job's validated spec, and the network that the engine builds for it.
+
+Every field and default of the spec is declared in contract.spec.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Corpora as memory-mapped token arrays, deterministic batches, and the builtin tasks: a
-synthetic Markov chain and ``pysource``, real text that needs no download.
+"""Corpora as memory-mapped token arrays, deterministic batches, and the builtin tasks.
+
+The builtin tasks are a synthetic Markov chain and ``pysource``, real text that needs no download.
 
 A batch is a pure function of (seed, split, index): resuming at step s needs no saved reader
 state, and the evaluation batches are the same at every evaluation.
@@ -105,10 +106,12 @@ class TokenData:
     def batch(
         self, split: str, index: int, batch_size: int, seq_len: int, seed: int, rank: int = 0, world: int = 1
     ) -> tuple[Tensor, Tensor]:
-        """(x, y) int64 [batch_size / world, seq_len], y = x shifted by one: rank ``rank``'s rows of
-        the global batch of ``batch_size`` sequences (every row of it for one process), so that a
-        group of ``world`` ranks trains on the very batches one process does. A function of its
-        arguments only."""
+        """Rank ``rank``'s rows (x, y) of the global batch of ``batch_size`` sequences.
+
+        Both are int64 [batch_size / world, seq_len], y = x shifted by one; one process gets every row
+        of the batch, so that a group of ``world`` ranks trains on the very batches one process does.
+        A function of its arguments only.
+        """
         tokens = self.train if split == "train" else self.val
         if len(tokens) < seq_len + 2:
             raise ValueError(f"the {split} split has {len(tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}")
@@ -161,11 +164,13 @@ def load_text(cfg: DataSpec, raw: bytes, cache_dir: Path, chars: str | None = No
 @functools.cache
 def pysource_text(max_bytes: int = PYSOURCE_BYTES) -> str:
     """The builtin ``pysource`` corpus: the running interpreter's own standard library sources.
+
     Every ``.py`` file under ``sysconfig``'s stdlib directory outside the directories PYSOURCE_SKIP
     whose bytes are ASCII (a subset of UTF-8), in sorted relative-path order (POSIX spelling), each
     ending in a newline, concatenated and cut at ``max_bytes`` (so as many characters). Nothing is
     downloaded or copied into the repository; the text (and its sha256) depends on the Python
-    version (docs/engine.md gives it for the one CI uses)."""
+    version (docs/engine.md gives it for the one CI uses).
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = []
     for folder, dirs, files in os.walk(root):

@@ -1,6 +1,9 @@
-"""One rank of a job's torch.distributed group: its place in the group (from the environment
-torchrun gives each rank) and the few collectives the trainer needs beyond DDP's gradient
-all-reduce. A job of one process has no group, and none of this runs."""
+"""One rank of a job's torch.distributed group: its place in the group and the collectives it needs.
+
+Its place comes from the environment torchrun gives each rank; the collectives are the few the
+trainer needs beyond DDP's gradient all-reduce. A job of one process has no group, and none of
+this runs.
+"""
 
 from __future__ import annotations
 

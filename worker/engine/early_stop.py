@@ -1,5 +1,7 @@
-"""Early stopping: the rule that ends a run whose evaluations stopped improving, and the hook
-through which a decider outside the run (a sweep's ASHA) stops it at given steps."""
+"""Early stopping: the rule that ends a run whose evaluations stopped improving, and an outside hook.
+
+Through the hook a decider outside the run (a sweep's ASHA) stops it at given steps.
+"""
 
 from __future__ import annotations
 
@@ -73,12 +75,15 @@ class EarlyStop:
 
 @dataclass(frozen=True)
 class RungCheck:
-    """Stops decided outside the run (a sweep's ASHA): at each of ``steps`` the run evaluates,
-    and ``decide(step, value)`` takes the evaluation's ``metric`` and returns None to go on, or
-    how the run ends there and why: (JobStatus.STOPPED_EARLY, reason) to stop, (JobStatus.PAUSED, reason) to
-    wait there for a promotion (its state in a checkpoint at that step, to resume from). The
-    decider answers the same for the same step until a promotion (a resumed run evaluates its
-    checkpoint's step again; a promoted one is told to go on)."""
+    """Stops decided outside the run (a sweep's ASHA), at given steps.
+
+    At each of ``steps`` the run evaluates, and ``decide(step, value)`` takes the evaluation's
+    ``metric`` and returns None to go on, or how the run ends there and why:
+    (JobStatus.STOPPED_EARLY, reason) to stop, (JobStatus.PAUSED, reason) to wait there for a
+    promotion (its state in a checkpoint at that step, to resume from). The decider answers the same
+    for the same step until a promotion (a resumed run evaluates its checkpoint's step again; a
+    promoted one is told to go on).
+    """
 
     steps: tuple[int, ...]
     metric: str

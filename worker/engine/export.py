@@ -1,5 +1,8 @@
-"""Exported weights (a checkpoint as safetensors, ``GET …/checkpoints/{step}?format=safetensors``
-or ``muonforge export``) loaded back into the engine's model, without the service."""
+"""Exported weights loaded back into the engine's model, without the service.
+
+The weights are a checkpoint as safetensors (``GET …/checkpoints/{step}?format=safetensors`` or
+``muonforge export``).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""The engine's facts that the service needs before a job runs, torch-free: the vocabulary a spec
-trains with, its model's parameter count, the peak memory of its run and its telemetry series
-per step. The engine builds its models and data from the same constants; the API calls these
-functions at admission (app.services.caps)."""
+"""The engine's facts that the service needs before a job runs, torch-free.
+
+They are the vocabulary a spec trains with, its model's parameter count, the peak memory of its
+run and its telemetry series per step. The engine builds its models and data from the same
+constants; the API calls these functions at admission (app.services.caps).
+"""
 
 from __future__ import annotations
 
@@ -67,19 +69,22 @@ def parameter_count(model: dict[str, Any], vocab: int) -> int:
 
 
 def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0, on_cuda: bool | None = None) -> int:
-    """An upper estimate of the memory a training run of ``spec`` takes on one worker beyond the
-    worker's own, in bytes: weights, gradients and optimizer state (STATE_COPIES fp32 copies of
-    the parameters: Muon keeps one momentum, AdamW two moments); the Newton–Schulz work of the largest
-    matrix; the activations the backward pass keeps, including the attention scores (B x H x T x T
-    per layer on a CPU, where attention is computed plainly; fused attention on CUDA keeps none)
-    and the logits (B x T x vocab, with their softmax and gradients); and the tokenized corpus.
+    """An upper estimate, in bytes, of the memory a training run of ``spec`` takes on one worker.
+
+    It counts what the run takes beyond the worker's own: weights, gradients and optimizer state
+    (STATE_COPIES fp32 copies of the parameters: Muon keeps one momentum, AdamW two moments); the
+    Newton–Schulz work of the largest matrix; the activations the backward pass keeps, including the
+    attention scores (B x H x T x T per layer on a CPU, where attention is computed plainly; fused
+    attention on CUDA keeps none) and the logits (B x T x vocab, with their softmax and gradients);
+    and the tokenized corpus.
 
     A torch.distributed job runs ``resources.nproc`` rank processes on each worker, each with a
     full replica of the model and its state (and DDP's gradient buckets) but only its share of the
     batch, plus torchrun's agent; the corpus is tokenized once per worker.
 
     The coefficients are measured (peak resident memory of real runs): the estimate is above the
-    measured peak and within a small factor of it."""
+    measured peak and within a small factor of it.
+    """
     resources = spec.get("resources") or {"nproc": 1, "nnodes": 1}
     nproc, ranks = resources["nproc"], resources["nproc"] * resources["nnodes"]
     data = corpus_bytes * (CORPUS_BYTES_CHAR if spec["data"].get("tokenizer") == "char" else CORPUS_BYTES_BYTE)

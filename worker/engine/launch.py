@@ -1,18 +1,13 @@
-"""Running a job as a torch.distributed group: PyTorch's own launcher, torchrun (c10d rendezvous,
-no restarts of its own), as a child process group of this process, with every rank watched from
-here.
+"""Running a job as a torch.distributed group: torchrun as a child process group, every rank watched.
 
-The ranks connect to a socket of this process (channel.py); rank 0's telemetry goes into the
-caller's sink as though the trainer ran here, and its pulses drive ``should_cancel`` (which pulses
-a worker's lease). The group ends as one: a rank that dies makes torchrun stop the others and exit
-(``RankFailed``: the job resumes from its latest checkpoint), unless every rank of the node had
-said it was done (a fault while the group is torn down ends no run); a ``watch`` that raises (a lost
-lease), a failure of the sink, or a cancel the group does not honour in time kill every process of
-it: torchrun's process group and each rank's (torchrun starts each rank in a session of its own).
-
-A job of several nodes runs one torchrun per node, each launched by that node's process: node 0
-publishes a ``Meeting`` (its c10d rendezvous and its own socket) and the others join it. Node 0
-reports: global rank 0, on whichever node the rendezvous puts it, streams to node 0's socket.
+torchrun (PyTorch's own launcher: c10d rendezvous, no restarts of its own) runs as a child process
+group of this process. The ranks connect to a socket of this process (channel.py); rank 0's
+telemetry goes into the caller's sink as though the trainer ran here, and its pulses drive
+``should_cancel`` (which pulses a worker's lease). The group ends as one: a rank that dies ends it
+(``RankFailed``: the job resumes from its latest checkpoint) unless every rank of the node had said
+it was done, and a ``watch`` that raises (a lost lease), a failed sink or a cancel not honoured in
+time kills every process of it. A job of several nodes runs one torchrun per node, meeting at node
+0 (``Meeting``), which reports. docs/engine.md, "Several processes", has the whole protocol.
 """
 
 from __future__ import annotations
@@ -109,12 +104,14 @@ def run_group(
     node: Node | None = None,
     init_from: Path | None = None,
 ) -> RunResult | None:
-    """Train ``spec`` in a group of ``resources.nproc`` ranks (per node) launched and followed from
-    here; the run's files go under ``out_dir`` (rank 0 writes them; torchrun's and the ranks'
-    output goes to ``ranks.log``). Raises as the trainer would (TrainingError with its code, out
-    of memory), or RankFailed. ``node``: this process's node of a job of several; a node other
-    than 0 returns None once its ranks ended well (the outcome is node 0's). ``init_from``: a
-    warm start's checkpoint file, which every rank loads."""
+    """Train ``spec`` in a group of ``resources.nproc`` ranks (per node) launched and followed from here.
+
+    The run's files go under ``out_dir`` (rank 0 writes them; torchrun's and the ranks' output goes
+    to ``ranks.log``). Raises as the trainer would (TrainingError with its code, out of memory), or
+    RankFailed. ``node``: this process's node of a job of several; a node other than 0 returns None
+    once its ranks ended well (the outcome is node 0's). ``init_from``: a warm start's checkpoint
+    file, which every rank loads.
+    """
     job = job_config(spec)
     resources = job.resources
     check_gpus(job.train, resources.nproc)

@@ -33,9 +33,11 @@ def build_optimizer(
     model: nn.Module, cfg: OptimizerSpec, distributed: bool = False, ns_dtype: torch.dtype | None = None
 ) -> torch.optim.Optimizer:
     """muon / muonclip: optim.Muon(Clip) over role-split groups; adamw: AdamW on every parameter.
+
     ``distributed``: data-parallel Muon over the default process group (each rank orthogonalizes
-    the matrices it owns; the gradients must arrive averaged, as DDP leaves them). ``ns_dtype``:
-    the Newton-Schulz precision in place of ``cfg.ns_dtype``'s (a group pins rank 0's choice)."""
+    the matrices it owns; the gradients must arrive averaged, as DDP leaves them). ``ns_dtype``: the
+    Newton-Schulz precision in place of ``cfg.ns_dtype``'s (a group pins rank 0's choice).
+    """
     if cfg.name == "adamw":
         return torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps, weight_decay=cfg.weight_decay

@@ -1,6 +1,8 @@
-"""One rank of a job's torch.distributed group: ``python -m worker.engine.rank``, as torchrun
-starts it for launch.run_group. It joins the group, connects to the launcher, and trains its
-share of the job; rank 0 streams the telemetry, checkpoints and the outcome back."""
+"""One rank of a job's torch.distributed group, as torchrun starts it for launch.run_group.
+
+Run as ``python -m worker.engine.rank``, it joins the group, connects to the launcher, and trains
+its share of the job; rank 0 streams the telemetry, checkpoints and the outcome back.
+"""
 
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ from .trainer import resolve_device
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rank 0 reports the outcome: the result, a TrainingError (with its code) or running out of
-    memory. Anything else ends a rank with its traceback in ranks.log, unreported: once one rank
-    dies a collective fails on every other, and such a failure cannot be told from a fault of the
-    run's own here; the group then ends as a lost rank's does, and the job resumes (up to
-    train.max_restarts)."""
+    """Train this rank's share of the job; rank 0 reports the outcome.
+
+    The outcome is the result, a TrainingError (with its code) or running out of memory. Anything
+    else ends a rank with its traceback in ranks.log, unreported: once one rank dies a collective
+    fails on every other, and such a failure cannot be told from a fault of the run's own here; the
+    group then ends as a lost rank's does, and the job resumes (up to train.max_restarts).
+    """
     parser = argparse.ArgumentParser(prog="python -m worker.engine.rank")
     parser.add_argument("--spec", type=Path, required=True, help="the validated JobSpec, as JSON")
     parser.add_argument("--out", type=Path, required=True)

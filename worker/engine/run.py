@@ -1,4 +1,4 @@
-"""Run one job from a validated JobSpec dict: the entry point of `muonforge train` and of the worker task."""
+"""Run one job from a validated JobSpec dict: the entry of `muonforge train` and of the worker task."""
 
 from __future__ import annotations
 
@@ -34,15 +34,17 @@ def run_job(
     watch: Callable[[], None] | None = None,
     node: Node | None = None,
 ) -> RunResult | None:
-    """Train ``spec`` (a JobSpec's ``model_dump()``) with artifacts under ``out_dir``:
-    ``metrics.jsonl``, ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and the tokenized
-    corpus cache. ``init_from``: the checkpoint file of the spec's ``init_from`` (a warm start,
-    unless the run resumes from a checkpoint of its own). ``rungs``: a sweep's ASHA decider,
-    asked at its steps (a trial of one process: sweeps with ASHA take no others). A job of one
-    process trains here; a job of more (``resources``) trains in a torch.distributed group that
+    """Train ``spec`` (a JobSpec's ``model_dump()``) with artifacts under ``out_dir``.
+
+    The artifacts are ``metrics.jsonl``, ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and
+    the tokenized corpus cache. ``init_from``: the checkpoint file of the spec's ``init_from`` (a
+    warm start, unless the run resumes from a checkpoint of its own). ``rungs``: a sweep's ASHA
+    decider, asked at its steps (a trial of one process: sweeps with ASHA take no others). A job of
+    one process trains here; a job of more (``resources``) trains in a torch.distributed group that
     this process launches and follows (launch.run_group, which calls ``watch`` every fraction of a
     second: it raises to stop the group at once), on this process's ``node`` of a job of several
-    (None: a node other than 0 is done); every rank starts from ``init_from``'s file."""
+    (None: a node other than 0 is done); every rank starts from ``init_from``'s file.
+    """
     if job_config(spec).resources.world_size > 1:
         if rungs is not None:
             raise ValueError("a sweep's rungs apply to trials of one process")

@@ -167,12 +167,15 @@ class Trainer:
         return self._result(self.rung_status or JobStatus.SUCCEEDED, tokens, step_seconds, start_wall)
 
     def _judge(self, step: int, values: dict[str, Any]) -> None:
-        """Early stopping (``train.early_stop``), then the rung decider (``rungs``, at its steps),
-        on the evaluation at ``step``: the run stops here if it is to stop before its last step (at
-        the last step it simply ends). Every rank keeps the early-stop rule's state on the same
-        all-reduced value, but in a group the stop is rank 0's decision, taken by all
-        (Group.decide), like a cancel: no rank can stop at another step. Rungs come with trials of
-        one process only (sweeps with ASHA take no others)."""
+        """Decide whether the run stops at the evaluation at ``step``: early stopping, then the rungs.
+
+        Early stopping (``train.early_stop``) is asked first, then the rung decider (``rungs``, at its
+        steps): the run stops here if it is to stop before its last step (at the last step it simply
+        ends). Every rank keeps the early-stop rule's state on the same all-reduced value, but in a
+        group the stop is rank 0's decision, taken by all (Group.decide), like a cancel: no rank can
+        stop at another step. Rungs come with trials of one process only (sweeps with ASHA take no
+        others).
+        """
         stop, rungs = self.early_stop, self.rungs
         if stop is not None:
             stopping = stop.judge(step, float(values[stop.metric])) and step < self.job.train.steps
@@ -257,11 +260,13 @@ class Trainer:
         return values
 
     def _measure_max_logits(self, x: Tensor) -> None:
-        """Forwards that only record the attention layers' max logits (MuonClip's re-measure, run
-        with no grad between its update and its clip; every rank on its shard, the clip
-        all-reduces the maxima): of the step's batch ``x`` and, with
-        ``optimizer.qk_clip_remeasure_batches`` = N, of the N - 1 training batches before it, one
-        forward each (the layers keep the running max), so no forward is larger than training's."""
+        """Forwards that only record the attention layers' max logits, for MuonClip's re-measure.
+
+        The re-measure runs with no grad between the update and the clip (every rank on its shard; the
+        clip all-reduces the maxima): one forward of the step's batch ``x`` and, with
+        ``optimizer.qk_clip_remeasure_batches`` = N, one of each of the N - 1 training batches before
+        it (the layers keep the running max), so no forward is larger than training's.
+        """
         earlier = range(1, min(self.job.optimizer.qk_clip_remeasure_batches, self.step + 1))
         with self._autocast():
             self.model(x)

@@ -96,11 +96,14 @@ def causal_max_logits(q: Tensor, k: Tensor, block: int = MAX_LOGIT_BLOCK) -> Ten
 
 
 def _exact_operands(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    """q and k as the products take them. A bf16 (or fp16) product *output* rounds each logit to 8
-    (11) bits, up to 0.25 off at 100, and QK-Clip would leave heads above tau; the products of
-    their *inputs* are exact in fp32. So on CUDA 16-bit q and k stay 16-bit and the product
-    accumulates and returns fp32 (tensor cores, ``bmm(..., out_dtype=float32)``); elsewhere, or
-    where that product is missing, they are upcast to fp32 once."""
+    """q and k as the products take them, so that each logit is exact.
+
+    A bf16 (or fp16) product *output* rounds each logit to 8 (11) bits, up to 0.25 off at 100, and
+    QK-Clip would leave heads above tau; the products of their *inputs* are exact in fp32. So on
+    CUDA 16-bit q and k stay 16-bit and the product accumulates and returns fp32 (tensor cores,
+    ``bmm(..., out_dtype=float32)``); elsewhere, or where that product is missing, they are upcast
+    to fp32 once.
+    """
     if q.dtype in (torch.bfloat16, torch.float16) and _fp32_out_products(q.device, q.dtype):
         return q, k
     return q.float(), k.float()

@@ -1,5 +1,8 @@
-"""Language models built from a ModelConfig: gpt (pre-norm decoder), moe (gpt with MoE
-feed-forward) and mlp (attention-free, fixed context window)."""
+"""Language models built from a ModelConfig: gpt, moe and mlp.
+
+gpt is a pre-norm decoder, moe a gpt with MoE feed-forward layers, and mlp is attention-free, with
+a fixed context window.
+"""
 
 from __future__ import annotations
 
