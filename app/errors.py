@@ -1,5 +1,7 @@
-"""Domain errors, and the one way every error is rendered: ``{"error": {"code", "message",
-"param"}}`` with its HTTP status (``install_error_handlers``)."""
+"""Domain errors, and the one way every error is rendered (``install_error_handlers``).
+
+Every error answers ``{"error": {"code", "message", "param"}}`` with its HTTP status.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The FastAPI application: routers, error handlers, metrics, and the parts that live as long as
-the process (job intake, the live reader, the reaper, webhook delivery)."""
+"""The FastAPI application: routers, error handlers, metrics, and the parts that live with the process.
+
+Those parts are the job intake, the live reader, the reaper and webhook delivery.
+"""
 
 from __future__ import annotations
 

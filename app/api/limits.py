@@ -1,29 +1,11 @@
-"""Limits before work: a request's body is bounded, a /v1 request is authenticated before a byte
-of its body is read, and a tenant over its rate or its stream cap is refused before the
-application does any work for it.
+"""Limits before work: a request's body bounded, its key checked and its tenant's quotas taken.
 
-FastAPI reads (and parses) a body before it resolves a route's dependencies, so without this an
-unauthenticated caller could make the API read a body of any size. ``Limits`` is pure ASGI and
-sits in front of the routes:
-
-1. a declared Content-Length over the limit is answered 413 at once, nothing read;
-2. a /v1 request is authenticated from its headers and admitted here: its key from the cache on
-   the event loop (else one lookup per key at a time, in a thread), a request-rate token taken,
-   and for a stream a slot taken and held until the stream ends; else the answer is 401 or 429
-   with no routing and no dependency (and, for a cached key, no thread and no query). Under a
-   flood of refused requests from one tenant the refusals are the only work, they are the
-   cheapest the server can do, and a tenant refused again before its Retry-After has passed
-   gets its refusals after a pause of up to that Retry-After (``RefusalPacer``), so that a
-   client retrying at once makes about one attempt per Retry-After and connection and other
-   tenants keep their latency (bench/abuse.py). The tenant
-   is kept in the request's state, where the unit of work takes it (one admission, not two). A
-   request with a body is authenticated before its body is read. The web app's sign-in
-   (/v1/session), whose body is the key, is only bounded;
-3. the body is counted as it streams in, chunked uploads included: the request is refused with
-   413 the moment the count passes the limit, so no more than the limit is ever read.
-
-The limit is ``MUONFORGE_MAX_BODY_BYTES`` for JSON (a job spec is a few kB) and
-``MUONFORGE_UPLOAD_LIMIT_BYTES`` plus the multipart framing for dataset uploads.
+FastAPI reads (and parses) a body before it resolves a route's dependencies, so ``Limits`` is pure
+ASGI in front of the routes: a body over the limit answers 413 and is never read past it, and a
+/v1 request other than the sign-in is authenticated from its headers and admitted (a rate token,
+for a stream a slot) here, or refused with 401 or 429 before any routing, dependency or thread.
+The tenant found is kept in the request's state for its unit of work. docs/service.md, "Limits
+before work" and "Per-tenant limits", describes each step.
 """
 
 from __future__ import annotations

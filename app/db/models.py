@@ -1,5 +1,8 @@
-"""Tables of the service: tenants, API keys, datasets, jobs, job events, checkpoints, metrics,
-webhooks and sweeps."""
+"""The service's tables: tenants and their keys, datasets, jobs, webhooks and sweeps.
+
+A job's rows beside its own: its node slots, events, checkpoints and metrics (series and chunks).
+A webhook endpoint's: its deliveries and their attempts. A sweep's: its trials and rung decisions.
+"""
 
 from __future__ import annotations
 
@@ -115,10 +118,12 @@ class Job(Timestamped, Base):
 
 
 class JobNode(Base):
-    """A node slot of a job of several nodes (``resources.nnodes``) in its current attempt: the
-    worker that holds it, under a lease of its own. Node 0 is the worker that claimed the job (the
-    job's lease is its lease); it publishes where the others meet it: the c10d rendezvous, and the
-    socket of its launcher, which global rank 0 reports to."""
+    """A node slot of a job of several nodes (``resources.nnodes``) in its current attempt.
+
+    It names the worker that holds it, under a lease of its own. Node 0 is the worker that claimed
+    the job (the job's lease is its lease); it publishes where the others meet it: the c10d
+    rendezvous, and the socket of its launcher, which global rank 0 reports to.
+    """
 
     __tablename__ = "job_nodes"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
@@ -287,10 +292,12 @@ class SweepTrial(Base):
 
 
 class SweepRung(Base):
-    """A trial's metric at an ASHA rung and the decision taken on it, once: the unique (job,
-    rung) key makes a second decision impossible; a retry or a resumed attempt reads this one.
-    ``position`` is its order among the results recorded at the rung (1, 2, ...), the order the
-    rule saw them in."""
+    """A trial's metric at an ASHA rung and the decision taken on it, once.
+
+    The unique (job, rung) key makes a second decision impossible; a retry or a resumed attempt
+    reads this one. ``position`` is its order among the results recorded at the rung (1, 2, ...),
+    the order the rule saw them in.
+    """
 
     __tablename__ = "sweep_rungs"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)

@@ -1,6 +1,8 @@
-"""Resource caps checked before a job is queued: parameters, steps, tokens per batch, the memory a
-run will take, its telemetry volume, its checkpoints and its run time. The figures are the
-engine's own (worker.engine.facts)."""
+"""Resource caps checked before a job is queued, with the engine's own figures (worker.engine.facts).
+
+They bound parameters, steps, tokens per batch, the memory a run will take, its telemetry volume,
+its checkpoints and its run time.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Datasets: uploads streamed to disk within the size limit and the tenant's storage quota,
-checked as UTF-8, hashed and recorded; deletes; the sweep of files that no row names.
+"""Datasets: uploads within the size limit and the storage quota, deletes, and the orphan sweep.
+
+An upload is streamed to disk within the size limit and the tenant's storage quota, checked as
+UTF-8, hashed and recorded; ``sweep_orphans`` removes the files that no row names.
 
 A dataset's row and its file are stored together or not at all. The upload is written under a
 temp name (``<id>.part``) and fsynced; its row is inserted (under the tenant's lock, which makes
@@ -51,10 +53,13 @@ class Stored:
 
 
 def upload_dataset(session: Session, tenant: TenantRef, stream: BinaryIO, name: str, settings: Settings) -> Dataset:
-    """Store an upload as a dataset of the tenant. Over the upload limit, or over what is left of
-    the tenant's storage quota (``MUONFORGE_TENANT_STORAGE_BYTES``), it answers 413: both say
-    the request is larger than the server will take, and 413's meaning is exactly that (a 422
-    would say the file is invalid, which it is not; a smaller one is accepted)."""
+    """Store an upload as a dataset of the tenant.
+
+    Over the upload limit, or over what is left of the tenant's storage quota
+    (``MUONFORGE_TENANT_STORAGE_BYTES``), it answers 413: both say the request is larger than the
+    server will take, and 413's meaning is exactly that (a 422 would say the file is invalid, which
+    it is not; a smaller one is accepted).
+    """
     datasets = DatasetRepository(session)
     quota = settings.tenant_storage_bytes
     used = datasets.bytes_used(tenant.id)
@@ -100,9 +105,11 @@ def over_quota(quota: int, used: int) -> StorageQuotaExceeded:
 
 def write_upload(stream: BinaryIO, tmp: Path, limit: int, quota: int, used: int) -> Stored:
     """Write ``stream`` to ``tmp`` and fsync it (and its directory), checking it as UTF-8 text.
+
     Reading stops as soon as it passes ``limit`` or what ``quota`` leaves above ``used``. The
-    distinct characters are collected up to CHAR_VOCAB_MAX + 1 only, so memory stays bounded
-    (that many plus one chunk's) whatever the file holds."""
+    distinct characters are collected up to CHAR_VOCAB_MAX + 1 only, so memory stays bounded (that
+    many plus one chunk's) whatever the file holds.
+    """
     room = max(quota - used, 0)
     digest, decoder, chars, size = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")(), set(), 0
     try:
@@ -162,11 +169,13 @@ def list_datasets(session: Session, tenant: TenantRef, limit: int, after: str | 
 
 
 def delete_dataset(session: Session, tenant: TenantRef, dataset_id: str, settings: Settings) -> None:
-    """Delete the dataset's row, then (once committed) its file. Refused (409 dataset_in_use)
-    while an unfinished job of the tenant (queued, running, paused at a rung) trains on it. The
-    tenant's row is locked first,
-    as a job's insert locks it: no job naming the dataset can be inserted between the count and
-    the delete (one inserted after it finds no dataset)."""
+    """Delete the dataset's row, then (once committed) its file.
+
+    Refused (409 dataset_in_use) while an unfinished job of the tenant (queued, running, paused at
+    a rung) trains on it. The tenant's row is locked first, as a job's insert locks it: no job
+    naming the dataset can be inserted between the count and the delete (one inserted after it
+    finds no dataset).
+    """
     TenantRepository(session).lock([tenant.id])
     dataset = get_dataset(session, tenant, dataset_id)
     jobs = JobRepository(session)
@@ -182,10 +191,12 @@ def delete_dataset(session: Session, tenant: TenantRef, dataset_id: str, setting
 
 
 def sweep_orphans(session: Session, settings: Settings, now: float | None = None) -> int:
-    """Remove the files under the datasets directory that no row names and that are older than
-    ORPHAN_AGE_SECONDS: uploads cut off mid-write (``.part``), and files whose row was never
-    committed (a process that died between the rename and the commit) or whose delete committed
-    before its file went. Returns how many were removed."""
+    """Remove the files under the datasets directory that no row names; returns how many.
+
+    Only files older than ORPHAN_AGE_SECONDS go: uploads cut off mid-write (``.part``), and files
+    whose row was never committed (a process that died between the rename and the commit) or whose
+    delete committed before its file went.
+    """
     root = settings.artifact_dir / DATASETS
     if not root.is_dir():
         return 0

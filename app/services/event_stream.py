@@ -1,24 +1,10 @@
 """A job's events stream: history from the database, then the live bus, resumable exactly.
 
-Events: ``status`` (the Job), ``checkpoint`` ({step, bytes}), ``log`` ({level, message}),
-``sample`` ({step, prompt, text}) and ``metrics`` ({step, metrics}), then a final ``done``.
-Every event but ``done`` carries an id that encodes a cursor: the seq of the last job event
-delivered and the first telemetry step not yet delivered. Job events are numbered 1, 2, ... per
-job and commit in that order, and a job's telemetry steps are delivered in increasing order,
-each once (a resumed attempt sends steps again; they are behind the cursor), so a reconnect
-with ``Last-Event-ID`` gets exactly what follows the cursor, whether it comes from the database
-or from the bus.
-
-The stream reads a page from the database (everything after the cursor, in order: job events
-by seq, placed among the steps where they happened), then, in full mode, reads the job's
-Redis Stream from the position up to which the database holds the metrics (the job's
-``telemetry_mark``), skipping what the cursor has passed. When the bus has nothing for a while,
-or its order has a hole (an event whose predecessor has not arrived), or it no longer holds the
-position, it goes back to the database. In embedded mode it polls the database.
-
-An open stream outlives the API-key cache, so ``while_key_valid`` asks the database every
-``auth_cache_seconds`` whether the request's key still holds: a revoked key's stream ends
-within that time, without ``done``, and the client's reconnect is answered 401.
+Every event but ``done`` has an id that encodes a ``Cursor`` (the last job event's seq, the next
+telemetry step). The stream replays pages from the database, then tails the job's Redis Stream,
+and reads the database again whenever the bus cannot bring the rest in order; in embedded mode it
+polls the database (docs/service.md, "The events stream"). An open stream outlives the API-key
+cache, so ``while_key_valid`` checks its key again every ``auth_cache_seconds``.
 """
 
 from __future__ import annotations
@@ -164,10 +150,12 @@ async def follow(
     first: Page | None = None,
     in_thread: Callable[..., Awaitable[Page]] = run_in_threadpool,
 ) -> AsyncIterator[ServerSentEvent]:
-    """The job's events after ``cursor``, then ``done`` once it has finished (``first``: the
-    first page, read already; ``in_thread`` runs each later page's reads in the thread pool,
-    within the tenant's share of it). Without the bus (embedded mode, or Redis stopped or paused) the
-    database is polled every POLL_SECONDS."""
+    """The job's events after ``cursor``, then ``done`` once it has finished.
+
+    ``first``: the first page, read already; ``in_thread`` runs each later page's reads in the
+    thread pool, within the tenant's share of it. Without the bus (embedded mode, or Redis stopped
+    or paused) the database is polled every POLL_SECONDS.
+    """
     while True:
         page, first = first or await in_thread(read_page, settings, job_id, cursor), None
         for event in page.events:
@@ -189,11 +177,13 @@ async def follow(
 
 
 async def bus_takes_over(reader: LiveReader, job_id: str, mark: str | None) -> bool:
-    """Whether the bus holds everything after ``mark`` (the database's position), answered
-    within REDIS_TIMEOUT: Redis stopped or paused means no, and the stream polls the database.
-    Without a mark (nothing published yet) the bus takes over if it answers at all: a Redis that
-    refuses connections would otherwise fail every subscription at once, and the stream would
-    read the database again and again without a pause."""
+    """Whether the bus holds everything after ``mark`` (the database's position), within REDIS_TIMEOUT.
+
+    Redis stopped or paused means no, and the stream polls the database. Without a mark (nothing
+    published yet) the bus takes over if it answers at all: a Redis that refuses connections would
+    otherwise fail every subscription at once, and the stream would read the database again and
+    again without a pause.
+    """
     try:
         check = reader.holds(job_id, mark) if mark else reader.ping()
         return await asyncio.wait_for(check, REDIS_TIMEOUT)

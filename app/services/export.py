@@ -1,8 +1,11 @@
-"""A checkpoint's weights as a safetensors file (``GET …/checkpoints/{step}?format=safetensors``):
-the model's tensors only, with the model's config as JSON metadata, for loading without this
-service (``worker.engine.export`` builds the model from it; docs/engine.md, "Exported weights").
+"""A checkpoint's weights as a safetensors file (``GET …/checkpoints/{step}?format=safetensors``).
 
-torch and safetensors are imported when an export is asked for, not when the API starts."""
+The file holds the model's tensors only, with the model's config as JSON metadata, for loading
+without this service (``worker.engine.export`` builds the model from it; docs/engine.md,
+"Exported weights").
+
+torch and safetensors are imported when an export is asked for, not when the API starts.
+"""
 
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ def export_config(payload: dict[str, Any]) -> dict[str, Any]:
 
 def to_safetensors(checkpoint: Path, directory: Path) -> Path:
     """Write the weights of ``checkpoint`` to a new safetensors file in ``directory``; returns it.
+
     safetensors takes neither views nor tensors that share memory: each tensor is made contiguous,
-    and one that shares its storage with another (the output head tied to the token embedding)
-    is written as a copy of its own, so the file loads into the model as it is (strictly)."""
+    and one that shares its storage with another (the output head tied to the token embedding) is
+    written as a copy of its own, so the file loads into the model as it is (strictly).
+    """
     import torch
     from safetensors.torch import save_file
 

@@ -1,10 +1,10 @@
-"""Per-tenant limits an API process enforces on its own: open event streams, request rate, threads
-of the thread pool, and the pace of a tenant's refusals.
+"""Per-tenant limits that each API process enforces on its own, with no round trip per request.
 
-Both are counted per process (no round trip per request): with P API processes a tenant may hold
-up to P x the stream cap and make up to P x the rate. That bounds what one tenant can take of a
-process (its threads, its Redis connections, its event loop), which is the point: other tenants
-keep their latency.
+They bound a tenant's open event streams, its request rate, its threads of the thread pool and the
+pace of its refusals. Being per process, they let a tenant hold up to P x the stream cap and make
+up to P x the rate with P API processes. What they bound is what one tenant can take of a process
+(its threads, its Redis connections, its event loop), which is the point: other tenants keep their
+latency.
 """
 
 from __future__ import annotations
@@ -97,16 +97,18 @@ PACED_PER_TENANT = 1000  # a tenant's refusals held back at once; past it, answe
 
 
 class RefusalPacer:
-    """The pace of a tenant's refusals (used from the event loop only). A tenant refused again
-    before the time its previous refusal's Retry-After told it to wait for gets the answer after
-    a pause of half to all of this refusal's Retry-After (spread, so that the paused requests do
-    not come back together), at most ``seconds``. A client that retries the moment it is
-    refused, as a flood does, is then paced by the server: each of its connections makes about
-    one attempt per Retry-After instead of as many as the process can refuse, and refusing is no
-    longer the process's main work while other tenants wait for it. A client that waits as told
-    is never paused. At most ``cap`` of one tenant's refusals wait at a time (each holds a
-    connection); past that, the answer comes at once and closes its connection, so a tenant
-    cannot turn the pauses into a pile of them."""
+    """The pace of a tenant's refusals (used from the event loop only).
+
+    A tenant refused again before the time its previous refusal's Retry-After told it to wait for
+    gets the answer after a pause of half to all of this refusal's Retry-After (spread, so that the
+    paused requests do not come back together), at most ``seconds``. A client that retries the
+    moment it is refused, as a flood does, is then paced by the server: each of its connections
+    makes about one attempt per Retry-After instead of as many as the process can refuse, and
+    refusing is no longer the process's main work while other tenants wait for it. A client that
+    waits as told is never paused. At most ``cap`` of one tenant's refusals wait at a time (each
+    holds a connection); past that, the answer comes at once and closes its connection, so a tenant
+    cannot turn the pauses into a pile of them.
+    """
 
     def __init__(self, seconds: float, cap: int = PACED_PER_TENANT) -> None:
         self.seconds, self.cap = seconds, cap
@@ -136,11 +138,13 @@ class RefusalPacer:
 
 
 class TenantThreads:
-    """At most ``cap`` of the thread pool's threads per tenant at a time (used from the event loop
-    only). The pool (40 threads) is shared by every request of the process: without this, one
-    tenant's burst (a hundred streams opening, each reading its first page) fills it, and another
-    tenant's request waits behind the whole burst. With it, a tenant's work beyond ``cap`` waits
-    for that tenant's own threads; other tenants' requests go straight to a free one."""
+    """At most ``cap`` of the thread pool's threads per tenant at a time (used from the event loop only).
+
+    The pool (40 threads) is shared by every request of the process: without this, one tenant's
+    burst (a hundred streams opening, each reading its first page) fills it, and another tenant's
+    request waits behind the whole burst. With it, a tenant's work beyond ``cap`` waits for that
+    tenant's own threads; other tenants' requests go straight to a free one.
+    """
 
     def __init__(self, cap: int) -> None:
         self.cap = cap

@@ -1,5 +1,6 @@
-"""A sweep's pure parts: the trials of a search space (grid or seeded random), a value set at a
-JobSpec path, and the two ASHA rules. No database, no I/O (tests/test_search.py).
+"""A sweep's pure parts: a search space's trials, a value set at a JobSpec path, and the ASHA rules.
+
+Trials are drawn as a grid or seeded at random. No database, no I/O (tests/test_search.py).
 
 ASHA (asynchronous successive halving; Li et al., "A System for Massively Parallel Hyperparameter
 Tuning", and Determined's ASHA) records a trial's metric when it reaches a rung and keeps about
@@ -7,17 +8,16 @@ one trial in ``eta`` (the reduction factor) going past it. "Within the top k" of
 means fewer than k of them are strictly better (ties go on); a non-finite value ranks below every
 finite one. Two forms:
 
-* promote (the paper's, and the default: ``stop_once: false``): a trial that reaches a rung goes
-  on at once only if it is within the top ``floor(n / eta)`` of the ``n`` results recorded there
-  so far, itself included; otherwise it waits there (paused, its state in a checkpoint), and whenever a slot is
-  free the best waiting trial that is within that top k is promoted, highest rung first, before
-  any new trial starts. A rung promotes nobody until ``eta`` results are in, so the first trials
-  to arrive cannot go on unopposed. Once nothing runs and nothing waits to start, the best waiting
-  trial of a rung with fewer results is promoted too (k is taken as at least 1), so that some
-  trial always reaches the end; the rest end stopped.
-* stop (``stop_once: true``, Determined's name): a trial goes on iff it is within the top
-  ``max(1, floor(n / eta))`` of the ``n`` results so far, else it stops there. The first trial to
-  reach a rung always goes on.
+* promote (the paper's, and the default: ``stop_once: false``): a trial goes on at once only if
+  it is within the top ``floor(n / eta)`` of the ``n`` results recorded at the rung so far, itself
+  included; else it waits there, and the best waiting trial within that top k is promoted when a
+  slot is free.
+  A rung promotes nobody until ``eta`` results are in; once nothing runs and nothing waits to
+  start, the best waiting trial of a rung with fewer results is promoted too (k at least 1).
+* stop (``stop_once: true``): a trial goes on iff it is within the top ``max(1, floor(n / eta))``
+  of the ``n`` results so far, else it stops there; the first trial at a rung always goes on.
+
+docs/service.md, "Sweeps", describes how a sweep applies them (waits, promotions, the end).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Warm start (``init_from``): the checkpoint a new job starts from, resolved and checked at intake,
-so that a job that cannot load it is refused with the field to change instead of failing later."""
+"""Warm start (``init_from``): the checkpoint a new job starts from, resolved and checked at intake.
+
+A job that cannot load it is refused with the field to change instead of failing later.
+"""
 
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ MODEL_FIELDS = tuple(ModelSpec.model_fields)  # compared in the order people wri
 
 
 def parent_columns(session: Session, tenant: TenantRef, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
-    """The new job's ``parent_job_id`` and ``parent_step`` for a validated spec's ``init_from``
-    (both None without one). The parent must be the tenant's own job (another tenant's answers as
+    """The new job's ``parent_job_id`` and ``parent_step`` for a validated spec's ``init_from``.
+
+    Both are None without one. The parent must be the tenant's own job (another tenant's answers as
     a missing one), have a checkpoint at ``init_from.step`` (omitted: its latest, which is then
-    written into the spec, so the stored spec names the file the worker loads), and train the
-    same model on a vocabulary of the same size; loading its optimizer state needs the same
-    optimizer. ``vocab``: the new job's vocabulary size."""
+    written into the spec, so the stored spec names the file the worker loads), and train the same
+    model on a vocabulary of the same size; loading its optimizer state needs the same optimizer.
+    ``vocab``: the new job's vocabulary size.
+    """
     init = spec.get("init_from")
     if init is None:
         return {"parent_job_id": None, "parent_step": None}

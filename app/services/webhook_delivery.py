@@ -1,12 +1,14 @@
-"""Webhook delivery: the loop each API process runs beside its reaper. It sends the outbox's due
-deliveries (app.services.webhooks), signed as Standard Webhooks signs them, and tries a failed
-one again with exponential backoff and jitter until the retry window (24 h) has passed.
+"""The webhook delivery loop that each API process runs beside its reaper.
 
-One attempt: claim the delivery (a short transaction, WebhookRepository.claim_due), check its
-URL against the allow-list and resolve it (app.services.webhook_destinations), POST to the checked address,
-record the outcome (another short transaction, fenced by the attempt's number). Several API
-processes share the work; one that dies mid-attempt leaves its claim to lapse and the delivery
-is sent again with the same ``webhook-id``: at least once.
+It sends the outbox's due deliveries (app.services.webhooks), signed as Standard Webhooks signs
+them, and tries a failed one again with exponential backoff and jitter until the retry window
+(24 h) has passed.
+
+One attempt: claim the delivery (a short transaction, WebhookRepository.claim_due), check its URL
+against the allow-list and resolve it (app.services.webhook_destinations), POST to the checked
+address, record the outcome (another short transaction, fenced by the attempt's number). Several
+API processes share the work; one that dies mid-attempt leaves its claim to lapse and the delivery
+is sent again with the same ``webhook-id``: at least once (docs/service.md, "Webhooks").
 """
 
 from __future__ import annotations
@@ -165,10 +167,12 @@ def prune_log(settings: Settings) -> int:
 
 
 def run_deliveries(settings: Settings, stop: threading.Event) -> None:
-    """Send the due deliveries, up to ``webhook_concurrency`` at once, each in a thread of a pool,
-    until ``stop`` is set; look for more every ``webhook_poll_seconds``, and as soon as an
-    attempt ends (a backlog drains at the pace of the receivers, not of the poll). Every
-    PRUNE_SECONDS, the delivery log is pruned (``prune_log``)."""
+    """Send the due deliveries, up to ``webhook_concurrency`` at once, until ``stop`` is set.
+
+    Each is sent from a thread of a pool. It looks for more every ``webhook_poll_seconds``, and as
+    soon as an attempt ends (a backlog drains at the pace of the receivers, not of the poll). Every
+    PRUNE_SECONDS, the delivery log is pruned (``prune_log``).
+    """
     wake, next_prune = threading.Event(), time.monotonic() + PRUNE_SECONDS
     in_flight: set[Future] = set()
     client = httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False, trust_env=False)

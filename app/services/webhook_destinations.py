@@ -1,11 +1,11 @@
-"""Where webhooks may go: the operator's allow-list (MUONFORGE_WEBHOOK_ALLOW) of networks, host
-names and ``public``, checked against every address a destination's host resolves to.
+"""Where webhooks may go: the operator's allow-list, checked against every address a host resolves to.
 
-Without it, an endpoint URL would let a tenant make the service POST to its database, a cloud
-metadata address or any host of the internal network (server-side request forgery). The list is
-empty by default: nothing is delivered until the operator says where deliveries may go. A host
-is resolved once per attempt, each of its addresses checked, and the request made to the checked
-address: a second lookup by the HTTP client could answer otherwise (DNS rebinding).
+The allow-list (MUONFORGE_WEBHOOK_ALLOW) holds networks, host names and ``public``. Without it, an
+endpoint URL would let a tenant make the service POST to its database, a cloud metadata address or
+any host of the internal network (server-side request forgery). The list is empty by default:
+nothing is delivered until the operator says where deliveries may go. A host is resolved once per
+attempt, each of its addresses checked, and the request made to the checked address: a second
+lookup by the HTTP client could answer otherwise (DNS rebinding).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""Webhook endpoints (create, list, get, delete, their delivery log) and the outbox: an event's
-deliveries are inserted in the transaction of the change it reports, so both commit or neither
-does (app.services.webhook_delivery sends them). Services never commit."""
+"""Webhook endpoints (create, list, get, delete, their delivery log) and the outbox's ``enqueue``.
+
+A delivery is inserted in the transaction of the change it reports, so both commit or neither
+does; app.services.webhook_delivery sends it (docs/service.md, "Webhooks", "The outbox"). Services
+never commit.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""The web app's pages and files. A page is a shell: its script fetches what it shows from the
-/v1 API with the session cookie. Without a valid key in that cookie, every page is the sign-in
-form. Third-party front-end code comes from app/web/node_modules, installed by ``npm ci`` from
-the locked app/web/package-lock.json (``make web``), and is never committed."""
+"""The web app's pages and files: each page a shell whose script fetches what it shows.
+
+The script reads the /v1 API with the session cookie; without a valid key in that cookie, every
+page is the sign-in form. Third-party front-end code comes from app/web/node_modules, installed by
+``npm ci`` from the locked app/web/package-lock.json (``make web``), and is never committed.
+"""
 
 from __future__ import annotations
 

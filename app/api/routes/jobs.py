@@ -122,10 +122,12 @@ def event_cursor(
 async def first_page(
     job_id: JobId, work: Work, cursor: Annotated[event_stream.Cursor, Depends(event_cursor)]
 ) -> event_stream.Page:
-    """The stream's first page, once the job is known to be the tenant's (404 before any event is
-    sent), in one unit of work. The tenant's stream slot is not taken here: the edge
-    (app.api.limits) takes it before routing and holds it until the stream ends, so a burst beyond
-    the cap never gets this far."""
+    """The stream's first page, once the job is known to be the tenant's, in one unit of work.
+
+    Another tenant's job answers 404 before any event is sent. The tenant's stream slot is not
+    taken here: the edge (app.api.limits) takes it before routing and holds it until the stream
+    ends, so a burst beyond the cap never gets this far.
+    """
     return await work(event_stream.first_page, job_id, cursor)
 
 
@@ -137,15 +139,17 @@ async def job_events(
     first: Annotated[event_stream.Page, Depends(first_page)],
     cursor: Annotated[event_stream.Cursor, Depends(event_cursor)],
 ):
-    """Server-Sent Events: `status` (the Job), `metrics` ({step, metrics}, one per telemetry
-    step), `checkpoint` ({step, bytes}), `log` ({level, message}), `sample` ({step, prompt,
-    text}, at evaluations), then `done` once the job has finished. Reconnect with
-    `Last-Event-ID` (or `?last_event_id=`, for a new EventSource) to resume exactly after the
-    last event received. A finished job's stream
-    replays its history and ends. `from_step` skips the telemetry before it (a page that has
-    drawn the history follows from there). A `: ping` comment comes every 15 s. The key is
-    checked again every `MUONFORGE_AUTH_CACHE_SECONDS`: once it is revoked, the stream ends
-    without `done` and a reconnect answers 401."""
+    """The job's events as Server-Sent Events, from the first or after the last one received.
+
+    `status` (the Job), `metrics` ({step, metrics}, one per telemetry step), `checkpoint` ({step,
+    bytes}), `log` ({level, message}), `sample` ({step, prompt, text}, at evaluations), then `done`
+    once the job has finished. Reconnect with `Last-Event-ID` (or `?last_event_id=`, for a new
+    EventSource) to resume exactly after the last event received. A finished job's stream replays
+    its history and ends. `from_step` skips the telemetry before it (a page that has drawn the
+    history follows from there). A `: ping` comment comes every 15 s. The key is checked again
+    every `MUONFORGE_AUTH_CACHE_SECONDS`: once it is revoked, the stream ends without `done` and a
+    reconnect answers 401.
+    """
     state = request.app.state
     stream = event_stream.follow(state.settings, state.live_reader, job_id, cursor, first, work.in_thread)
     async for event in event_stream.while_key_valid(stream, work.key_still_valid, state.settings.auth_cache_seconds):

@@ -1,6 +1,9 @@
-"""/v1/session: the web app's sign-in. The key goes in a cookie the page's scripts cannot read
-(HttpOnly), that no other site can make the browser send (SameSite=Strict), for the browser
-session only (no expiry); requests then authenticate with it as with a Bearer header."""
+"""/v1/session: the web app's sign-in, which puts the API key in a cookie.
+
+The page's scripts cannot read the cookie (HttpOnly), no other site can make the browser send it
+(SameSite=Strict), and it lasts for the browser session only (no expiry); requests then
+authenticate with it as with a Bearer header.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""/v1/sweeps: hyperparameter sweeps whose trials are ordinary jobs (thin routes over
-app.services.sweeps)."""
+"""/v1/sweeps: hyperparameter sweeps, thin routes over app.services.sweeps (trials are ordinary jobs)."""
 
 from __future__ import annotations
 
@@ -29,16 +28,20 @@ async def create_sweep(
     spec: SweepSpec, work: Work, response: Response,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)] = None,
 ) -> schemas.SweepDetail:  # fmt: skip
-    """Validate the sweep and every trial's JobSpec (the base with the trial's values; a 422
-    names `space.<path>` or `base.<field>`, and nothing is stored), store it and start its first
-    trials: at most `max_concurrent` of its trials are queued or running at once, and never more
-    than the tenant's job cap allows; the others wait and start as trials finish. With `asha`,
-    a trial reaching a rung continues only if its metric is within the top
-    max(1, floor(n / reduction_factor)) of the n results recorded at that rung so far (itself
-    included); otherwise it ends `stopped_early`. Each decision is taken once, by the database.
-    Once every trial has finished, the sweep is `completed` and `sweep.completed` is sent to
-    the webhooks that take it. A replay with the same `Idempotency-Key` and body answers 200
-    with the same sweep; the same key with another body is 409."""
+    """Validate the sweep and every trial's JobSpec, store it, and start its first trials.
+
+    A trial's spec is the base with the trial's values; a 422 names `space.<path>` or
+    `base.<field>`, and nothing is stored. At most `max_concurrent` of its trials are queued or
+    running at once, and never more than the tenant's job cap allows; the others wait and start as
+    trials finish. With `asha`, a trial reaching a rung goes on at once only if its metric is within
+    the top floor(n / reduction_factor) of the n results recorded at that rung so far (itself
+    included); otherwise it waits there (`paused`) to be promoted, and ends `stopped_early` if it
+    never is. With `stop_once` it ends `stopped_early` at once instead, and the top
+    max(1, floor(n / reduction_factor)) go on. Each decision is taken once, by the database. Once
+    every trial has finished, the sweep is `completed` and `sweep.completed` is sent to the
+    webhooks that take it. A replay with the same `Idempotency-Key` and body answers 200 with the
+    same sweep; the same key with another body is 409.
+    """
     sweep, created = await work(service.create_sweep, spec, work.settings, idempotency_key)
     response.status_code = 201 if created else 200
     return sweep

@@ -1,5 +1,4 @@
-"""/v1/webhooks: endpoints that receive signed job events, and their delivery log (thin routes over
-app.services.webhooks)."""
+"""/v1/webhooks: event endpoints and their delivery logs, thin routes over app.services.webhooks."""
 
 from __future__ import annotations
 
@@ -18,12 +17,14 @@ Limit = Annotated[int, Query(ge=1, le=100)]
 
 @router.post("", status_code=201, response_model=schemas.WebhookCreated, responses={**ERRORS, 413: ERRORS[422]})
 async def create_webhook(body: schemas.WebhookCreate, work: Work) -> schemas.WebhookCreated:
-    """Create an endpoint; the answer holds its signing `secret`, shown this once. 422 `url`
-    when the URL's host is outside the destinations the operator allows
-    (MUONFORGE_WEBHOOK_ALLOW: none by default) or does not resolve; 409 over the tenant's
-    endpoint cap (MUONFORGE_WEBHOOK_TENANT_CAP). Each `job.succeeded`, `job.failed` or
-    `job.cancelled` then arrives as a signed POST (headers `webhook-id`, `webhook-timestamp`,
-    `webhook-signature`), retried with backoff for 24 h until a 2xx answer."""
+    """Create an endpoint; the answer holds its signing `secret`, shown this once.
+
+    422 `url` when the URL's host is outside the destinations the operator allows
+    (MUONFORGE_WEBHOOK_ALLOW: none by default) or does not resolve; 409 over the tenant's endpoint
+    cap (MUONFORGE_WEBHOOK_TENANT_CAP). Each event it takes (`job.succeeded`, `job.failed`,
+    `job.cancelled`, `sweep.completed`) then arrives as a signed POST (headers `webhook-id`,
+    `webhook-timestamp`, `webhook-signature`), retried with backoff for 24 h until a 2xx answer.
+    """
     endpoint = await work(service.create_endpoint, body.url, body.events, work.settings)
     return schemas.WebhookCreated.model_validate(endpoint)
 
