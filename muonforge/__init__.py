@@ -1,5 +1,7 @@
-"""User-facing entry points: the ``muonforge`` CLI and the Python clients
-(``from muonforge import Client, AsyncClient``)."""
+"""User-facing entry points: the ``muonforge`` CLI and the Python clients.
+
+``from muonforge import Client, AsyncClient``.
+"""
 
 from muonforge.client import FINISHED, STATUSES, AsyncClient, Client, Event, Retry
 from muonforge.errors import (

@@ -1,6 +1,8 @@
-"""The HTTP API as the clients see it, described once for Client and AsyncClient: the job
-statuses, one ``Call`` per endpoint (what to send, whether it may be sent again, how its answer
-is read), and the Server-Sent Events parser."""
+"""The HTTP API as the clients see it, described once for Client and AsyncClient.
+
+It holds the job statuses, one ``Call`` per endpoint (what to send, whether it may be sent again,
+how its answer is read), and the Server-Sent Events parser.
+"""
 
 from __future__ import annotations
 

@@ -201,10 +201,12 @@ class Client(_ClientBase):
 
     # -- webhooks ---------------------------------------------------------------------------------
     def create_webhook(self, url: str, events: Iterable[str]) -> Json:
-        """An endpoint that receives the given event types (``job.succeeded``, ``job.failed``,
-        ``job.cancelled``, ``sweep.completed``) as signed POSTs. The answer's ``secret`` is shown
-        this once: keep it to verify the signatures. ValidationError (``url``) for a destination
-        the server does not deliver to."""
+        """An endpoint that receives the given event types as signed POSTs.
+
+        The types are ``job.succeeded``, ``job.failed``, ``job.cancelled`` and ``sweep.completed``. The
+        answer's ``secret`` is shown this once: keep it to verify the signatures. ValidationError
+        (``url``) for a destination the server does not deliver to.
+        """
         return self._call(api.create_webhook(url, events))
 
     def list_webhooks(self, page_size: int = PAGE_SIZE) -> Iterator[Json]:

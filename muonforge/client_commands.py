@@ -1,5 +1,7 @@
-"""The client commands of ``muonforge``: each makes a few Client calls and prints. They import
-neither app, worker nor torch, so they start fast."""
+"""The client commands of ``muonforge``: each makes a few Client calls and prints.
+
+They import neither app, worker nor torch, so they start fast.
+"""
 
 from __future__ import annotations
 

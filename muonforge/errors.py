@@ -1,6 +1,8 @@
-"""What the clients raise: an error answer of the API (``ApiError`` and a subclass per kind), a
-server that cannot be reached (``ConnectionFailed``), a client that is not configured
-(``ConfigError``). All are ``MuonforgeError``."""
+"""What the clients raise, all ``MuonforgeError``.
+
+An error answer of the API is an ``ApiError`` (a subclass per kind), a server that cannot be
+reached ``ConnectionFailed``, and a client that is not configured ``ConfigError``.
+"""
 
 from __future__ import annotations
 

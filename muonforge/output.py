@@ -1,5 +1,8 @@
-"""What the commands print: tables of jobs, datasets, sweeps and their trials, webhooks and their
-deliveries, metrics, API keys and tenants, one job's details, the lines of ``muonforge logs``, and metrics as CSV."""
+"""What the commands print: tables, one job's details, the lines of ``muonforge logs``, and CSV.
+
+The tables list jobs, datasets, sweeps and their trials, webhooks and their deliveries, metrics,
+API keys and tenants; the CSV holds metrics.
+"""
 
 from __future__ import annotations
 

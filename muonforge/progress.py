@@ -1,5 +1,8 @@
-"""Progress bars on stderr: a training run's (step, loss, tokens/s, ETA), as a telemetry sink or
-from a job's events stream, and a file transfer's (bytes, speed, ETA)."""
+"""Progress bars on stderr: a training run's and a file transfer's.
+
+A run's bar (step, loss, tokens/s, ETA) follows it as a telemetry sink or from a job's events
+stream; a transfer's shows bytes, speed and ETA.
+"""
 
 from __future__ import annotations
 

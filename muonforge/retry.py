@@ -1,6 +1,7 @@
-"""When the clients send a request again and how long they wait first: one pure function
-(``retry_delay``) and the bookkeeping of one call's failures (``Attempts``), shared by Client
-and AsyncClient."""
+"""When the clients send a request again and how long they wait first, for Client and AsyncClient.
+
+One pure function (``retry_delay``) and the bookkeeping of one call's failures (``Attempts``).
+"""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ class Repeat(enum.Enum):
 
 @dataclass(frozen=True)
 class Retry:
-    """How the clients retry 429, 5xx, connection failures and timeouts: at most ``max_retries``
-    times, waiting the server's Retry-After, or else ``backoff`` × 2^n seconds (at most
-    ``max_backoff``) with jitter. A Retry-After over ``max_wait`` seconds is not waited for: the
-    error is raised."""
+    """How the clients retry 429, 5xx, connection failures and timeouts.
+
+    At most ``max_retries`` times, waiting the server's Retry-After, or else ``backoff`` × 2^n
+    seconds (at most ``max_backoff``) with jitter. A Retry-After over ``max_wait`` seconds is not
+    waited for: the error is raised.
+    """
 
     max_retries: int = 4
     backoff: float = 0.5
@@ -73,10 +76,12 @@ def retry_delay(
     retry_after: float | None = None,
     jitter: float = 0.5,
 ) -> float | None:
-    """Seconds to wait before sending again a request that has been retried ``retries`` times
-    and now failed with the HTTP ``status`` or the transport ``error``; None: do not retry.
-    ``retry_after`` is the server's wait in seconds, ``jitter`` a number in [0, 1) that keeps
-    many clients from retrying in step."""
+    """Seconds to wait before sending a request again; None: do not retry.
+
+    The request has been retried ``retries`` times and now failed with the HTTP ``status`` or the
+    transport ``error``. ``retry_after`` is the server's wait in seconds, ``jitter`` a number in
+    [0, 1) that keeps many clients from retrying in step.
+    """
     if retries >= policy.max_retries or repeat is Repeat.NEVER:
         return None
     if error is not None:
@@ -106,10 +111,13 @@ def describe(error: BaseException, timeout: float | None = None) -> str:
 
 
 class Attempts:
-    """The failures of one call so far. Each failure gives the wait before the next attempt, or
-    raises what the caller gets: the ApiError of the last answer, or ConnectionFailed; either
-    says how many attempts were made and how long was waited between them. A wait the server
-    asked for (Retry-After) is logged as a warning, the others as info."""
+    """The failures of one call so far.
+
+    Each failure gives the wait before the next attempt, or raises what the caller gets: the
+    ApiError of the last answer, or ConnectionFailed; either says how many attempts were made and
+    how long was waited between them. A wait the server asked for (Retry-After) is logged as a
+    warning, the others as info.
+    """
 
     def __init__(self, policy: Retry, repeat: Repeat, url: str, what: str, timeout: float | None = None) -> None:
         self.policy, self.repeat, self.url, self.what, self.timeout = policy, repeat, url, what, timeout

@@ -1,5 +1,8 @@
-"""Job specs as the commands read them (YAML or JSON files), and the error for input a command
-cannot use."""
+"""Job specs as the commands read them (YAML or JSON files), and the errors for unusable input.
+
+``InputError`` is input a command cannot use (exit status 2); ``SpecError``, a spec that cannot be
+read or does not validate.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Files going up (dataset uploads) and down (checkpoint downloads and exports), with progress
-reports ``progress(done_bytes, total_bytes_or_None)``; shared by Client and AsyncClient."""
+"""Files going up (dataset uploads) and down (checkpoint downloads and exports), with progress.
+
+Progress is reported as ``progress(done_bytes, total_bytes_or_None)``; shared by Client and
+AsyncClient.
+"""
 
 from __future__ import annotations
 
