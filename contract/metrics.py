@@ -59,8 +59,21 @@ MUON_STATS = (UPDATE_RMS, f"{OPTIM_PREFIX}ns_time_ms", f"{OPTIM_PREFIX}nonfinite
 OPTIMIZER = {"adamw": (), "muon": MUON_STATS, "muonclip": (*MUON_STATS, QK_CLIP_HEADS_CLIPPED, QK_CLIP_MIN_GAMMA)}
 ROUTER = (ROUTER_AUX_LOSS, ROUTER_ENTROPY, ROUTER_LOAD_MAX, ROUTER_LOAD_MIN)
 # The series of a whole run (none per layer, head or expert): what the compare page offers.
-COMPARABLE = (LOSS, VAL_LOSS, ATTN_MAX_LOGIT, QK_CLIP_HEADS_CLIPPED, QK_CLIP_MIN_GAMMA, LR, GRAD_NORM, UPDATE_RMS,
-              TOKENS_PER_S, LOGITS_MAX_ABS, LOGITS_STD, STEP_TIME_MS, ELAPSED_S)  # fmt: skip
+COMPARABLE = (
+    LOSS,
+    VAL_LOSS,
+    ATTN_MAX_LOGIT,
+    QK_CLIP_HEADS_CLIPPED,
+    QK_CLIP_MIN_GAMMA,
+    LR,
+    GRAD_NORM,
+    UPDATE_RMS,
+    TOKENS_PER_S,
+    LOGITS_MAX_ABS,
+    LOGITS_STD,
+    STEP_TIME_MS,
+    ELAPSED_S,
+)
 # The run's summary: the latest value of each (summary.json, a service job's summary).
 SUMMARY = (LOSS, VAL_LOSS, ATTN_MAX_LOGIT, TOKENS_PER_S, LR, GRAD_NORM, UPDATE_RMS)
 

@@ -272,9 +272,11 @@ class ResourcesSpec(_Strict):
 
     nproc: int = Field(1, ge=1, description="Processes per node (one per GPU on CUDA). Cap: MUONFORGE_MAX_NPROC.")
     nnodes: int = Field(
-        1, ge=1, description="Workers that train the job together, each running nproc processes; it starts once "
+        1,
+        ge=1,
+        description="Workers that train the job together, each running nproc processes; it starts once "
         "that many hold it (gang-scheduled). Cap: MUONFORGE_MAX_NNODES.",
-    )  # fmt: skip
+    )
 
     @property
     def world_size(self) -> int:

@@ -137,8 +137,9 @@ class Ownership:
         params = list(self.rank_of)
         held = torch.tensor(
             [self.rank_of[p] == rank and "momentum_buffer" in state.get(p, ()) for p in params],
-            dtype=torch.float32, device=self.device,
-        )  # fmt: skip
+            dtype=torch.float32,
+            device=self.device,
+        )
         dist.all_reduce(held, group=group)  # which owners have a buffer
         has = dict(zip(params, held.tolist()))
         layout = [[p for p in shard if has[p]] for shard in self.shards]

@@ -113,10 +113,18 @@ class Muon(torch.optim.Optimizer):
         }
         validate_group({**self._adamw_defaults, "use_muon": False})
         defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-            ns_method=ns_method, ns_dtype=ns_dtype, adjust_lr=adjust_lr, weight_decay=weight_decay,
-            use_muon=True, experts=False,
-        )  # fmt: skip
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_method=ns_method,
+            ns_dtype=ns_dtype,
+            adjust_lr=adjust_lr,
+            weight_decay=weight_decay,
+            use_muon=True,
+            experts=False,
+        )
         validate_group(defaults)
         self._last_stats = StepStats()
         self._stack = Scratch()  # where a batch's NS inputs are stacked (and orthogonalized in place)
@@ -285,9 +293,14 @@ class Muon(torch.optim.Optimizer):
                 X = nesterov_input(entries, beta, group["nesterov"], self._stack, normalizing_dtype(grad_dtype, dtype))
                 with timer:
                     O = orthogonalize(  # in X's dtype and orientation, in X or in the scratch
-                        X, group["ns_steps"], group["ns_coefficients"], group["ns_method"], dtype,
-                        overwrite_input=True, scratch=self._scratch,
-                    )  # fmt: skip
+                        X,
+                        group["ns_steps"],
+                        group["ns_coefficients"],
+                        group["ns_method"],
+                        dtype,
+                        overwrite_input=True,
+                        scratch=self._scratch,
+                    )
                 apply_updates(entries, O, lr, group["weight_decay"], stats)
 
     def state_dict(self) -> dict[str, Any]:
@@ -325,6 +338,13 @@ class Muon(torch.optim.Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         adamw_update(
-            params, [p.grad for p in params], exp_avgs, exp_avg_sqs, steps,
-            lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
-        )  # fmt: skip
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            lr=group["lr"],
+            betas=tuple(group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )

@@ -71,9 +71,14 @@ class QKClipSource(Protocol):
 
 
 def separate_qk_targets(
-    q: Tensor, k: Tensor, n_head: int, head_dim: int, n_kv_head: int | None = None,
-    q_bias: Tensor | None = None, k_bias: Tensor | None = None,
-) -> list[QKClipTarget]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    n_head: int,
+    head_dim: int,
+    n_kv_head: int | None = None,
+    q_bias: Tensor | None = None,
+    k_bias: Tensor | None = None,
+) -> list[QKClipTarget]:
     """Separate W_q [n_head*d, in] and W_k [n_kv_head*d, in]. With grouped-query attention
     (n_kv_head < n_head) a key head is shared, so all of gamma goes on the query side."""
     kv = n_head if n_kv_head is None else n_kv_head

@@ -10,9 +10,13 @@ ROLES = ("muon", "experts", "adamw")
 
 # Modules whose weights are gains or lookup tables, never hidden linear maps.
 _ADAMW_MODULES = (
-    nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
     nn.modules.batchnorm._NormBase,
-)  # fmt: skip
+)
 _MATRIX_MODULES = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
 
 
