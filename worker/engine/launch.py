@@ -83,14 +83,12 @@ def torchrun_command(
     no restarts (a failed group is this process's to handle)."""
     rendezvous = ["--rdzv-endpoint", "127.0.0.1:0"]
     if node is not None and meeting is not None:
-        rendezvous = [
-            "--rdzv-endpoint", meeting.rendezvous, "--rdzv-id", meeting.run_id,
-            "--rdzv-conf", f"is_host={int(node.index == 0)}", "--local-addr", node.address,
-        ]  # fmt: skip
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", *rendezvous, "--max-restarts", "0", "-m", RANK_MODULE, *rank_args,
-    ]  # fmt: skip
+        is_host = f"is_host={int(node.index == 0)}"
+        rendezvous = ["--rdzv-endpoint", meeting.rendezvous, "--rdzv-id", meeting.run_id, "--rdzv-conf", is_host]
+        rendezvous += ["--local-addr", node.address]
+    group = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", *rendezvous]
+    launcher = [sys.executable, "-m", "torch.distributed.run", *group, "--max-restarts", "0"]
+    return [*launcher, "-m", RANK_MODULE, *rank_args]
 
 
 def run_group(
@@ -191,9 +189,13 @@ class Launch:
             env |= {REPORT_ENV: meeting.report, REPORT_TOKEN_ENV: meeting.token}
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     # -- following ------------------------------------------------------------------------------
     def follow(
@@ -225,8 +227,10 @@ class Launch:
         if self.proc.returncode != 0 and finished:
             log.warning(
                 "torchrun exited with status %s after every rank of the node was done: a fault while the group "
-                "was torn down, not a lost rank (its output is in %s)", self.proc.returncode, self.log_path,
-            )  # fmt: skip
+                "was torn down, not a lost rank (its output is in %s)",
+                self.proc.returncode,
+                self.log_path,
+            )
         if not reports and (self.proc.returncode == 0 or finished):
             return None
         return self._outcome()

@@ -43,12 +43,21 @@ def build_optimizer(
             model.parameters(), lr=cfg.lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps, weight_decay=cfg.weight_decay
         )
     kwargs = dict(
-        lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-        ns_coefficients=cfg.ns_coefficients, ns_method=cfg.ns_method, ns_dtype=ns_dtype or NS_DTYPES[cfg.ns_dtype],
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        ns_steps=cfg.ns_steps,
+        ns_coefficients=cfg.ns_coefficients,
+        ns_method=cfg.ns_method,
+        ns_dtype=ns_dtype or NS_DTYPES[cfg.ns_dtype],
         adjust_lr=cfg.adjust_lr,
-        weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr, adamw_betas=cfg.adamw_betas,
-        adamw_eps=cfg.adamw_eps, adamw_weight_decay=cfg.adamw_weight_decay, distributed=distributed,
-    )  # fmt: skip
+        weight_decay=cfg.weight_decay,
+        adamw_lr=cfg.adamw_lr,
+        adamw_betas=cfg.adamw_betas,
+        adamw_eps=cfg.adamw_eps,
+        adamw_weight_decay=cfg.adamw_weight_decay,
+        distributed=distributed,
+    )
     groups = optim.split_params(model)
     if cfg.name == "muonclip":
         tau = {} if cfg.qk_clip_tau is None else {"qk_clip_tau": cfg.qk_clip_tau}  # else MuonClip's default

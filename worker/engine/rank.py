@@ -46,10 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         device, _ = resolve_device(job_config(spec).train)
         group = join_group(device.type == "cuda")
         result = run_process(
-            spec, args.out, args.corpus, sink=channel if lead else None,
-            should_cancel=channel.should_cancel if lead else None, resume=not args.fresh, group=group,
+            spec,
+            args.out,
+            args.corpus,
+            sink=channel if lead else None,
+            should_cancel=channel.should_cancel if lead else None,
+            resume=not args.fresh,
+            group=group,
             init_from=args.init_from,
-        )  # fmt: skip
+        )
         if lead:
             channel.result(result)
         channel.done()

@@ -295,8 +295,8 @@ class Trainer:
             return
         self.model.eval()
         with self._autocast():
-            ids = generate(self.model, prompt, n_tokens, self.job.model.seq_len,
-                           torch.Generator().manual_seed(self.job.train.seed))  # fmt: skip
+            draws = torch.Generator().manual_seed(self.job.train.seed)
+            ids = generate(self.model, prompt, n_tokens, self.job.model.seq_len, draws)
         self.model.train()
         self.sink.sample(self.step, self.data.decode(prompt.tolist()), self.data.decode(ids.tolist()))
 
