@@ -73,15 +73,25 @@ class RateLimited(DomainError):
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 # The code of an error raised by the framework itself (no route, wrong method, ...), by status.
 HTTP_CODES = {
-    401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
-    413: "payload_too_large", 422: "validation_error", 429: "rate_limited",
-}  # fmt: skip
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    422: "validation_error",
+    429: "rate_limited",
+}
 
 
 def error_response(
-    status: int, code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None,
+    status: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
     errors: list[dict[str, str | None]] | None = None,
-) -> JSONResponse:  # fmt: skip
+) -> JSONResponse:
     """The one error body: ``{"error": {"code", "message", "param"}}``; a 422 of the request's
     validation also lists every invalid field in ``errors`` (``[{"param", "message"}]``)."""
     body = {"error": {"code": code, "message": message, "param": param}}

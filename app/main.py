@@ -48,9 +48,13 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     install_web(app)
     install_error_handlers(app)
     app.add_middleware(
-        Limits, settings=settings, key_cache=app.state.key_cache, request_rate=app.state.request_rate,
-        streams=app.state.streams, pacer=RefusalPacer(settings.refusal_pace_seconds),
-    )  # fmt: skip
+        Limits,
+        settings=settings,
+        key_cache=app.state.key_cache,
+        request_rate=app.state.request_rate,
+        streams=app.state.streams,
+        pacer=RefusalPacer(settings.refusal_pace_seconds),
+    )
     install_metrics(app, settings)
     return app
 

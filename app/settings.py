@@ -82,10 +82,12 @@ class Settings(BaseSettings):
     )
     tenant_burst: int = Field(400, description="Requests a tenant may make at once above its rate.")
     refusal_pace_seconds: float = Field(
-        5.0, ge=0, description="A tenant refused 429 again before its Retry-After has passed gets its next refusal "
+        5.0,
+        ge=0,
+        description="A tenant refused 429 again before its Retry-After has passed gets its next refusal "
         "after a pause of half to all of that Retry-After, at most this long (0: at once), so a client that retries "
         "at once is paced by the server.",
-    )  # fmt: skip
+    )
     auth_cache_seconds: float = Field(
         10.0, description="How long a verified API key is trusted without a database lookup (0: never)."
     )

@@ -35,9 +35,14 @@ MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fie
 
 class Limits:
     def __init__(
-        self, app: ASGIApp, settings: Settings, key_cache: KeyCache, request_rate: RequestRate, streams: StreamSlots,
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        key_cache: KeyCache,
+        request_rate: RequestRate,
+        streams: StreamSlots,
         pacer: RefusalPacer,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.app, self.settings, self.key_cache = app, settings, key_cache
         self.request_rate, self.streams, self.pacer = request_rate, streams, pacer
         self._lookups: dict[str, asyncio.Future[TenantRef]] = {}  # key digest -> its lookup in flight

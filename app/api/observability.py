@@ -50,11 +50,17 @@ class StreamCollector:
 
     def collect(self):
         state = self.app.state
-        yield GaugeMetricFamily("muonforge_event_streams", "Open events streams (SSE clients).",
-                                value=state.streams.total if hasattr(state, "streams") else 0)  # fmt: skip
+        yield GaugeMetricFamily(
+            "muonforge_event_streams",
+            "Open events streams (SSE clients).",
+            value=state.streams.total if hasattr(state, "streams") else 0,
+        )
         reader = getattr(state, "live_reader", None)
-        yield GaugeMetricFamily("muonforge_live_feeds", "Jobs whose live stream this process reads.",
-                                value=len(reader.feeds) if reader else 0)  # fmt: skip
+        yield GaugeMetricFamily(
+            "muonforge_live_feeds",
+            "Jobs whose live stream this process reads.",
+            value=len(reader.feeds) if reader else 0,
+        )
 
 
 class RequestMetrics:
@@ -86,9 +92,7 @@ class RequestMetrics:
 
 def install_metrics(app: FastAPI, settings: Settings) -> None:
     registry = CollectorRegistry()
-    requests = Counter(
-        "muonforge_http_requests", "HTTP requests.", ["method", "route", "status"], registry=registry
-    )  # fmt: skip
+    requests = Counter("muonforge_http_requests", "HTTP requests.", ["method", "route", "status"], registry=registry)
     latency = Histogram("muonforge_http_request_seconds", "HTTP request latency.", ["route"], registry=registry)
     registry.register(JobCollector(settings))
     registry.register(StreamCollector(app))

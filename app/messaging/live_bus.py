@@ -119,8 +119,13 @@ class Entry:
 
 def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
     seq = fields.get(b"seq")
-    return Entry(entry_id.decode(), fields[b"kind"].decode(), int(fields[b"step"]), int(seq) if seq else None,
-                 fields[b"data"].decode())  # fmt: skip
+    return Entry(
+        entry_id.decode(),
+        fields[b"kind"].decode(),
+        int(fields[b"step"]),
+        int(seq) if seq else None,
+        fields[b"data"].decode(),
+    )
 
 
 class Resync(Exception):

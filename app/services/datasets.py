@@ -79,10 +79,15 @@ def upload_dataset(session: Session, tenant: TenantRef, stream: BinaryIO, name: 
             raise over_quota(quota, used)
         dataset = datasets.add(
             Dataset(
-                id=dataset_id, tenant_id=tenant.id, name=name[:200], bytes=stored.size, sha256=stored.sha256,
-                char_vocab=stored.char_vocab, path=str(relative),
+                id=dataset_id,
+                tenant_id=tenant.id,
+                name=name[:200],
+                bytes=stored.size,
+                sha256=stored.sha256,
+                char_vocab=stored.char_vocab,
+                path=str(relative),
             )
-        )  # fmt: skip
+        )
         on_rollback(session, partial(target.unlink, missing_ok=True))
         os.utime(tmp)  # its age counts from here: the sweep leaves it alone while this commits
         tmp.replace(target)

@@ -72,8 +72,8 @@ class Cursor:
         if seq <= self.seq:
             return None
         self.seq = seq
-        return ServerSentEvent(event=kind, raw_data=payload if isinstance(payload, str) else json.dumps(payload),
-                               id=self.id)  # fmt: skip
+        raw = payload if isinstance(payload, str) else json.dumps(payload)
+        return ServerSentEvent(event=kind, raw_data=raw, id=self.id)
 
     def metrics(self, step: int, values: dict[str, float] | str) -> ServerSentEvent | None:
         """The event if its step is not behind the cursor (``values`` as a dict or as JSON); None

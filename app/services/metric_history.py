@@ -55,13 +55,21 @@ def store_metrics(
         if name in tails:
             old_steps, old_values = unpack(*tails[name])
             all_steps, all_values = np.concatenate([old_steps, new_steps]), np.concatenate([old_values, new_values])
-        parts = [chunk_row(job_id, name, all_steps[i : i + CHUNK_POINTS], all_values[i : i + CHUNK_POINTS])
-                 for i in range(0, len(all_steps), CHUNK_POINTS)]  # fmt: skip
+        parts = [
+            chunk_row(job_id, name, all_steps[i : i + CHUNK_POINTS], all_values[i : i + CHUNK_POINTS])
+            for i in range(0, len(all_steps), CHUNK_POINTS)
+        ]
         chunks += parts
-        updates.append({
-            "job_id": job_id, "name": name, "points": len(new_steps), "first_step": int(all_steps[0]),
-            "last_step": int(new_steps[-1]), "tail_step": parts[-1]["first_step"], "tail_points": parts[-1]["n"],
-        })  # fmt: skip
+        series_row = {
+            "job_id": job_id,
+            "name": name,
+            "points": len(new_steps),
+            "first_step": int(all_steps[0]),
+            "last_step": int(new_steps[-1]),
+            "tail_step": parts[-1]["first_step"],
+            "tail_points": parts[-1]["n"],
+        }
+        updates.append(series_row)
     repo.add_chunks(chunks)
     repo.update_series(updates)
     if mark is not None:
@@ -91,11 +99,19 @@ def chunk_row(job_id: str, name: str, steps: np.ndarray, values: np.ndarray) -> 
     """One chunk: the points packed little-endian, and its min, max and last point."""
     lo, hi = int(values.argmin()), int(values.argmax())
     return {
-        "job_id": job_id, "name": name, "first_step": int(steps[0]), "last_step": int(steps[-1]), "n": len(steps),
-        "steps": steps.astype(STEP_DTYPE).tobytes(), "values": values.astype(VALUE_DTYPE).tobytes(),
-        "min_step": int(steps[lo]), "min_value": float(values[lo]), "max_step": int(steps[hi]),
-        "max_value": float(values[hi]), "last_value": float(values[-1]),
-    }  # fmt: skip
+        "job_id": job_id,
+        "name": name,
+        "first_step": int(steps[0]),
+        "last_step": int(steps[-1]),
+        "n": len(steps),
+        "steps": steps.astype(STEP_DTYPE).tobytes(),
+        "values": values.astype(VALUE_DTYPE).tobytes(),
+        "min_step": int(steps[lo]),
+        "min_value": float(values[lo]),
+        "max_step": int(steps[hi]),
+        "max_value": float(values[hi]),
+        "last_value": float(values[-1]),
+    }
 
 
 def unpack(steps: bytes, values: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -107,9 +123,13 @@ MAX_STEP = 2**31 - 1  # steps are int32
 
 
 def history(
-    session: Session, job_id: str, names: Sequence[str] | None, max_points: int, from_step: int | None,
+    session: Session,
+    job_id: str,
+    names: Sequence[str] | None,
+    max_points: int,
+    from_step: int | None,
     to_step: int | None,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """Every requested series over [from_step, to_step] as at most ``max_points`` real points:
     all of them when they fit; else the steps are cut into about max_points // 3 buckets, each
     keeping its min, max and last point (spikes survive).
@@ -202,8 +222,11 @@ def bucket_extremes(steps: np.ndarray, values: np.ndarray, lo: int, width: int) 
         mins, maxs = first_equal(np.fmin.reduceat(values, starts)), first_equal(np.fmax.reduceat(values, starts))
     out = {}
     for b, i, j, k in zip(buckets[starts].tolist(), mins.tolist(), maxs.tolist(), ends.tolist()):
-        out[b] = {"min": [int(steps[i]), float(values[i])], "max": [int(steps[j]), float(values[j])],
-                  "last": [int(steps[k]), float(values[k])]}  # fmt: skip
+        out[b] = {
+            "min": [int(steps[i]), float(values[i])],
+            "max": [int(steps[j]), float(values[j])],
+            "last": [int(steps[k]), float(values[k])],
+        }
     return out
 
 

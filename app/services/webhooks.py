@@ -99,9 +99,17 @@ def enqueue(session: Session, tenant_id: str, event_type: WebhookEventType, data
     now = utcnow()
     body = schemas.WebhookMessage(type=event_type, timestamp=now, data=data).model_dump_json()
     rows = [
-        {"id": new_id("msg"), "endpoint_id": e, "event_type": str(event_type), "body": body,
-         "status": DeliveryStatus.PENDING, "attempts": 0, "next_attempt_at": now, "created_at": now}
+        {
+            "id": new_id("msg"),
+            "endpoint_id": e,
+            "event_type": str(event_type),
+            "body": body,
+            "status": DeliveryStatus.PENDING,
+            "attempts": 0,
+            "next_attempt_at": now,
+            "created_at": now,
+        }
         for e in endpoints
-    ]  # fmt: skip
+    ]
     repo.add_deliveries(rows)
     return len(rows)

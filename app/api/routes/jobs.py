@@ -16,9 +16,7 @@ from contract.spec import NO_NUL, JobSpec
 from contract.status import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": schemas.ErrorBody} for code in (401, 404, 409, 422, 429)
-}  # fmt: skip
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": schemas.ErrorBody} for code in (401, 404, 409, 422, 429)}
 # The errors of a route whose own answer is not JSON (the events stream): the same bodies, said to be JSON.
 JSON_ERRORS: dict[int | str, dict[str, Any]] = {
     code: {

@@ -17,17 +17,20 @@ router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 
 
 REPLAY = {
-    "model": schemas.SweepDetail, "description": "A replay of an `Idempotency-Key` with the same body: its sweep.",
-}  # fmt: skip
+    "model": schemas.SweepDetail,
+    "description": "A replay of an `Idempotency-Key` with the same body: its sweep.",
+}
 
 
 @router.post(
     "", status_code=201, response_model=schemas.SweepDetail, responses={200: REPLAY, **ERRORS, 403: ERRORS[401]}
 )
 async def create_sweep(
-    spec: SweepSpec, work: Work, response: Response,
+    spec: SweepSpec,
+    work: Work,
+    response: Response,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)] = None,
-) -> schemas.SweepDetail:  # fmt: skip
+) -> schemas.SweepDetail:
     """Validate the sweep and every trial's JobSpec, store it, and start its first trials.
 
     A trial's spec is the base with the trial's values; a 422 names `space.<path>` or
