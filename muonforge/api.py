@@ -96,13 +96,17 @@ def job_metrics(
     job_id: str, names: Iterable[str] | None, max_points: int, from_step: int | None, to_step: int | None
 ) -> Call:
     params = _query(
-        names=",".join(names) if names is not None else None, max_points=max_points, from_step=from_step,
+        names=",".join(names) if names is not None else None,
+        max_points=max_points,
+        from_step=from_step,
         to_step=to_step,
-    )  # fmt: skip
+    )
     return Call(
-        "GET", f"/v1/jobs/{_id(job_id)}/metrics", params=params,
+        "GET",
+        f"/v1/jobs/{_id(job_id)}/metrics",
+        params=params,
         result=lambda body: {s["name"]: s["points"] for s in body["series"]},
-    )  # fmt: skip
+    )
 
 
 def job_events(job_id: str, last_event_id: str | None) -> Call:

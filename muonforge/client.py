@@ -33,9 +33,18 @@ from muonforge.retry import NO_RETRY, Attempts, Retry
 from muonforge.transfer import Download, Progress, open_upload, write_export_config
 
 __all__ = [
-    "ACTIVE", "FINISHED", "STATUSES", "ApiError", "AsyncClient", "Client", "ConfigError", "ConnectionFailed", "Event",
-    "MuonforgeError", "Retry",
-]  # fmt: skip
+    "ACTIVE",
+    "FINISHED",
+    "STATUSES",
+    "ApiError",
+    "AsyncClient",
+    "Client",
+    "ConfigError",
+    "ConnectionFailed",
+    "Event",
+    "MuonforgeError",
+    "Retry",
+]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 PAGE_SIZE = 100  # the server's largest page
@@ -68,9 +77,14 @@ class Client(_ClientBase):
     attempts (seconds)."""
 
     def __init__(
-        self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0, *,
-        retry: Retry = DEFAULT_RETRY, sleep: Callable[[float], None] = time.sleep,
-    ) -> None:  # fmt: skip
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        *,
+        retry: Retry = DEFAULT_RETRY,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         super().__init__(url, api_key, timeout, retry)
         self._sleep = sleep
         self._http = httpx.Client(**self._http_options)
@@ -141,9 +155,13 @@ class Client(_ClientBase):
             self._sleep(delay)
 
     def metrics(
-        self, job_id: str, names: Iterable[str] | None = None, max_points: int = 1000,
-        from_step: int | None = None, to_step: int | None = None,
-    ) -> dict[str, list[list[float]]]:  # fmt: skip
+        self,
+        job_id: str,
+        names: Iterable[str] | None = None,
+        max_points: int = 1000,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> dict[str, list[list[float]]]:
         """``{name: [[step, value], ...]}``, downsampled by the server to at most ``max_points``
         real points per series (min, max and last of each step bucket, so spikes survive)."""
         return self._call(api.job_metrics(job_id, names, max_points, from_step, to_step))
@@ -293,9 +311,14 @@ class AsyncClient(_ClientBase):
     ``list_datasets``, ``list_webhooks``, ``webhook_deliveries`` and ``events`` are async iterators."""
 
     def __init__(
-        self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0, *,
-        retry: Retry = DEFAULT_RETRY, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    ) -> None:  # fmt: skip
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        *,
+        retry: Retry = DEFAULT_RETRY,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         super().__init__(url, api_key, timeout, retry)
         self._sleep = sleep
         self._http = httpx.AsyncClient(**self._http_options)
@@ -359,9 +382,13 @@ class AsyncClient(_ClientBase):
             await self._sleep(delay)
 
     async def metrics(
-        self, job_id: str, names: Iterable[str] | None = None, max_points: int = 1000,
-        from_step: int | None = None, to_step: int | None = None,
-    ) -> dict[str, list[list[float]]]:  # fmt: skip
+        self,
+        job_id: str,
+        names: Iterable[str] | None = None,
+        max_points: int = 1000,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> dict[str, list[list[float]]]:
         return await self._call(api.job_metrics(job_id, names, max_points, from_step, to_step))
 
     async def checkpoints(self, job_id: str) -> list[Json]:

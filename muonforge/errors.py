@@ -91,9 +91,14 @@ class ServerError(ApiError):
 
 
 KINDS: dict[int, type[ApiError]] = {
-    401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 413: PayloadTooLarge,
-    422: ValidationError, 429: RateLimited,
-}  # fmt: skip
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: ValidationError,
+    429: RateLimited,
+}
 
 
 def api_error(status: int, body: bytes, headers: Mapping[str, str], retry_after: float | None = None) -> ApiError:

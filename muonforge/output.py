@@ -63,9 +63,14 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
     for job in jobs:
         progress, summary = job["progress"], job["summary"]
         table.add_row(
-            Text(job["id"]), Text(job["name"] or "-"), status(job), f"{progress['step']}/{progress['total_steps']}",
-            number(summary.get(metrics.LOSS)), number(summary.get(metrics.VAL_LOSS)), age(job["created_at"]),
-        )  # fmt: skip
+            Text(job["id"]),
+            Text(job["name"] or "-"),
+            status(job),
+            f"{progress['step']}/{progress['total_steps']}",
+            number(summary.get(metrics.LOSS)),
+            number(summary.get(metrics.VAL_LOSS)),
+            age(job["created_at"]),
+        )
     return table
 
 
@@ -117,9 +122,13 @@ def sweeps_table(sweeps: list[dict[str, Any]]) -> Table:
         best = s["best"]
         best_text = f"#{best['number']} {s['metric']} {number(best['metric'])}" if best else "-"
         table.add_row(
-            Text(s["id"]), Text(s["name"] or "-"), status(s), f"{done}/{counts['total']}", Text(best_text),
+            Text(s["id"]),
+            Text(s["name"] or "-"),
+            status(s),
+            f"{done}/{counts['total']}",
+            Text(best_text),
             age(s["created_at"]),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -145,9 +154,14 @@ def trials_table(sweep: dict[str, Any]) -> Table:
         rungs = " ".join(f"{r['rung']}:{rung_mark(t, r)}" for r in t["rungs"])
         mark = "*" if t["number"] == best else ""
         table.add_row(
-            f"{t['number']}{mark}", Text(t["job_id"] or "-"), *(Text(param_value(t["params"].get(p))) for p in paths),
-            status(t), str(t["step"]), number(t["metric"]), rungs or "-",
-        )  # fmt: skip
+            f"{t['number']}{mark}",
+            Text(t["job_id"] or "-"),
+            *(Text(param_value(t["params"].get(p))) for p in paths),
+            status(t),
+            str(t["step"]),
+            number(t["metric"]),
+            rungs or "-",
+        )
     return table
 
 
@@ -170,9 +184,13 @@ def deliveries_table(deliveries: list[dict[str, Any]]) -> Table:
         last = d["attempts"][-1] if d["attempts"] else None
         answer = "-" if last is None else str(last["status_code"] or last["error"])
         table.add_row(
-            Text(d["id"]), Text(d["event_type"]), Text(d["status"], style=DELIVERY_STYLE.get(d["status"], "")),
-            str(len(d["attempts"])), Text(answer), age(d["created_at"]),
-        )  # fmt: skip
+            Text(d["id"]),
+            Text(d["event_type"]),
+            Text(d["status"], style=DELIVERY_STYLE.get(d["status"], "")),
+            str(len(d["attempts"])),
+            Text(answer),
+            age(d["created_at"]),
+        )
     return table
 
 
@@ -186,9 +204,14 @@ def keys_table(keys: list[dict[str, Any]]) -> Table:
 
     for key in keys:
         table.add_row(
-            Text(key["id"]), Text(key["tenant"]), Text(key["name"] or "-"), Text(key["prefix"]),
-            ago(key["created_at"]), ago(key["last_used_at"]), ago(key["revoked_at"]),
-        )  # fmt: skip
+            Text(key["id"]),
+            Text(key["tenant"]),
+            Text(key["name"] or "-"),
+            Text(key["prefix"]),
+            ago(key["created_at"]),
+            ago(key["last_used_at"]),
+            ago(key["revoked_at"]),
+        )
     return table
 
 
@@ -206,9 +229,13 @@ def tenants_table(tenants: list[dict[str, Any]], default_cap: int) -> Table:
     table = Table(*headers, box=None, header_style="bold")
     for t in tenants:
         table.add_row(
-            Text(t["name"]), Text(t["id"]), job_cap(t["job_cap"], default_cap), str(t["active_jobs"]),
-            f"{t['dataset_bytes']:,}", str(t["active_keys"]),
-        )  # fmt: skip
+            Text(t["name"]),
+            Text(t["id"]),
+            job_cap(t["job_cap"], default_cap),
+            str(t["active_jobs"]),
+            f"{t['dataset_bytes']:,}",
+            str(t["active_keys"]),
+        )
     return table
 
 

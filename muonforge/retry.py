@@ -139,8 +139,13 @@ class Attempts:
         if retry_after is not None:
             log.warning(
                 "%s (%d %s); waiting %g s as the server asks, then retry %d of %d",
-                error.message, status, error.code, delay, self.retries + 1, self.policy.max_retries,
-            )  # fmt: skip
+                error.message,
+                status,
+                error.code,
+                delay,
+                self.retries + 1,
+                self.policy.max_retries,
+            )
         return self._next(delay, f"HTTP {status}")
 
     def after_error(self, error: httpx.TransportError) -> float:

@@ -53,11 +53,9 @@ def default_queues() -> str:
 def worker_command(queues: str | None, concurrency: int) -> list[str]:
     """A Celery worker: solo pool for one process per device (no fork after CUDA init)."""
     pool = ["--pool", "solo"] if concurrency == 1 else ["--pool", "prefork", "--concurrency", str(concurrency)]
-    return [
-        sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-        "--queues", queues or default_queues(), *pool, "--prefetch-multiplier", "1",
-        "--loglevel", "INFO", "--without-gossip", "--without-mingle",
-    ]  # fmt: skip
+    celery = [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker"]
+    options = ["--queues", queues or default_queues(), *pool, "--prefetch-multiplier", "1", "--loglevel", "INFO"]
+    return [*celery, *options, "--without-gossip", "--without-mingle"]
 
 
 # -- the port -------------------------------------------------------------------------------------
@@ -283,8 +281,8 @@ def run_up(host: str, port: int, workers: int) -> int:
         upgrade(settings)
         mode = "embedded (SQLite and a local broker under ./var)" if settings.embedded else "Postgres and Redis"
         print(f"muonforge: {mode}", flush=True)
-        api = [sys.executable, "-m", "muonforge.cli", "api", "--host", host, "--port", str(port),
-               "--graceful-timeout", str(API_GRACE)]  # fmt: skip
+        serve = ["--host", host, "--port", str(port), "--graceful-timeout", str(API_GRACE)]
+        api = [sys.executable, "-m", "muonforge.cli", "api", *serve]
         children: list[Child] = []
         try:
             if signals.count:
