@@ -94,8 +94,11 @@ class DataSpec(_Strict):
 
 
 class OptimizerSpec(_Strict):
-    """Muon, MuonClip (Muon + QK-Clip) or an AdamW baseline. For ``adamw`` the ``lr`` and
-    ``weight_decay`` apply to every parameter and the Muon fields are ignored."""
+    """Muon, MuonClip (Muon + QK-Clip) or an AdamW baseline.
+
+    For ``adamw`` the ``lr`` and ``weight_decay`` apply to every parameter and the Muon fields are
+    ignored.
+    """
 
     name: Literal["muon", "muonclip", "adamw"] = Field("muon", description="Optimizer.")
     lr: float | None = Field(None, gt=0.0, le=10.0, description="Default 0.02 for muon/muonclip, 3e-3 for adamw.")
@@ -303,8 +306,11 @@ class JobSpec(_Strict):
     @model_validator(mode="wrap")
     @classmethod
     def _batch_splits_over_ranks(cls, data: object, handler: ModelWrapValidatorHandler[Self]) -> Self:
-        """train.batch_size is the global batch: each rank takes an equal share. The error names
-        train.batch_size (a rule across sections, raised where pydantic keeps its location)."""
+        """train.batch_size is the global batch: each rank takes an equal share.
+
+        The error names train.batch_size (a rule across sections, raised where pydantic keeps its
+        location).
+        """
         spec = handler(data)
         batch, ranks = spec.train.batch_size, spec.resources.world_size
         if batch % ranks:

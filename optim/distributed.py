@@ -21,9 +21,12 @@ from torch import Tensor
 
 
 def ns_flops(matrix_shape: Sequence[int]) -> int:
-    """Flops of one Newton–Schulz iteration on k matrices of rows x cols (the [k, rows, cols]
-    view of :func:`optim.muon.matrix_shape`): about 4 m^2 n + 2 m^3 per matrix, m <= n (the
-    standard form; the Gram form differs by a shape-dependent factor that ownership can ignore)."""
+    """Flops of one Newton–Schulz iteration on k matrices of rows x cols.
+
+    The shape is the [k, rows, cols] view of :func:`optim.muon.matrix_shape`: about 4 m^2 n + 2 m^3
+    per matrix, m <= n (the standard form; the Gram form differs by a shape-dependent factor that
+    ownership can ignore).
+    """
     k, rows, cols = matrix_shape
     m, n = sorted((rows, cols))
     return k * (4 * m * m * n + 2 * m * m * m)

@@ -216,9 +216,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _ownership(self) -> Ownership | None:
-        """Who owns each Muon parameter, or None when there is nothing to split (one rank, or no
-        Muon parameters). Dealt from the shapes in param-group order, not from which gradients a
-        step has, so it is the same on every rank and every step."""
+        """Who owns each Muon parameter, or None when there is nothing to split.
+
+        None for one rank, or no Muon parameters. Dealt from the shapes in param-group order, not from
+        which gradients a step has, so it is the same on every rank and every step.
+        """
         if self._world == 1:
             return None
         if self._owners is None:
@@ -304,9 +306,12 @@ class Muon(torch.optim.Optimizer):
                 apply_updates(entries, O, lr, group["weight_decay"], stats)
 
     def state_dict(self) -> dict[str, Any]:
-        """The torch.optim state dict, complete at any world size: with ``shard_momentum`` the
-        buffers are gathered from their owners (a collective: every rank must call it, like a
-        full state dict under FSDP), so every rank returns the same, single-process layout."""
+        """The torch.optim state dict, complete at any world size.
+
+        With ``shard_momentum`` the buffers are gathered from their owners (a collective: every rank
+        must call it, like a full state dict under FSDP), so every rank returns the same,
+        single-process layout.
+        """
         state_dict = super().state_dict()
         owners = self._ownership() if self._shard else None
         if owners is None:

@@ -251,16 +251,21 @@ def working_bytes(rows: int, cols: int, dtype: torch.dtype, method: str = "auto"
 
 
 def normalizing_dtype(input_dtype: torch.dtype, work_dtype: torch.dtype) -> torch.dtype:
-    """The precision an input is normalised in: the working precision where it keeps fp32's range
-    (:func:`keeps_range`), so the input is converted first; else (fp16) fp32, or fp64 for fp64
-    input, and the normalised input is converted after. The optimizer stacks its batches in it."""
+    """The precision an input is normalised in; the optimizer stacks its batches in it.
+
+    The working precision where it keeps fp32's range (:func:`keeps_range`), so the input is
+    converted first; else (fp16) fp32, or fp64 for fp64 input, and the normalised input is
+    converted after.
+    """
     return work_dtype if keeps_range(work_dtype) else torch.promote_types(input_dtype, torch.float32)
 
 
 def keeps_range(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` has fp32's exponent range or a wider one (bf16, fp32, fp64: the same
-    smallest normal number or a smaller one), so that a gradient may be converted to it before
-    it is normalised; fp16's smallest normal is 6e-5."""
+    """Whether ``dtype`` has fp32's exponent range or a wider one (bf16, fp32, fp64).
+
+    They have the same smallest normal number or a smaller one, so that a gradient may be converted
+    to such a dtype before it is normalised; fp16's smallest normal is 6e-5.
+    """
     return torch.finfo(dtype).tiny <= torch.finfo(torch.float32).tiny
 
 

@@ -73,9 +73,11 @@ def _sync(device: torch.device) -> None:
 
 @functools.cache
 def auto_dtype(device: torch.device) -> torch.dtype:
-    """The Newton–Schulz precision for fp32/fp16/bf16 input on a device, decided once per process:
+    """The Newton–Schulz precision for fp32/fp16/bf16 input on a device, decided once per process.
+
     bf16 where the device has native bf16 products and the probe measures them at least
-    BF16_MIN_SPEEDUP faster than fp32; fp32 everywhere else."""
+    BF16_MIN_SPEEDUP faster than fp32; fp32 everywhere else.
+    """
     if bf16_capable(device) and bf16_speedup(device) >= BF16_MIN_SPEEDUP:
         return torch.bfloat16
     return torch.float32

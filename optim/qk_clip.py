@@ -25,9 +25,11 @@ from .muon import Muon
 
 @dataclass(frozen=True)
 class QKClipTarget:
-    """Rows of one tensor that belong to each head: head h owns rows
-    [offset + h * stride, offset + h * stride + rows). On a clip, they are multiplied by
-    gamma_h ** exponent."""
+    """Rows of one tensor that belong to each head, and the power of gamma they take.
+
+    Head h owns rows [offset + h * stride, offset + h * stride + rows). On a clip, they are
+    multiplied by gamma_h ** exponent.
+    """
 
     tensor: Tensor
     heads: int

@@ -17,9 +17,11 @@ SCRATCH_ALIGN = 64
 
 
 class Scratch:
-    """Reusable scratch memory: one flat buffer per (dtype, device), grown to the largest request
-    and carved into the views one call needs. A carve invalidates the views of the previous carve
-    of the same dtype and device, so each user of scratch owns its own instance."""
+    """Reusable scratch memory: one flat buffer per (dtype, device), grown to the largest request.
+
+    The buffer is carved into the views one call needs. A carve invalidates the views of the
+    previous carve of the same dtype and device, so each user of scratch owns its own instance.
+    """
 
     def __init__(self) -> None:
         self._flat: dict[tuple[torch.dtype, torch.device], Tensor] = {}

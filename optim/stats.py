@@ -14,9 +14,11 @@ from torch import Tensor
 
 
 def small_floats(values: list, like: Tensor) -> Tensor:
-    """A few host numbers (a list, or a list of equal lists) as a tensor on ``like``'s device and
-    dtype without a device sync: on CUDA through pinned memory and an asynchronous copy (a
-    pageable copy would wait)."""
+    """A few host numbers as a tensor on ``like``'s device and dtype, without a device sync.
+
+    The numbers are a list, or a list of equal lists. On CUDA they go through pinned memory and an
+    asynchronous copy (a pageable copy would wait).
+    """
     host = torch.tensor(values, dtype=like.dtype, pin_memory=like.is_cuda)
     return host.to(like.device, non_blocking=True)
 
