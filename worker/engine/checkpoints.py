@@ -41,9 +41,12 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, step: int, payload: dict[str, Any]) -> tuple[Path, int]:
-    """Write atomically and durably: a temp file of this process's own (a stale attempt writing
-    the same step cannot collide with it), fsync, rename, fsync of the directory. A crash never
-    leaves a torn checkpoint, and a checkpoint once recorded survives a power loss."""
+    """Write a checkpoint atomically and durably.
+
+    A temp file of this process's own (a stale attempt writing the same step cannot collide with
+    it), fsync, rename, fsync of the directory. A crash never leaves a torn checkpoint, and a
+    checkpoint once recorded survives a power loss.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, step)
     tmp = directory / f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
@@ -104,6 +107,8 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
     """The payload; ``mmap`` maps the tensors instead of reading them (to look at the rest).
+
     ``weights_only``: tensors and plain values only, so a file planted on a shared volume cannot
-    run code when it is loaded."""
+    run code when it is loaded.
+    """
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

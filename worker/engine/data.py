@@ -200,9 +200,11 @@ def pysource_sha256(max_bytes: int = PYSOURCE_BYTES) -> str:
 
 
 def synthetic_task(seed: int, val_fraction: float = 0.1, tokens: int = SYNTHETIC_TOKENS) -> TokenData:
-    """A first-order Markov chain over SYNTHETIC_VOCAB tokens, each with SYNTHETIC_BRANCHES
-    successors of fixed probabilities: learnable structure with a known floor (the chain's
-    entropy rate, in nats/token), generated from the seed, nothing read from disk."""
+    """A first-order Markov chain over SYNTHETIC_VOCAB tokens, generated from the seed.
+
+    Each token has SYNTHETIC_BRANCHES successors of fixed probabilities: learnable structure with a
+    known floor (the chain's entropy rate, in nats/token), nothing read from disk.
+    """
     rng = np.random.default_rng([seed, 7])
     V, K = SYNTHETIC_VOCAB, SYNTHETIC_BRANCHES
     successors = np.stack([rng.choice(V, size=K, replace=False) for _ in range(V)])  # [V, K]

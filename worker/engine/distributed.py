@@ -30,8 +30,11 @@ class Group:
         return self.rank == 0
 
     def mean(self, t: Tensor) -> Tensor:
-        """The mean of ``t`` over the ranks (a copy; ``t`` is left alone). Each rank's share of a
-        batch is the same size, so the mean of their mean losses is the global batch's."""
+        """The mean of ``t`` over the ranks (a copy; ``t`` is left alone).
+
+        Each rank's share of a batch is the same size, so the mean of their mean losses is the
+        global batch's.
+        """
         out = t.detach().clone()
         dist.all_reduce(out)
         return out / self.world
@@ -46,9 +49,11 @@ class Group:
             t.copy_(part.view_as(t))
 
     def decide(self, choice: int) -> int:
-        """Rank 0's ``choice`` on every rank: a decision that ends the loop (a cancel, the time
-        limit) has to be taken at the same step everywhere, or the others wait in a collective for
-        a rank that left."""
+        """Rank 0's ``choice`` on every rank.
+
+        A decision that ends the loop (a cancel, the time limit) has to be taken at the same step
+        everywhere, or the others wait in a collective for a rank that left.
+        """
         t = torch.tensor([choice], dtype=torch.int64, device=self.device)  # nccl takes device tensors
         dist.broadcast(t, src=0)
         return int(t.item())

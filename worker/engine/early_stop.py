@@ -16,12 +16,14 @@ from contract.status import JobStatus
 
 @dataclass
 class EarlyStop:
-    """The rule's state over a run's evaluations: the best value so far and its step, and the
-    evaluations since that did not better it by more than ``min_delta`` (``stale``). The run
-    stops once ``stale`` reaches ``patience``.
+    """The early-stopping rule's state over a run's evaluations.
+
+    It holds the best value so far and its step, and the evaluations since that did not better it
+    by more than ``min_delta`` (``stale``). The run stops once ``stale`` reaches ``patience``.
 
     The state goes into every checkpoint, so a resumed run goes on counting. A resumed run
-    evaluates its checkpoint's step again; ``judged_step`` makes that evaluation count once."""
+    evaluates its checkpoint's step again; ``judged_step`` makes that evaluation count once.
+    """
 
     metric: str
     mode: str

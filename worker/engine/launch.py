@@ -78,9 +78,11 @@ class Node:
 def torchrun_command(
     nproc: int, rank_args: list[str], nnodes: int = 1, node: Node | None = None, meeting: Meeting | None = None
 ) -> list[str]:
-    """torchrun with this interpreter: ``nproc`` ranks of RANK_MODULE on this node, a c10d
-    rendezvous (on a free local port for one node; node 0's for several, which node 0 hosts), and
-    no restarts (a failed group is this process's to handle)."""
+    """torchrun with this interpreter: ``nproc`` ranks of RANK_MODULE on this node.
+
+    With a c10d rendezvous (on a free local port for one node; node 0's for several, which node 0
+    hosts), and no restarts (a failed group is this process's to handle).
+    """
     rendezvous = ["--rdzv-endpoint", "127.0.0.1:0"]
     if node is not None and meeting is not None:
         is_host = f"is_host={int(node.index == 0)}"
@@ -138,9 +140,11 @@ def run_group(
 
 
 def check_gpus(train: TrainSpec, nproc: int) -> None:
-    """A CUDA run puts each rank of a node on a GPU of its own (LOCAL_RANK's; nccl refuses two ranks
-    on one device): a node with fewer GPUs than ranks fails the run at once, with the figures,
-    instead of starting ranks that fail at every restart."""
+    """Fail a CUDA run at once, with the figures, when the node has fewer GPUs than ranks.
+
+    A CUDA run puts each rank of a node on a GPU of its own (LOCAL_RANK's; nccl refuses two ranks
+    on one device); failing at once beats starting ranks that fail at every restart.
+    """
     device, _ = resolve_device(train)
     if device.type == "cuda" and nproc > (count := torch.cuda.device_count()):
         raise NotEnoughGpus(

@@ -27,8 +27,11 @@ class Report:
 
 
 class TelemetrySink(Protocol):
-    """Receives the trainer's reports. The service plugs in one that writes Postgres and the
-    live bus; ``muonforge train`` uses :class:`JsonlSink` and a progress bar."""
+    """Receives the trainer's reports.
+
+    The service plugs in one that writes Postgres and the live bus; ``muonforge train`` uses
+    :class:`JsonlSink` and a progress bar.
+    """
 
     def metrics(self, report: Report) -> None:
         """One telemetry step."""

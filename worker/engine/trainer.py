@@ -50,14 +50,17 @@ def resolve_device(cfg: TrainSpec, index: int | None = None) -> tuple[torch.devi
 
 
 class Trainer:
-    """Runs one job. ``sink`` receives telemetry, ``should_cancel`` is asked before every step,
-    checkpoints go to ``checkpoint_dir`` and the latest one there is resumed from.
+    """Runs one job.
+
+    ``sink`` receives telemetry, ``should_cancel`` is asked before every step, checkpoints go to
+    ``checkpoint_dir`` and the latest one there is resumed from.
 
     In a torch.distributed ``group`` every rank runs this same loop on its share of each global
     batch, under DDP; rank 0 alone asks ``should_cancel``, writes checkpoints and samples (the
     other ranks' sinks drop what they get), and every rank resumes from the same checkpoint. The
     loss, val_loss and attention maxima reported are the global batch's, as one process reports
-    them; the other per-batch statistics (logits/*, router/*) are rank 0's share's."""
+    them; the other per-batch statistics (logits/*, router/*) are rank 0's share's.
+    """
 
     def __init__(
         self,
@@ -99,9 +102,11 @@ class Trainer:
         self.rung_status: JobStatus | None = None  # how ``rungs`` ended the run (stopped_early, paused), if they did
 
     def _group_ns_dtype(self) -> torch.dtype | None:
-        """In a group, the Newton-Schulz precision of ``ns_dtype: auto`` is rank 0's (its device's
-        probe, optim.auto_dtype), taken by every rank: each process probes on its own and could
-        choose otherwise. None: the spec's own choice (one process, or an explicit ns_dtype)."""
+        """In a group, rank 0's Newton-Schulz precision for ``ns_dtype: auto``, taken by every rank.
+
+        Rank 0's is its device's probe (optim.auto_dtype); each process probes on its own and could
+        choose otherwise. None: the spec's own choice (one process, or an explicit ns_dtype).
+        """
         if self.group is None or self.job.optimizer.name == "adamw" or self.job.optimizer.ns_dtype != "auto":
             return None
         choices = (torch.float32, torch.bfloat16)
@@ -194,8 +199,11 @@ class Trainer:
                 self.sink.log("info", f"{ended} at step {step}: {reason}")
 
     def _stop(self) -> str | None:
-        """Why the run stops before this step: "time_limit", "cancel" or None. In a group, rank 0
-        decides for all (its clock, its cancel flag), so that every rank stops at the same step."""
+        """Why the run stops before this step: "time_limit", "cancel" or None.
+
+        In a group, rank 0 decides for all (its clock, its cancel flag), so that every rank stops at
+        the same step.
+        """
         stop = None
         if self.lead:
             stop = "time_limit" if self._past_time_limit() else "cancel" if self.should_cancel() else None
@@ -333,9 +341,12 @@ class Trainer:
         return True
 
     def _warm_start(self, path: Path) -> None:
-        """Start from another run's checkpoint (``init_from``): its weights, strictly, and its
-        optimizer state if ``init_from.optimizer_state``. What makes this run its own stays so:
-        its hyperparameters (a fine-tune may change them), step counter (0), RNG and metrics."""
+        """Start from another run's checkpoint (``init_from``).
+
+        Its weights, strictly, and its optimizer state if ``init_from.optimizer_state``. What makes
+        this run its own stays so: its hyperparameters (a fine-tune may change them), step counter
+        (0), RNG and metrics.
+        """
         state = load_checkpoint(path)
         with_optimizer = self.job.init_from is not None and self.job.init_from.optimizer_state
         try:

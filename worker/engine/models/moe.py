@@ -19,9 +19,11 @@ def top_k_routing(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor, Te
 
 
 def load_balancing_loss(probs: Tensor, experts: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
-    """Switch Transformer auxiliary loss (arXiv 2101.03961, eq. 4) generalised to top-k:
+    """Switch Transformer auxiliary loss (arXiv 2101.03961, eq. 4) generalised to top-k.
+
     E * sum_e f_e * P_e, with f_e the share of routing slots taken by expert e and P_e its mean
-    router probability. It is 1 when load and probability are uniform. Returns (loss, f)."""
+    router probability. It is 1 when load and probability are uniform. Returns (loss, f).
+    """
     load = torch.bincount(experts.flatten(), minlength=n_experts).float() / experts.numel()  # [E]
     return n_experts * (load * probs.mean(dim=0)).sum(), load
 
