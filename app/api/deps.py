@@ -28,9 +28,11 @@ SESSION_COOKIE = "muonforge_key"
 
 
 class UnitOfWork:
-    """``await work(service_fn, *args)`` runs ``service_fn(session, tenant, *args)`` for the
-    request's tenant in one thread and one transaction (then the actions registered with
-    on_commit run, e.g. publishing job events to ``bus``)."""
+    """A request's unit of work: one service call for its tenant, in one thread and one transaction.
+
+    ``await work(service_fn, *args)`` runs ``service_fn(session, tenant, *args)``; after the commit
+    the actions registered with on_commit run, e.g. publishing job events to ``bus``.
+    """
 
     def __init__(self, request: Request, authorization: str | None, tenant: TenantRef | None = None) -> None:
         self.request, self.settings, self.key_cache = request, request.app.state.settings, request.app.state.key_cache

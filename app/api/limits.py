@@ -100,9 +100,11 @@ class Limits:
         await self.app(scope, counted, send)
 
     async def _tenant(self, authorization: str | None) -> TenantRef:
-        """The key's tenant: from the cache on the event loop, else looked up in a thread, one
-        lookup per key at a time. When a busy key's cache entry expires, the requests in flight
-        with it wait for the first one's lookup instead of each taking a thread and a query."""
+        """The key's tenant: from the cache on the event loop, else looked up in a thread.
+
+        One lookup per key at a time: when a busy key's cache entry expires, the requests in flight
+        with it wait for the first one's lookup instead of each taking a thread and a query.
+        """
         if (tenant := cached_tenant(authorization, self.key_cache)) is not None:
             return tenant
         digest = bearer_digest(authorization)

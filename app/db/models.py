@@ -60,8 +60,11 @@ class Dataset(Timestamped, Base):
 
 
 class Job(Timestamped, Base):
-    """One training job. Status changes are compare-and-set updates (see JobRepository);
-    ``attempt`` is the fencing token of the worker attempt that holds the lease."""
+    """One training job.
+
+    Status changes are compare-and-set updates (see JobRepository); ``attempt`` is the fencing token
+    of the worker attempt that holds the lease.
+    """
 
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("job"))
@@ -166,9 +169,11 @@ class Checkpoint(Timestamped, Base):
 
 
 class MetricSeries(Base):
-    """One metric of one job: how many points it has, the last step stored (the ingest's
-    idempotency filter: a point at or before it is a repeat), and its last chunk, which new
-    points extend until it is full."""
+    """One metric of one job: its point count, its last step stored and its last chunk.
+
+    The last step stored is the ingest's idempotency filter (a point at or before it is a repeat);
+    new points extend the last chunk until it is full.
+    """
 
     __tablename__ = "metric_series"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
@@ -181,9 +186,11 @@ class MetricSeries(Base):
 
 
 class MetricChunk(Base):
-    """Consecutive points of one series, stored columnar: ``steps`` (int32) and ``values``
-    (float64) as little-endian arrays, with the chunk's min, max and last point, so history is
-    downsampled from summaries instead of points."""
+    """Consecutive points of one series, stored columnar, with the chunk's min, max and last point.
+
+    ``steps`` (int32) and ``values`` (float64) are little-endian arrays; the summary points let
+    history be downsampled from summaries instead of points.
+    """
 
     __tablename__ = "metric_chunks"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
@@ -201,9 +208,11 @@ class MetricChunk(Base):
 
 
 class WebhookEndpoint(Timestamped, Base):
-    """A tenant's webhook endpoint: the URL its events are POSTed to, the event types it takes,
-    and the secret that signs them. The secret is kept as it is (signing needs it, unlike an API
-    key, which is only compared) and is shown once, when the endpoint is created."""
+    """A tenant's webhook endpoint: its URL, the event types it takes, and the secret that signs them.
+
+    The secret is kept as it is (signing needs it, unlike an API key, which is only compared) and is
+    shown once, when the endpoint is created.
+    """
 
     __tablename__ = "webhook_endpoints"
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("wh"))
@@ -216,9 +225,11 @@ class WebhookEndpoint(Timestamped, Base):
 
 
 class WebhookDelivery(Timestamped, Base):
-    """One event for one endpoint (the outbox): inserted in the transaction of the change it
-    reports, then sent until a 2xx answer or the end of the retry window. Its id is the
-    ``webhook-id`` header, the same on every attempt, so a receiver can drop repeats."""
+    """One event for one endpoint (the outbox), sent until a 2xx answer or the retry window's end.
+
+    It is inserted in the transaction of the change it reports. Its id is the ``webhook-id`` header,
+    the same on every attempt, so a receiver can drop repeats.
+    """
 
     __tablename__ = "webhook_deliveries"
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("msg"))
@@ -252,9 +263,11 @@ class WebhookAttempt(Base):
 
 
 class Sweep(Timestamped, Base):
-    """A hyperparameter sweep: a base JobSpec, a search space, and its trials (SweepTrial), run
-    as ordinary jobs at most ``max_concurrent`` at a time. Its row is the lock that serializes
-    the sweep's decisions: which trial starts next, and each ASHA decision (SweepRung)."""
+    """A hyperparameter sweep: a base JobSpec, a search space, and its trials (SweepTrial).
+
+    The trials run as ordinary jobs, at most ``max_concurrent`` at a time. Its row is the lock that
+    serializes the sweep's decisions: which trial starts next, and each ASHA decision (SweepRung).
+    """
 
     __tablename__ = "sweeps"
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("swp"))

@@ -21,9 +21,12 @@ log = logging.getLogger("muonforge.db")
 
 
 def make_engine(url: str, pool_size: int = 5, max_overflow: int = 10) -> Engine:
-    """An engine on ``url``; for Postgres, a pool of ``pool_size`` connections kept open plus up
-    to ``max_overflow`` opened under load (the defaults are SQLAlchemy's, for one-off uses such as
-    a migration; a process's sessions use MUONFORGE_DB_POOL_SIZE and MUONFORGE_DB_MAX_OVERFLOW)."""
+    """An engine on ``url``; for Postgres, with a pool of connections.
+
+    The pool keeps ``pool_size`` connections open plus up to ``max_overflow`` opened under load (the
+    defaults are SQLAlchemy's, for one-off uses such as a migration; a process's sessions use
+    MUONFORGE_DB_POOL_SIZE and MUONFORGE_DB_MAX_OVERFLOW).
+    """
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -74,9 +77,12 @@ def on_commit(session: Session, action: Callable[[], None]) -> None:
 
 
 def on_rollback(session: Session, action: Callable[[], None]) -> None:
-    """Run ``action`` once the session's transaction has ended without committing: rolled back,
-    failed to commit, or closed before its commit (not at all once committed). What it undoes
-    outside the database (a file written for a row) is then undone whatever stopped the commit."""
+    """Run ``action`` once the session's transaction has ended without committing.
+
+    That is rolled back, failed to commit, or closed before its commit (not at all once committed).
+    What it undoes outside the database (a file written for a row) is then undone whatever stopped
+    the commit.
+    """
     session.info.setdefault("on_rollback", []).append(action)
 
 

@@ -222,9 +222,11 @@ class LiveReader:
 
     @asynccontextmanager
     async def subscribe(self, job_id: str, after: str, limit: int = 10_000) -> AsyncIterator[Subscription]:
-        """Every entry of the job's stream after ``after``: what the job's feed has read past it
-        is caught up with one XRANGE, the rest comes from the feed. More than ``limit`` entries
-        waiting (a slow reader) breaks the subscription (Resync)."""
+        """Every entry of the job's stream after ``after``.
+
+        What the job's feed has read past it is caught up with one XRANGE, the rest comes from the
+        feed. More than ``limit`` entries waiting (a slow reader) breaks the subscription (Resync).
+        """
         sub = Subscription(after, limit)
         feed = self.feeds.get(job_id)
         if feed is None:

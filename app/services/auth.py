@@ -154,8 +154,10 @@ def list_api_keys(session: Session, tenant_name: str | None = None) -> list[KeyI
 
 
 def revoke_api_key(session: Session, ref: str) -> tuple[KeyInfo, bool]:
-    """Revoke the key that ``ref`` names: its id, its prefix, or the key itself. Returns the key
-    and whether this call revoked it (False: it already was)."""
+    """Revoke the key that ``ref`` names: its id, its prefix, or the key itself.
+
+    Returns the key and whether this call revoked it (False: it already was).
+    """
     ref = ref.strip()
     repo = TenantRepository(session)
     whole_key = ref.startswith(KEY_PREFIX) and len(ref) > PREFIX_CHARS

@@ -106,9 +106,11 @@ def first_page(session: Session, tenant: TenantRef, job_id: str, cursor: Cursor)
 
 
 def page_of(session: Session, job: Job | None, cursor: Cursor) -> Page:
-    """What the database holds of ``job`` after ``cursor``, in order, up to PAGE_STEPS telemetry
-    steps and PAGE_EVENTS job events (a page costs the same however long the job); advances the
-    cursor. ``job`` None (deleted meanwhile): the end."""
+    """What the database holds of ``job`` after ``cursor``, one page, in order; advances the cursor.
+
+    A page is up to PAGE_STEPS telemetry steps and PAGE_EVENTS job events (it costs the same however
+    long the job). ``job`` None (deleted meanwhile): the end.
+    """
     if job is None:
         return Page(done=True)
     repo, job_id = JobRepository(session), job.id
@@ -220,9 +222,11 @@ async def tail(reader: LiveReader, job_id: str, position: str, cursor: Cursor) -
 async def while_key_valid(
     events: AsyncGenerator[ServerSentEvent, None], key_valid: Callable[[], Awaitable[bool]], every: float
 ) -> AsyncIterator[ServerSentEvent]:
-    """``events`` until ``key_valid()``, asked every ``every`` seconds (at least
-    MIN_KEY_CHECK_SECONDS), answers False: then the stream ends, without ``done``. ``events`` is
-    read by a task of its own, so that no check waits for the next event."""
+    """``events`` until ``key_valid()`` answers False: then the stream ends, without ``done``.
+
+    ``key_valid`` is asked every ``every`` seconds (at least MIN_KEY_CHECK_SECONDS). ``events`` is
+    read by a task of its own, so that no check waits for the next event.
+    """
     every = max(every, MIN_KEY_CHECK_SECONDS)
     ahead: asyncio.Queue[ServerSentEvent | Exception | None] = asyncio.Queue(maxsize=READ_AHEAD)
 

@@ -22,9 +22,11 @@ CHUNK_BYTES = 1 << 20
 
 
 def export_config(payload: dict[str, Any]) -> dict[str, Any]:
-    """The model's config from a checkpoint's payload: the engine's model config (the spec's
-    model section, the vocabulary size and the engine's fixed ratios) and the tokenizer
-    (``{"kind": "byte" | "char", "chars"}``, null for the synthetic task's token ids)."""
+    """The model's config from a checkpoint's payload: the engine's model config and the tokenizer.
+
+    The model config is the spec's model section, the vocabulary size and the engine's fixed ratios;
+    the tokenizer is ``{"kind": "byte" | "char", "chars"}``, null for the synthetic task's token ids.
+    """
     return {**payload["config"]["model"], "tokenizer": payload["tokenizer"]}
 
 
@@ -57,9 +59,11 @@ def to_safetensors(checkpoint: Path, directory: Path) -> Path:
 
 
 def exported(checkpoint: Path, directory: Path) -> tuple[Iterator[bytes], int]:
-    """The safetensors export of ``checkpoint`` as chunks to send, and its size. The file, written
-    in ``directory``, is deleted at once and read through the handle still open (POSIX), so
-    nothing is left behind however the response ends."""
+    """The safetensors export of ``checkpoint`` as chunks to send, and its size.
+
+    The file, written in ``directory``, is deleted at once and read through the handle still open
+    (POSIX), so nothing is left behind however the response ends.
+    """
     path = to_safetensors(checkpoint, directory)
     file = path.open("rb")
     path.unlink()

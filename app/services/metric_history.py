@@ -130,15 +130,17 @@ def history(
     from_step: int | None,
     to_step: int | None,
 ) -> list[dict[str, Any]]:
-    """Every requested series over [from_step, to_step] as at most ``max_points`` real points:
-    all of them when they fit; else the steps are cut into about max_points // 3 buckets, each
+    """Every requested series over [from_step, to_step] as at most ``max_points`` real points.
+
+    All of them when they fit; else the steps are cut into about max_points // 3 buckets, each
     keeping its min, max and last point (spikes survive).
 
     Where a series' chunks are no wider than a bucket (a coarse view of a long series), buckets
     follow chunk boundaries (a chunk belongs to the bucket of its first step), so the buckets
     come from the chunk summaries alone; only the chunks cut by the range's ends are unpacked.
     Where chunks are wider (a zoom), the chunks in the range are unpacked and bucketed by step.
-    Whatever the number of series, this is a handful of queries."""
+    Whatever the number of series, this is a handful of queries.
+    """
     repo = MetricRepository(session)
     lo_q, hi_q = from_step or 0, MAX_STEP if to_step is None else to_step
     series = repo.series(job_id, names)

@@ -117,8 +117,10 @@ class RefusalPacer:
 
     async def pause(self, tenant_id: str, retry_after: float) -> bool:
         """Before a refusal to ``tenant_id`` that says ``Retry-After: retry_after``: wait as above.
-        False when the refusal should close its connection (the tenant has ``cap`` refusals
-        waiting already)."""
+
+        False when the refusal should close its connection (the tenant has ``cap`` refusals waiting
+        already).
+        """
         now = time.monotonic()
         told = self._told.get(tenant_id)
         self._told[tenant_id] = now + retry_after

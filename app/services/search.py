@@ -109,9 +109,12 @@ def within_top(recorded: Sequence[float], value: float, keep: int, mode: str) ->
 
 
 def asha_continues(recorded: Sequence[float], value: float, eta: int, mode: str, stop_once: bool = True) -> bool:
-    """The ASHA decision for ``value``, the newest of the results ``recorded`` at a rung (it
-    included, in the order they were recorded): whether the trial goes on at once; else it stops
-    (``stop_once``, the stop form) or waits to be promoted (the promote form)."""
+    """The ASHA decision for ``value``, the newest result at a rung: whether the trial goes on at once.
+
+    ``recorded`` holds the rung's results in the order they were recorded, ``value`` included.
+    Otherwise the trial stops (``stop_once``, the stop form) or waits to be promoted (the promote
+    form).
+    """
     return within_top(recorded, value, asha_keep(len(recorded), eta, at_least_one=stop_once), mode)
 
 
@@ -121,9 +124,11 @@ def replay(values: Sequence[float], eta: int, mode: str, stop_once: bool = True)
 
 
 def promotable(recorded: Sequence[float], waiting: Sequence[int], eta: int, mode: str, at_least_one: bool) -> list[int]:
-    """Which of the ``waiting`` results (indices into ``recorded``, every result of one rung) are
-    within the rung's top floor(n / eta) (at least 1 with ``at_least_one``), best first (ties in
-    the order they were recorded)."""
+    """Which of the ``waiting`` results are within the rung's top floor(n / eta), best first.
+
+    ``waiting`` holds indices into ``recorded``, every result of one rung; the top is at least 1
+    with ``at_least_one``, and ties go in the order they were recorded.
+    """
     keep = asha_keep(len(recorded), eta, at_least_one)
     chosen = [i for i in waiting if within_top(recorded, recorded[i], keep, mode)]
     return sorted(chosen, key=lambda i: (rank_key(recorded[i], mode), i))

@@ -42,8 +42,10 @@ def list_tenants(session: Session) -> list[TenantFigures]:
 
 
 def set_job_cap(session: Session, name: str, cap: int | None) -> tuple[TenantFigures, int | None]:
-    """Set the job cap of the tenant named ``name`` (None: the server's). Returns the tenant as it
-    now is and its previous cap."""
+    """Set the job cap of the tenant named ``name`` (None: the server's).
+
+    Returns the tenant as it now is and its previous cap.
+    """
     repo = TenantRepository(session)
     tenant = repo.by_name(name)
     if tenant is None:

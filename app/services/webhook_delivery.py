@@ -68,9 +68,11 @@ def signature(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
 
 
 def retry_delay(failures: int, base: float, most: float, jitter: float) -> float:
-    """Seconds to wait after the ``failures``-th failed attempt in a row (1, 2, ...):
+    """Seconds to wait after the ``failures``-th failed attempt in a row (1, 2, ...).
+
     ``base * GROWTH ** (failures - 1)``, at most ``most``, then scaled by 1 - JITTER ... 1 + JITTER
-    as ``jitter`` (a uniform draw in [0, 1]) goes from 0 to 1."""
+    as ``jitter`` (a uniform draw in [0, 1]) goes from 0 to 1.
+    """
     delay = min(base * GROWTH ** min(failures - 1, 32), most)
     return delay * (1 - JITTER + 2 * JITTER * jitter)
 

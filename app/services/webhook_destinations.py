@@ -74,9 +74,11 @@ class AllowList:
 
 @dataclass(frozen=True)
 class Destination:
-    """Where one attempt goes: ``url`` with its host replaced by the checked address, and what
-    keeps the request about the named host (its Host header, and TLS's server name and
-    certificate check)."""
+    """Where one attempt goes, and what keeps the request about the named host.
+
+    ``url`` has its host replaced by the checked address; the Host header, and TLS's server name and
+    certificate check, keep the named host.
+    """
 
     url: str
     headers: dict[str, str] = field(default_factory=dict)
@@ -111,9 +113,11 @@ def parse_url(url: str, require_https: bool = False) -> httpx.URL:
 
 
 def resolve(url: str, allow: AllowList, require_https: bool = False, lookup: Lookup = system_lookup) -> Destination:
-    """Check ``url`` against ``allow`` and say where to send it. A host named in the list is
-    allowed whatever it resolves to (the operator vouches for it); any other host must resolve
-    only to addresses the list allows. NotAllowed or Unresolved otherwise."""
+    """Check ``url`` against ``allow`` and say where to send it.
+
+    A host named in the list is allowed whatever it resolves to (the operator vouches for it); any
+    other host must resolve only to addresses the list allows. NotAllowed or Unresolved otherwise.
+    """
     parsed = parse_url(url, require_https)
     if not allow:
         raise NotAllowed(

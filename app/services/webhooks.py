@@ -36,9 +36,11 @@ def new_secret() -> str:
 def create_endpoint(
     session: Session, tenant: TenantRef, url: str, events: list[WebhookEventType], settings: Settings
 ) -> WebhookEndpoint:
-    """A new endpoint, with its secret (returned this once). Its URL must lead where the allow-list
-    lets deliveries go, now (422 ``url``; checked again at every attempt, since DNS answers change);
-    over the tenant's endpoint cap, 409."""
+    """A new endpoint, with its secret (returned this once).
+
+    Its URL must lead where the allow-list lets deliveries go, now (422 ``url``; checked again at
+    every attempt, since DNS answers change); over the tenant's endpoint cap, 409.
+    """
     try:  # before any query: a lookup may take seconds, and no connection is held meanwhile
         resolve(url, settings.webhook_allow_list, settings.webhook_require_https)
     except (NotAllowed, Unresolved) as exc:

@@ -43,8 +43,11 @@ async def create_job(
     response: Response,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)] = None,
 ) -> schemas.Job:
-    """Validate a JobSpec, store it and queue it. A replay with the same `Idempotency-Key` and
-    body answers 200 with the same job; the same key with another body is 409."""
+    """Validate a JobSpec, store it and queue it.
+
+    A replay with the same `Idempotency-Key` and body answers 200 with the same job; the same key
+    with another body is 409.
+    """
     job, created = await intake.submit_job(work, spec, idempotency_key)
     response.status_code = 201 if created else 200
     return schemas.Job.of(job)
@@ -83,9 +86,11 @@ async def job_metrics(
     from_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     to_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
 ) -> schemas.MetricHistory:
-    """History, downsampled on the server: a series with more than `max_points` points in the
-    range is cut into about `max_points / 3` step buckets, each keeping its min, max and last
-    point, so spikes survive."""
+    """History, downsampled on the server.
+
+    A series with more than `max_points` points in the range is cut into about `max_points / 3`
+    step buckets, each keeping its min, max and last point, so spikes survive.
+    """
     return await work(service.metric_history, job_id, names, max_points, from_step, to_step)
 
 
@@ -109,9 +114,11 @@ def event_cursor(
         int | None, Query(ge=0, le=MAX_STEP, description="Telemetry from this step on (job events: all).")
     ] = None,
 ) -> event_stream.Cursor:
-    """Resume after the last event received (the header, else the query), telemetry from
-    ``from_step`` on at the earliest: an id sent on a stream opened with ``from_step`` is never
-    behind it, so the browser's own reconnects are unchanged."""
+    """Resume after the last event received (the header, else the query), telemetry from ``from_step``.
+
+    The telemetry starts at ``from_step`` at the earliest: an id sent on a stream opened with
+    ``from_step`` is never behind it, so the browser's own reconnects are unchanged.
+    """
     cursor = event_stream.Cursor.parse(last_event_id or after, "Last-Event-ID" if last_event_id else "last_event_id")
     cursor.next_step = max(cursor.next_step, from_step or 0)
     return cursor

@@ -57,8 +57,10 @@ async def list_sweeps(
     limit: Annotated[int, Query(ge=1, le=service.MAX_LIMIT)] = 20,
     after: After = None,
 ) -> schemas.SweepList:
-    """Newest first, each with its trials' counts by status and its best trial. Pass the
-    previous page's `next_after` as `after`."""
+    """Newest first, each with its trials' counts by status and its best trial.
+
+    Pass the previous page's `next_after` as `after`.
+    """
     return await work(service.list_sweeps, limit, after, status)
 
 
