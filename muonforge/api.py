@@ -35,9 +35,12 @@ def _same(body: Any) -> Any:
 
 @dataclass(frozen=True)
 class Call:
-    """One request: method, path, query, body and headers; ``repeat`` says whether it may be
-    sent again after a failure; ``answers`` lists non-2xx statuses that are answers rather than
-    errors; ``result`` turns the JSON body into what the client method returns."""
+    """One request: method, path, query, body and headers, and how its answer is read.
+
+    ``repeat`` says whether it may be sent again after a failure; ``answers`` lists non-2xx
+    statuses that are answers rather than errors; ``result`` turns the JSON body into what the
+    client method returns.
+    """
 
     method: str
     path: str

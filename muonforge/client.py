@@ -187,9 +187,11 @@ class Client(_ClientBase):
     def export_checkpoint(
         self, job_id: str, step: int, directory: str | Path, progress: Progress | None = None
     ) -> Path:
-        """The weights of the checkpoint written after ``step`` steps, for use without the service:
-        ``model.safetensors`` and ``config.json`` (the model's config) in ``directory``. Returns the
-        directory."""
+        """The weights of the checkpoint written after ``step`` steps, for use without the service.
+
+        ``model.safetensors`` and ``config.json`` (the model's config) go in ``directory``. Returns the
+        directory.
+        """
         Path(directory).mkdir(parents=True, exist_ok=True)
         weights = self.download_checkpoint(job_id, step, Path(directory) / EXPORT_FILE, progress, "safetensors")
         return write_export_config(weights).parent

@@ -68,8 +68,11 @@ def after_ctrl_c() -> str:
 
 
 def detached(job_id: str, fresh_line: bool = False) -> int:
-    """Ctrl-C while following a job: say how to come back to it. ``fresh_line``: the cursor is
-    at the start of a line already (a progress bar ends by redrawing its line, ^C included)."""
+    """Ctrl-C while following a job: say how to come back to it.
+
+    ``fresh_line``: the cursor is at the start of a line already (a progress bar ends by redrawing
+    its line, ^C included).
+    """
     start = "" if fresh_line else after_ctrl_c()
     print(f"{start}detached; {job_id} goes on. Re-attach: muonforge logs {job_id} --follow", file=sys.stderr)
     return 130

@@ -13,8 +13,11 @@ from collections.abc import Mapping
 
 
 class MuonforgeError(Exception):
-    """Anything the client raises on purpose. ``attempts``: how many times the request was sent
-    (retries included); ``waited``: the seconds spent waiting between them."""
+    """Anything the client raises on purpose.
+
+    ``attempts``: how many times the request was sent (retries included); ``waited``: the seconds
+    spent waiting between them.
+    """
 
     attempts: int = 1
     waited: float = 0.0
@@ -39,9 +42,12 @@ class ConnectionFailed(MuonforgeError):
 
 
 class ApiError(MuonforgeError):
-    """An error answer of the API: ``status``, ``code``, ``message``, ``param`` (the offending
-    field, dotted, or None), ``request_id`` (when the server or a proxy sent one) and
-    ``request`` (what was asked: "GET http://127.0.0.1:8000/v1/jobs/job_1")."""
+    """An error answer of the API.
+
+    ``status``, ``code``, ``message``, ``param`` (the offending field, dotted, or None),
+    ``request_id`` (when the server or a proxy sent one) and ``request`` (what was asked:
+    "GET http://127.0.0.1:8000/v1/jobs/job_1").
+    """
 
     request: str | None = None
 
@@ -102,9 +108,11 @@ KINDS: dict[int, type[ApiError]] = {
 
 
 def api_error(status: int, body: bytes, headers: Mapping[str, str], retry_after: float | None = None) -> ApiError:
-    """The exception for an error answer: its kind from the status, its fields from the
-    ``{"error": {code, message, param, errors?}}`` body (or the text of another server's answer:
-    a proxy's page, a server that is not muonforge)."""
+    """The exception for an error answer: its kind from the status, its fields from the body.
+
+    The body is ``{"error": {code, message, param, errors?}}`` (or the text of another server's
+    answer: a proxy's page, a server that is not muonforge).
+    """
     try:
         error = json.loads(body)["error"]
         code, message, param = error["code"], error["message"], error.get("param")

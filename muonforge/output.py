@@ -240,8 +240,10 @@ def tenants_table(tenants: list[dict[str, Any]], default_cap: int) -> Table:
 
 
 def metric_rows(series: dict[str, list[list[float]]], names: list[str]) -> list[list[Any]]:
-    """One row per step that any series has: ``[step, value of names[0] or None, ...]``. The
-    server downsamples each series on its own, so a step may have one series and not another."""
+    """One row per step that any series has: ``[step, value of names[0] or None, ...]``.
+
+    The server downsamples each series on its own, so a step may have one series and not another.
+    """
     by_name = {name: {int(step): value for step, value in series.get(name, [])} for name in names}
     steps = sorted({step for points in by_name.values() for step in points})
     return [[step, *(by_name[name].get(step) for name in names)] for step in steps]

@@ -113,9 +113,11 @@ def follow(client, job: dict) -> dict:
 
 @contextmanager
 def transfer_bar(description: str) -> Iterator[Callable[[int, int | None], None] | None]:
-    """A bar of bytes moved on a terminal, driven by the ``progress(done, total)`` callback it
-    yields (None when stderr is not a terminal); it leaves the screen when the transfer ends (the
-    command then says what it did)."""
+    """A bar of bytes moved on a terminal, driven by the ``progress(done, total)`` callback it yields.
+
+    It yields None when stderr is not a terminal; the bar leaves the screen when the transfer ends
+    (the command then says what it did).
+    """
     console = Console(stderr=True)
     if not console.is_terminal:
         yield None

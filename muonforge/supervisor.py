@@ -60,9 +60,11 @@ def worker_command(queues: str | None, concurrency: int) -> list[str]:
 
 # -- the port -------------------------------------------------------------------------------------
 def check_port(host: str, port: int) -> None:
-    """Raise UpFailed (status 2) unless the API could listen on ``host:port`` now: the port is
-    taken (by a muonforge server, or by which program when this user may see it), or the address
-    is not this machine's."""
+    """Raise UpFailed (status 2) unless the API could listen on ``host:port`` now.
+
+    It cannot when the port is taken (by a muonforge server, or by which program when this user may
+    see it), or the address is not this machine's.
+    """
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
         try:
@@ -241,9 +243,11 @@ KEY_TENANT, KEY_NAME = "default", "muonforge up"
 
 
 def local_api_key(settings: Settings, path: Path) -> str:
-    """The key `up` prints: the one stored at ``path`` while the database accepts it, else a new
-    one for the tenant "default" (the first start, a revoked key, a database reset), written to
-    ``path`` readable by this user alone (mode 0600) in place of the old one."""
+    """The key `up` prints: the one stored at ``path`` while the database accepts it, else a new one.
+
+    A new one is for the tenant "default" (the first start, a revoked key, a database reset),
+    written to ``path`` readable by this user alone (mode 0600) in place of the old one.
+    """
     from app.db.session import transaction
     from app.services.auth import create_api_key, key_is_active
 
