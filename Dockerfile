@@ -25,6 +25,7 @@ WORKDIR /app
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH_SPEC"
 
 COPY pyproject.toml README.md ./
+COPY contract ./contract
 COPY optim ./optim
 COPY app ./app
 COPY --from=web /web/node_modules ./app/web/node_modules
@@ -33,8 +34,9 @@ COPY muonforge ./muonforge
 COPY alembic.ini ./
 COPY migrations ./migrations
 COPY examples ./examples
-# Editable: app.db.migrate finds alembic.ini and migrations/ beside the packages.
-RUN pip install --no-cache-dir -e .
+# Editable: app.db.migrate finds alembic.ini and migrations/ beside the packages. The image runs
+# the API, the migration and the workers: the server and the training engine (pyproject.toml).
+RUN pip install --no-cache-dir -e '.[server,train]'
 
 RUN useradd --create-home --uid 1000 muonforge && mkdir -p /artifacts && chown muonforge /artifacts
 USER muonforge

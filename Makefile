@@ -12,7 +12,7 @@ WEB    := app/web
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,train,dev]'
 	touch $@
 
 # The web app's front-end packages (uPlot, js-yaml), exactly as app/web/package-lock.json pins them.

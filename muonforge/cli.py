@@ -14,6 +14,7 @@ from pathlib import Path
 
 from muonforge import errors
 from muonforge.client_commands import add_client_commands, after_ctrl_c
+from muonforge.extras import MissingExtras, needs
 from muonforge.specs import InputError, SpecError, load_spec
 from muonforge.supervisor import UpFailed
 
@@ -21,7 +22,8 @@ EXIT_STATUS = """\
 exit status:
   0    ok
   1    the job ended failed or cancelled (submit --follow, logs --follow), the sweep was
-       cancelled (sweep --follow), a process of `muonforge up` exited, or an unexpected error
+       cancelled (sweep --follow), a process of `muonforge up` exited, a service command whose
+       extras are not installed (pip install 'muonforge[server,train]'), or an unexpected error
   2    bad input: a spec or argument that does not validate (422), an unknown id (404), a conflict
        such as cancelling a finished job (409), an upload over the limit (413), the job cap (429,
        after waiting as the server asks), a port that `muonforge up` cannot listen on
@@ -34,6 +36,7 @@ environment: MUONFORGE_API_URL (default http://127.0.0.1:8000), MUONFORGE_API_KE
 MUONFORGE_DEBUG=1 (as --debug); the service's settings are listed in the README."""
 
 
+@needs("train")
 def cmd_train(args: argparse.Namespace) -> int:
     from muonforge.progress import ProgressSink
     from worker.engine.launch import RankFailed
@@ -55,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server")
 def cmd_migrate(args: argparse.Namespace) -> int:
     from app.db.migrate import upgrade
     from app.settings import get_settings
@@ -64,6 +68,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server")
 def cmd_keys_create(args: argparse.Namespace) -> int:
     from app.db.session import transaction
     from app.services.auth import create_api_key
@@ -77,6 +82,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server")
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from app.db.session import transaction
     from app.errors import NotFound
@@ -93,6 +99,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server")
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from app.db.session import transaction
     from app.errors import Conflict, NotFound
@@ -117,6 +124,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server")
 def cmd_tenants_list(args: argparse.Namespace) -> int:
     from app.db.session import transaction
     from app.services.tenants import list_tenants
@@ -130,6 +138,7 @@ def cmd_tenants_list(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server")
 def cmd_tenants_set_cap(args: argparse.Namespace) -> int:
     from app.db.session import transaction
     from app.errors import NotFound, ValidationFailed
@@ -166,6 +175,7 @@ def cmd_tenants_set_cap(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server")
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -176,12 +186,14 @@ def cmd_api(args: argparse.Namespace) -> int:
     return 0
 
 
+@needs("server", "train")
 def cmd_worker(args: argparse.Namespace) -> int:
     from muonforge.supervisor import worker_command
 
     os.execv(sys.executable, worker_command(args.queues, args.concurrency))
 
 
+@needs("server", "train")
 def cmd_up(args: argparse.Namespace) -> int:
     from muonforge.supervisor import run_up
 
@@ -282,6 +294,8 @@ def explain(exc: Exception, args: argparse.Namespace | None = None) -> tuple[int
             return 2, str(exc)
         case UpFailed():
             return exc.status, str(exc)
+        case MissingExtras():
+            return 1, str(exc)
         case errors.ConfigError():
             return 3, f"{exc.problem}: set {exc.env} or pass --{exc.argument.replace('_', '-')}"
         case errors.ConnectionFailed(timed_out=True):

@@ -17,6 +17,7 @@ from typing import BinaryIO
 from contract.export import CONFIG_FILE, EXPORT_KEY
 
 Progress = Callable[[int, "int | None"], None]
+HEADER_LIMIT = 100_000_000  # bytes: the limit the safetensors format sets on a header
 
 
 class ProgressReader:
@@ -96,13 +97,24 @@ class Download:
             self._part.unlink(missing_ok=True)
 
 
+def export_metadata(weights: Path) -> dict[str, str]:
+    """The metadata of a safetensors file, read from its header: 8 bytes, the header's length
+    (little-endian), then the header as JSON, whose ``__metadata__`` holds it. Read here rather
+    than with the safetensors package, whose reader needs numpy or torch even for the header:
+    the client installs neither."""
+    with weights.open("rb") as file:
+        prefix = file.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        header = file.read(length) if length <= HEADER_LIMIT else b""
+    if not 0 < length == len(header):
+        raise ValueError(f"{weights}: not a safetensors file (no header, or one cut short or too long)")
+    return json.loads(header).get("__metadata__") or {}
+
+
 def write_export_config(weights: Path) -> Path:
     """Write the model's config held in an exported safetensors file's metadata beside it, as
-    ``config.json``; returns its path. Reads the file's header only (no tensor, no torch)."""
-    from safetensors import safe_open
-
-    with safe_open(str(weights), framework="numpy") as f:
-        config = json.loads(f.metadata()[EXPORT_KEY])
+    ``config.json``; returns its path. Reads the file's header only."""
+    config = json.loads(export_metadata(weights)[EXPORT_KEY])
     path = weights.with_name(CONFIG_FILE)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path

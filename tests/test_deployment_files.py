@@ -199,7 +199,7 @@ def test_docker_compose_reads_the_file_as_these_tests_do(tmp_path):
 
 def test_dockerfile_copies_what_the_commands_need():
     text = (ROOT / "Dockerfile").read_text()
-    for part in ("optim", "app", "worker", "muonforge", "migrations", "alembic.ini", "pyproject.toml"):
+    for part in ("contract", "optim", "app", "worker", "muonforge", "migrations", "alembic.ini", "pyproject.toml"):
         assert f"COPY {part}" in text, part
     assert 'CMD ["muonforge", "api"' in text
 

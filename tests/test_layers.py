@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.http_stub import closed_port_url
+
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = sys.stdlib_module_names
 SERVER = ("app", "worker", "torch", "sqlalchemy", "fastapi", "celery", "alembic", "numpy", "redis", "psycopg")
@@ -64,16 +66,9 @@ def test_the_app_imports_only_the_engines_torch_free_facts():
     assert torch == ["app/services/export.py"]
 
 
-@pytest.mark.parametrize(
-    "code",
-    [
-        "import muonforge",
-        "import muonforge.cli, muonforge.client_commands",
-        "from muonforge.cli import main; import sys; sys.argv = ['muonforge', 'jobs', '--help']; main()",
-    ],
-)
-def test_the_client_loads_no_server_or_torch_module(code):
-    """What `pip install muonforge` users run: the client, and a client command up to its request."""
+def server_modules_after(code: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``code`` in a fresh interpreter (a SystemExit is caught); the run, and the server or
+    torch packages it loaded, from the last line it printed."""
     probe = f"""
 import sys
 try:
@@ -84,4 +79,30 @@ print(sorted({{m.split(".")[0] for m in sys.modules}} & set({SERVER!r})))
 """
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().splitlines()[-1] == "[]"
+    return run, ast.literal_eval(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import muonforge",
+        "import muonforge.cli, muonforge.client_commands",
+        "from muonforge.cli import main; import sys; sys.argv = ['muonforge', 'jobs', '--help']; main()",
+        "from muonforge.cli import main; main(['--help'])",
+    ],
+)
+def test_the_client_loads_no_server_or_torch_module(code):
+    """What `pip install muonforge` users run: the client, and a client command up to its request."""
+    assert server_modules_after(code)[1] == []
+
+
+def test_a_client_command_runs_to_its_connection_error_without_the_server():
+    """`muonforge jobs` against a port nobody listens on: its request made (and retried), the
+    connection error's line and exit status 3, and still no server or torch module loaded."""
+    url = closed_port_url()
+    code = f"from muonforge.cli import main; print('exit', main(['jobs', '--url', {url!r}, '--api-key', 'mf_x']))"
+    run, loaded = server_modules_after(code)
+    assert loaded == []
+    assert "exit 3" in run.stdout.splitlines()
+    [line] = run.stderr.splitlines()
+    assert line.startswith(f"error: cannot reach the server at {url}: connection refused;"), line

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from app.services.export import EXPORT_KEY, export_config, to_safetensors
 from contract.export import CONFIG_FILE, EXPORT_FILE
 from contract.spec import JobSpec
-from muonforge.transfer import write_export_config
+from muonforge.transfer import export_metadata, write_export_config
 from worker.engine.checkpoints import latest_checkpoint, load_checkpoint
 from worker.engine.config import ModelConfig
 from worker.engine.export import load_safetensors
@@ -60,6 +60,7 @@ def test_the_exported_safetensors_reload_to_the_same_logits(tmp_path, arch):
     assert torch.allclose(logits(model, 64, 16), expected, rtol=0, atol=1e-6)
     with safe_open(str(exported), framework="pt") as f:
         assert f.metadata()["format"] == "pt" and EXPORT_KEY in f.metadata()
+        assert export_metadata(exported) == f.metadata()  # the client's reader, which needs no torch
     tensors = load_file(str(exported))
     assert tensors.keys() == checkpoint_model(checkpoint).state_dict().keys()
     if arch != "mlp":  # the head tied to the embedding: two names, two tensors of the same values
