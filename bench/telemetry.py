@@ -45,10 +45,9 @@ from train_overhead import measure, summarize
 
 from app.db.session import transaction
 from app.messaging.live_bus import live_bus
-from app.repositories.jobs import JobRepository
+from app.services import lifecycle
 from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
-from app.services.job_journal import record_status
 from app.services.metric_history import store_metrics
 from app.settings import Settings
 from contract.spec import JobSpec
@@ -81,9 +80,8 @@ def running_job(settings: Settings, key: str, steps: int = 1_000_000) -> tuple[s
         submission = prepare_submission(session, tenant, JobSpec.model_validate(spec), None, settings)
         ((job, _),) = insert_submissions(session, [submission])
     with transaction(settings) as session:
-        attempt = JobRepository(session).claim(job.id, "bench", timedelta(hours=1))
-        record_status(session, live_bus(settings), job.id)
-    return job.id, attempt
+        claim = lifecycle.claim(session, live_bus(settings), job.id, "bench", timedelta(hours=1))
+    return job.id, claim.attempt
 
 
 def step_report(step: int, values: dict[str, float]) -> Report:
@@ -190,8 +188,7 @@ def emit_main(argv: list[str]) -> None:
     sink.close()
     with transaction(settings) as session:
         steps = int(rate * seconds)
-        JobRepository(session).finish(job_id, attempt, "succeeded", None, progress_step=steps, summary=sink.summary)
-        record_status(session, live_bus(settings), job_id)
+        lifecycle.finish(session, live_bus(settings), job_id, attempt, "succeeded", steps, sink.summary)
 
 
 async def follow(url: str, key: str, job_id: str, latencies: list[float], connected: asyncio.Event) -> dict:

@@ -37,8 +37,7 @@ from telemetry import running_job, settings_of, step_report
 
 from app.db.session import transaction
 from app.messaging.live_bus import live_bus
-from app.repositories.jobs import JobRepository
-from app.services.job_journal import record_status
+from app.services import lifecycle
 from app.services.metric_history import store_metrics
 from app.settings import Settings
 from worker.sink import JobSink
@@ -107,8 +106,7 @@ def stored_job(settings: Settings, key: str, steps: int, names: list[str] | None
         with transaction(settings) as session:
             store_metrics(session, job_id, batch)
     with transaction(settings) as session:
-        JobRepository(session).finish(job_id, attempt, "succeeded", None, progress_step=steps, summary={})
-        record_status(session, live_bus(settings), job_id)
+        lifecycle.finish(session, live_bus(settings), job_id, attempt, "succeeded", steps, {})
     return job_id
 
 
@@ -127,8 +125,7 @@ def emit_main(argv: list[str]) -> None:
         sink.metrics(step_report(step, values))
     sink.close()
     with transaction(settings) as session:
-        JobRepository(session).finish(job_id, attempt, "succeeded", None, progress_step=steps, summary=sink.summary)
-        record_status(session, live_bus(settings), job_id)
+        lifecycle.finish(session, live_bus(settings), job_id, attempt, "succeeded", steps, sink.summary)
 
 
 # -- the browser --------------------------------------------------------------------------------

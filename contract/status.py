@@ -82,6 +82,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     _rule("stop_waiting", {S.PAUSED}, {S.STOPPED_EARLY}, "a sweep that ends without promoting a waiting trial"),
 )
 del S
+RULES: dict[str, Transition] = {rule.name: rule for rule in TRANSITIONS}
 
 # A new job's status; then only the changes of TRANSITIONS.
 INITIAL = JobStatus.QUEUED

@@ -1,5 +1,8 @@
 """One worker attempt at a job: claim it with a lease, keep the lease alive, train with the engine
 while keeping the job's progress and summary current in the database, then record the outcome.
+This module is the adapter between the Celery task, the engine and the service: every status
+change is a use case of app.services.lifecycle, in a transaction of its own, retried through a
+database outage; here the engine's exceptions become error codes.
 
 Every write is fenced by the attempt number: an attempt that lost its lease (the reaper gave the
 job to another) changes nothing and stops at its next step.
@@ -16,21 +19,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from app.db.models import Sweep
+from app.db.models import Job
 from app.db.session import is_transient, retrying, transaction
 from app.messaging.live_bus import live_bus
-from app.repositories.jobs import JobRepository
-from app.repositories.tenants import DatasetRepository
-from app.services import sweeps
+from app.services import lifecycle, sweeps
 from app.services.asha import record_rung, rung_outcome
 from app.services.caps import gib
-from app.services.job_journal import record_status
 from app.services.reaper import release_attempt
 from app.settings import Settings
 from contract.status import JobStatus
@@ -66,10 +67,12 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     """Claim and run ``job_id``; returns what happened ("skipped" if another attempt holds it,
     "handed_back" if the database stayed out of reach: the job resumes once its lease lapses)."""
     patience = settings.outage_patience_seconds
-    claimed = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
-    if claimed is None:  # a redelivery, a finished job, another worker's live lease, or a node of a gang to join
+    claim = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
+    if claim is None:  # a redelivery, a finished job, another worker's live lease, or a node of a gang to join
         return run_node(settings, job_id, owner)
-    attempt, spec, corpus, progress, summary, needed, sweep = claimed
+    attempt, spec, progress, summary = claim.attempt, claim.spec, claim.progress, claim.summary
+    corpus = settings.artifact_dir / claim.dataset_path if claim.dataset_path else None
+    needed = peak_memory(claim)
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
     if corpus is not None and not corpus.is_file():
@@ -96,7 +99,8 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                 sink.adopt_checkpoints(checkpoint_dir(out_dir))
                 result = run_job(
                     spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel, init_from=init_from,
-                    rungs=rung_check(settings, job_id, sweep) if sweep else None, watch=lease.check, node=node,
+                    rungs=rung_check(settings, job_id, claim.rungs) if claim.rungs else None, watch=lease.check,
+                    node=node,
                 )  # fmt: skip
             finally:
                 sink.close()  # the metrics are stored before the outcome
@@ -137,11 +141,20 @@ def warm_start_file(settings: Settings, spec: dict) -> Path | None:
     return checkpoint_path(checkpoint_dir(settings.artifact_dir / "jobs" / init["job_id"]), init["step"])
 
 
-def rung_check(settings: Settings, job_id: str, sweep: tuple[str, dict, str]) -> RungCheck:
+def peak_memory(claim: lifecycle.Claim) -> int | None:
+    """The estimated peak memory of the claimed job's run on a CPU, or None for a CUDA run (one
+    that does not fit raises OutOfMemoryError instead)."""
+    if device_type(claim.spec["train"].get("device", "auto")) != "cpu":
+        return None
+    vocab = vocabulary(claim.spec["data"], claim.char_vocab)
+    return peak_memory_bytes(claim.spec, vocab, claim.corpus_bytes, on_cuda=False)
+
+
+def rung_check(settings: Settings, job_id: str, rungs: lifecycle.Rungs) -> RungCheck:
     """The engine's hook for a sweep's ASHA: at each rung, the trial's metric goes to the database,
     which decides once (app.services.asha.record_rung) under the sweep's lock; a retry or a
-    resumed attempt gets the stored decision, a promoted one goes on. ``sweep``: (id, asha, metric)."""
-    sweep_id, asha, metric = sweep
+    resumed attempt gets the stored decision, a promoted one goes on."""
+    sweep_id, asha, metric = rungs.sweep_id, rungs.asha, rungs.metric
 
     def decide(step: int, value: float) -> tuple[str, str] | None:
         def record():
@@ -154,76 +167,48 @@ def rung_check(settings: Settings, job_id: str, sweep: tuple[str, dict, str]) ->
     return RungCheck(steps=tuple(asha["rungs"]), metric=metric, decide=decide)
 
 
-def _claim(
-    settings: Settings, job_id: str, owner: str
-) -> tuple[int, dict, Path | None, int, dict, int | None, tuple[str, dict, str] | None] | None:
-    """The job's new attempt: (attempt, spec, corpus, progress, summary, estimated peak memory of
-    a CPU run or None for a CUDA one, its sweep's (id, asha, metric) if it is a trial of a sweep
-    with ASHA), or None if it is not to be run (finished, or another attempt's live lease)."""
+def _claim(settings: Settings, job_id: str, owner: str) -> lifecycle.Claim | None:
+    """The job's new attempt, or None if it is not to be run (finished, or another attempt's live
+    lease)."""
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        attempt = repo.claim(job_id, owner, timedelta(seconds=settings.lease_seconds))
-        if attempt is None:
-            return None
-        job = record_status(session, live_bus(settings), job_id)
-        if job.nnodes > 1:  # this worker is node 0 of the attempt's gang
-            repo.open_nodes(job_id, attempt, job.nnodes, owner)
-        dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
-        corpus = settings.artifact_dir / dataset.path if dataset else None
-        needed = None
-        # A CUDA run that does not fit raises OutOfMemoryError instead.
-        if device_type(job.spec["train"].get("device", "auto")) == "cpu":
-            vocab = vocabulary(job.spec["data"], dataset.char_vocab if dataset else None)
-            needed = peak_memory_bytes(job.spec, vocab, dataset.bytes if dataset else 0, on_cuda=False)
-        sweep = None
-        if job.sweep_id and (row := session.get(Sweep, job.sweep_id)) is not None and row.asha:
-            sweep = (row.id, dict(row.asha), row.metric)
-        return attempt, job.spec, corpus, job.progress_step, dict(job.summary or {}), needed, sweep
+        lease = timedelta(seconds=settings.lease_seconds)
+        return lifecycle.claim(session, live_bus(settings), job_id, owner, lease)
 
 
 def _finish(
     settings: Settings, job_id: str, attempt: int, status: JobStatus, step: int, summary: dict, error: dict | None
 ) -> str:
-    """The attempt's outcome, with the steps completed and the run's summary (fenced; through a
-    database outage of up to the outage patience)."""
-
-    def finish(session) -> str | None:
-        done = JobRepository(session).finish(job_id, attempt, status, error, progress_step=step, summary=summary)
-        return status if done else None
-
-    return _end(settings, job_id, attempt, finish)
+    """The attempt's outcome, with the steps completed and the run's summary."""
+    return _end(settings, job_id, attempt, partial(lifecycle.finish, status=status, error=error), step, summary)
 
 
 def _pause(settings: Settings, job_id: str, attempt: int, step: int, summary: dict) -> str:
     """A sweep's trial waits at a rung (ASHA's promote form): its attempt ends, the job is paused
     (or cancelled, if a cancel came meanwhile) with the steps completed and the run's summary."""
-    return _end(settings, job_id, attempt, lambda session: JobRepository(session).pause(
-        job_id, attempt, progress_step=step, summary=summary))  # fmt: skip
+    return _end(settings, job_id, attempt, lifecycle.pause, step, summary)
 
 
-def _end(settings: Settings, job_id: str, attempt: int, change) -> str:
-    """Record how the attempt ended (``change(session)``: the status it set, or None if this
-    attempt no longer holds the job), fenced, through a database outage of up to the outage
-    patience; a sweep's trial then lets its sweep advance."""
+def _end(
+    settings: Settings, job_id: str, attempt: int, change: Callable[..., Job | None], step: int, summary: dict
+) -> str:
+    """Record how the attempt ended (``change``: a lifecycle use case), fenced, through a database
+    outage of up to the outage patience; a sweep's trial then lets its sweep advance."""
 
-    def end() -> tuple[str, str | None] | None:
+    def end() -> Job | None:
         with transaction(settings) as session:
-            status = change(session)
-            if status is None:
-                return None
-            return status, record_status(session, live_bus(settings), job_id).sweep_id
+            return change(session, live_bus(settings), job_id=job_id, attempt=attempt, step=step, summary=summary)
 
     ended = retrying(end, f"job {job_id}: recording how attempt {attempt} ended", settings.outage_patience_seconds)
     if ended is None:
         return "lease_lost"
-    status, sweep_id = ended
-    log.info("job %s: attempt %d %s", job_id, attempt, status)
-    if sweep_id:  # a sweep's trial: its next trial starts (or a waiting one resumes) now, else at the reaper's pass
+    log.info("job %s: attempt %d %s", job_id, attempt, ended.status)
+    # A sweep's trial: its next trial starts (or a waiting one resumes) now, else at the reaper's pass.
+    if ended.sweep_id:
         try:
-            sweeps.advance_after(settings, sweep_id)
+            sweeps.advance_after(settings, ended.sweep_id)
         except Exception:
-            log.exception("job %s: advancing sweep %s failed", job_id, sweep_id)
-    return status
+            log.exception("job %s: advancing sweep %s failed", job_id, ended.sweep_id)
+    return ended.status
 
 
 def _release(settings: Settings, job_id: str, attempt: int, cause: str) -> str:
@@ -256,7 +241,7 @@ def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
             state["at"] = now
             try:
                 with transaction(settings) as session:
-                    state["cancel"] = JobRepository(session).cancel_requested(job_id)
+                    state["cancel"] = lifecycle.cancel_requested(session, job_id)
             except Exception as exc:  # an outage: train on; the lease decides whether this attempt lives
                 if not is_transient(exc):
                     raise

@@ -2,7 +2,7 @@
 database.
 
 A job's task goes out once per node. The worker that claims the job is node 0: its claim opens the
-attempt's node slots (``JobRepository.open_nodes``), the job's lease is its lease, and it publishes
+attempt's node slots (app.services.lifecycle ``claim``), the job's lease is its lease, and it publishes
 where the others meet it: its c10d rendezvous and its launcher's socket, which global rank 0
 reports to. Each other worker that takes one of the job's tasks claims a free slot of the running
 attempt under a lease of its own, and nothing starts until every slot is held. Node 0 alone
@@ -19,11 +19,9 @@ import socket
 import time
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 from app.db.session import retrying, transaction
-from app.repositories.jobs import JobRepository
-from app.repositories.tenants import DatasetRepository
+from app.services import leases
 from app.settings import Settings
 from worker.engine.launch import Meeting, Node
 from worker.engine.run import run_job
@@ -66,12 +64,12 @@ def _meet(settings: Settings, job_id: str, attempt: int, lease: Lease, nnodes: i
     while True:
         lease.pulse()  # waiting for the gang is progress of a kind: no stall
         lease.check()
-        nodes, cancel = retrying(partial(_gang, settings, job_id, attempt), f"job {job_id}: its nodes", patience)
-        held = sum(n.owner is not None for n in nodes)
-        if held == nnodes and nodes[0].rendezvous:
-            first = nodes[0]
+        gang = retrying(partial(_gang, settings, job_id, attempt), f"job {job_id}: its nodes", patience)
+        held = sum(n.owner is not None for n in gang.nodes)
+        if held == nnodes and gang.nodes[0].rendezvous:
+            first = gang.nodes[0]
             return Meeting(first.rendezvous, first.run_id, first.report, first.token)
-        if mine is not None and cancel:
+        if mine is not None and gang.cancel:
             raise GangBroken("the job was cancelled before every node joined")
         if mine is not None and time.monotonic() > deadline:
             raise GangBroken(f"{held} of the job's {nnodes} nodes joined within {settings.gang_wait_seconds:g} s")
@@ -80,15 +78,12 @@ def _meet(settings: Settings, job_id: str, attempt: int, lease: Lease, nnodes: i
 
 def _publish(settings: Settings, job_id: str, attempt: int, mine: Meeting) -> bool:
     with transaction(settings) as session:
-        return JobRepository(session).publish_meeting(
-            job_id, attempt, mine.rendezvous, mine.run_id, mine.report, mine.token
-        )  # fmt: skip
+        return leases.publish_meeting(session, job_id, attempt, mine.rendezvous, mine.run_id, mine.report, mine.token)
 
 
-def _gang(settings: Settings, job_id: str, attempt: int) -> tuple[list, bool]:
+def _gang(settings: Settings, job_id: str, attempt: int) -> leases.Gang:
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        return repo.nodes(job_id, attempt), repo.cancel_requested(job_id)
+        return leases.gang(session, job_id, attempt)
 
 
 def run_node(settings: Settings, job_id: str, owner: str) -> str:
@@ -98,7 +93,8 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
     joined = retrying(partial(_join, settings, job_id, owner), f"job {job_id}: joining", patience)
     if joined is None:
         return "skipped"  # a redelivery, a finished job, a full gang
-    attempt, index, spec, corpus = joined
+    attempt, index, spec = joined.attempt, joined.node, joined.spec
+    corpus = settings.artifact_dir / joined.dataset_path if joined.dataset_path else None
     log.info("job %s: attempt %d: node %d joined by %s", job_id, attempt, index, owner)
     from worker.attempt import warm_start_file  # run_attempt calls this module: imported once both are loaded
 
@@ -117,18 +113,11 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
     return "node_done"
 
 
-def _join(settings: Settings, job_id: str, owner: str) -> tuple[int, int, dict, Path | None] | None:
-    """(attempt, node, spec, corpus) of a slot taken, or None."""
+def _join(settings: Settings, job_id: str, owner: str) -> leases.NodeClaim | None:
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        claimed = repo.claim_node(job_id, owner, timedelta(seconds=settings.lease_seconds))
-        if claimed is None:
-            return None
-        job = repo.get(job_id)
-        dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
-        return *claimed, job.spec, settings.artifact_dir / dataset.path if dataset else None
+        return leases.join(session, job_id, owner, timedelta(seconds=settings.lease_seconds))
 
 
 def _leave(settings: Settings, job_id: str, attempt: int, node: int, owner: str) -> None:
     with transaction(settings) as session:
-        JobRepository(session).leave_node(job_id, attempt, node, owner)
+        leases.leave(session, job_id, attempt, node, owner)

@@ -8,9 +8,10 @@ import threading
 import time
 from datetime import timedelta
 
-from app.db.base import utcnow
+from sqlalchemy.orm import Session
+
 from app.db.session import transaction
-from app.repositories.jobs import JobRepository
+from app.services import leases
 from app.settings import Settings
 from worker.engine.launch import RankFailed
 from worker.sink import LeaseLost
@@ -81,17 +82,18 @@ class Lease:
                 return
             try:
                 with transaction(self.settings) as session:
-                    if not self._renew(JobRepository(session), lease):
+                    if not self._renew(session, lease):
                         self.lost.set()
                         return
             except Exception:  # a database blip: try again next beat; the lease has slack
                 log.exception("job %s: heartbeat failed", self.job_id)
 
-    def _renew(self, repo: JobRepository, lease: timedelta) -> bool:
+    def _renew(self, session: Session, lease: timedelta) -> bool:
         if self.node:
-            return repo.heartbeat_node(self.job_id, self.attempt, self.node, self.owner, lease)
-        if not repo.heartbeat(self.job_id, self.attempt, lease):
+            return leases.renew_node(session, self.job_id, self.attempt, self.node, self.owner, lease)
+        lost_nodes = leases.renew(session, self.job_id, self.attempt, lease, self.nnodes)
+        if lost_nodes is None:
             return False
         if self.nnodes > 1:
-            self.lost_nodes = repo.lost_nodes(self.job_id, self.attempt, utcnow())
+            self.lost_nodes = lost_nodes
         return True

@@ -21,6 +21,7 @@ from typing import Any
 
 from app.db.session import is_transient, on_commit, retrying, transaction
 from app.messaging.live_bus import live_bus
+from app.repositories.checkpoints import CheckpointRepository
 from app.repositories.jobs import JobRepository
 from app.services.job_journal import record_checkpoint, record_log, record_sample
 from app.services.metric_history import store_metrics
@@ -94,10 +95,10 @@ class JobSink:
     def _prune(self, session) -> None:
         """The retention policy (``train.keep_checkpoints``, and every checkpoint a warm start
         names): rows now, files once committed."""
-        repo = JobRepository(session)
+        repo = CheckpointRepository(session)
         # The job's row, for update, before its warm starts are read: an intake that inserts one
         # holds it shared until that commits, so no checkpoint goes that a new job was admitted on.
-        repo.locked(self.job_id)
+        JobRepository(session).locked(self.job_id)
         rows = {c.step: c for c in repo.checkpoints(self.job_id)}
         steps = to_prune([(s, c.metrics.get(metrics.VAL_LOSS)) for s, c in rows.items()], self.keep_checkpoints)
         started_from = repo.warm_start_steps(self.job_id)  # other jobs start (and restart) from these
@@ -120,8 +121,7 @@ class JobSink:
 
         def adopt() -> None:
             with transaction(self.settings) as session:
-                repo = JobRepository(session)
-                recorded = {c.step for c in repo.checkpoints(self.job_id)}
+                recorded = {c.step for c in CheckpointRepository(session).checkpoints(self.job_id)}
                 for step, path in checkpoints_in(directory):
                     if step in recorded:
                         continue

@@ -62,8 +62,9 @@ class Dataset(Timestamped, Base):
 class Job(Timestamped, Base):
     """One training job.
 
-    Status changes are compare-and-set updates (see JobRepository); ``attempt`` is the fencing token
-    of the worker attempt that holds the lease.
+    Status changes are compare-and-set updates (app.services.lifecycle, through
+    JobRepository.change_status); ``attempt`` is the fencing token of the worker attempt that
+    holds the lease.
     """
 
     __tablename__ = "jobs"

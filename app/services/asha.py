@@ -19,9 +19,7 @@ from app.messaging.broker import send_train_tasks, train_tasks
 from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.sweeps import SweepRepository
-from app.repositories.tenants import TenantRepository
-from app.services import search
-from app.services.job_journal import record_status
+from app.services import lifecycle, search
 from app.services.tenants import job_cap
 from app.settings import Settings
 from contract.status import JobStatus
@@ -103,15 +101,14 @@ def promote(session: Session, sweep: Sweep, chosen: list[SweepRung], room: int, 
         if promoted == room:
             break
         job = locked.get(row.job_id)
-        if job is None or not jobs.promote(job.id):
+        if job is None:
             continue
-        # The change counted the job in the tenant's active jobs (by trigger), whose row this
-        # transaction now holds: the count is exact. Over the cap, the change is undone.
-        if TenantRepository(session).active_jobs(sweep.tenant_id) > cap:
-            jobs.unpromote(job.id)
+        outcome = lifecycle.promote(session, live_bus(settings), job.id, sweep.tenant_id, cap)
+        if outcome == lifecycle.Promotion.NOT_WAITING:
+            continue
+        if outcome == lifecycle.Promotion.OVER_CAP:
             break
         repo.mark_promoted(row.id)
-        record_status(session, live_bus(settings), job.id)
         tasks += train_tasks(job.id, job.queue, job.nnodes)
         promoted += 1
     if tasks:
@@ -133,5 +130,4 @@ def stop_waiting(session: Session, sweep: Sweep, settings: Settings) -> None:
             else "its sweep ended while it waited at a rung"
         )
         summary = dict(job.summary or {}, stopped_at=row.rung if row else job.progress_step, stop_reason=reason)
-        if jobs.stop_paused(job.id, summary):
-            record_status(session, live_bus(settings), job.id)
+        lifecycle.stop_waiting(session, live_bus(settings), job.id, summary)

@@ -7,7 +7,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from app.errors import NotFound
-from app.repositories.jobs import JobRepository
+from app.repositories.checkpoints import CheckpointRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
 from app.services.jobs import get_job
@@ -20,7 +20,7 @@ def list_checkpoints(
     """A page of the job's checkpoints, newest first; ``after`` is the previous page's
     ``next_after`` (a step)."""
     get_job(session, tenant, job_id)  # 404 for another tenant's job
-    rows = JobRepository(session).checkpoints_page(job_id, limit + 1, after)
+    rows = CheckpointRepository(session).checkpoints_page(job_id, limit + 1, after)
     page = rows[:limit]
     return schemas.CheckpointList(
         data=[schemas.Checkpoint.model_validate(c) for c in page],
@@ -31,7 +31,7 @@ def list_checkpoints(
 
 def checkpoint_file(session: Session, tenant: TenantRef, job_id: str, step: int, settings: Settings) -> Path:
     get_job(session, tenant, job_id)  # 404 for another tenant's job
-    found = JobRepository(session).checkpoint(job_id, step)
+    found = CheckpointRepository(session).checkpoint(job_id, step)
     path = settings.artifact_dir / found.path if found else None
     if path is None or not path.is_file():
         raise NotFound(f"job {job_id} has no checkpoint at step {step}", param="step")

@@ -26,6 +26,7 @@ from app.db.models import Job
 from app.db.session import open_session
 from app.errors import ValidationFailed
 from app.messaging.live_bus import REDIS_TIMEOUT, LiveReader, Resync
+from app.repositories.job_events import JobEventRepository
 from app.repositories.jobs import JobRepository
 from app.services.auth import TenantRef
 from app.services.jobs import get_job
@@ -113,10 +114,10 @@ def page_of(session: Session, job: Job | None, cursor: Cursor) -> Page:
     """
     if job is None:
         return Page(done=True)
-    repo, job_id = JobRepository(session), job.id
+    job_id = job.id
     # Read first: the rows below are at least as new.
     mark, status, last_seq = job.telemetry_mark, job.status, job.event_seq
-    events = repo.events(job_id, after_seq=cursor.seq, limit=PAGE_EVENTS)
+    events = JobEventRepository(session).events(job_id, after_seq=cursor.seq, limit=PAGE_EVENTS)
     steps = steps_from(session, job_id, cursor.next_step, PAGE_STEPS)
     full_steps, more_events = len(steps) == PAGE_STEPS, len(events) == PAGE_EVENTS
     page = Page(more=full_steps or more_events, mark=mark)

@@ -37,17 +37,18 @@ from app.db.models import Job
 from app.db.session import transaction
 from app.errors import Conflict, RateLimited, TenantSuspended, ValidationFailed
 from app.messaging.broker import send_train_tasks, train_tasks
+from app.repositories.checkpoints import CheckpointRepository
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.admission import Admission
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
-from app.services.job_journal import record_first_statuses
+from app.services.lifecycle import record_created
 from app.services.tenants import job_cap
 from app.services.warm_start import parent_columns
 from app.settings import Settings
 from contract.spec import JobSpec
-from contract.status import JobStatus
+from contract.status import INITIAL
 from worker.engine.facts import CHAR_VOCAB_MAX, vocabulary
 
 log = logging.getLogger("muonforge.api")
@@ -110,7 +111,7 @@ def prepare_submission(
         raise cap_reached(cap)
     now = utcnow()
     row = dict(
-        id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=JobStatus.QUEUED, spec=dumped,
+        id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=INITIAL, spec=dumped,
         queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
         request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
         enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1, sweep_id=None, **parent,
@@ -177,7 +178,7 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
         s.row["id"]: (s.row["parent_job_id"], s.row["parent_step"]) for s in submissions if s.row["parent_job_id"]
     }
     repo.lock_shared({parent for parent, _ in starts.values()})
-    present_starts = repo.existing_checkpoints(set(starts.values()))
+    present_starts = CheckpointRepository(session).existing_checkpoints(set(starts.values()))
     tenants = sorted({s.row["tenant_id"] for s in submissions})
     active = TenantRepository(session).lock(tenants)
     # A dataset deleted since its job was prepared (a delete takes the same lock): refused as then.
@@ -220,7 +221,7 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
             results.append((replay(existing, sub.digest), False))
         except Conflict as exc:
             results.append(exc)
-    record_first_statuses(session, [r[0] for r in results if isinstance(r, tuple) and r[1]])
+    record_created(session, [r[0] for r in results if isinstance(r, tuple) and r[1]])
     return results
 
 

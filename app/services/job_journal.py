@@ -2,9 +2,9 @@
 transaction of the change it reports and published to the live bus once that transaction has
 committed (not at all on rollback).
 
-Every writer of a job event goes through here: the API (cancel), the job intake (a new job's
-first status), a worker attempt (claim, finish), its telemetry sink (checkpoints, logs,
-samples) and the reaper. The event's seq comes from the job's row (locked until commit), so a
+Every writer of a job event goes through here: the job lifecycle (app.services.lifecycle: a new
+job's first status and every status change) and a worker attempt's telemetry sink (checkpoints,
+logs, samples). The event's seq comes from the job's row (locked until commit), so a
 job's events commit in seq order; the events stream (app.services.event_stream) replays them from the
 database and tails them from the bus. A final status also queues the job's webhook deliveries
 (app.services.webhooks) in its transaction: the one place every job's end passes.
@@ -20,6 +20,8 @@ from sqlalchemy.orm import Session
 from app.db.models import Job
 from app.db.session import on_commit
 from app.messaging.live_bus import LiveBus
+from app.repositories.checkpoints import CheckpointRepository
+from app.repositories.job_events import JobEventRepository
 from app.repositories.jobs import JobRepository
 from app.schemas import api as schemas
 from app.services import webhooks
@@ -46,7 +48,7 @@ def record_checkpoint(
 ) -> None:  # fmt: skip
     """Record a checkpoint file (``path`` relative to the artifact dir) written after ``step``
     steps, with every metric's latest value, and its ``checkpoint`` event."""
-    JobRepository(session).add_checkpoint(job_id, attempt, step, path, nbytes, metrics)
+    CheckpointRepository(session).add_checkpoint(job_id, attempt, step, path, nbytes, metrics)
     _record(session, bus, job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
 
 
@@ -65,7 +67,7 @@ def record_sample(session: Session, bus: LiveBus, job_id: str, step: int, prompt
 def record_first_statuses(session: Session, jobs: list[Job]) -> None:
     """The first event (seq 1) of jobs just inserted with ``event_seq`` 1, in one statement. Not
     published: nobody can follow a job before its insert has committed."""
-    JobRepository(session).add_first_events([(job.id, 0, "status", status_payload(job)) for job in jobs])
+    JobEventRepository(session).add_first_events([(job.id, 0, "status", status_payload(job)) for job in jobs])
 
 
 def status_payload(job: Job) -> dict[str, Any]:
@@ -73,6 +75,6 @@ def status_payload(job: Job) -> dict[str, Any]:
 
 
 def _record(session: Session, bus: LiveBus, job_id: str, kind: str, payload: dict[str, Any], step: int | None) -> None:
-    event = JobRepository(session).add_event(job_id, kind, payload, step)
+    event = JobEventRepository(session).add_event(job_id, kind, payload, step)
     if bus.live:
         on_commit(session, partial(bus.publish_events, [event]))

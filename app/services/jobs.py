@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from app.db.base import utcnow
 from app.db.models import Job
 from app.errors import Conflict, NotFound
 from app.messaging.live_bus import LiveBus
 from app.repositories.jobs import JobRepository
 from app.schemas import api as schemas
+from app.services import lifecycle
 from app.services.auth import TenantRef
-from app.services.job_journal import record_status
 from app.services.metric_history import history
 from contract.status import JobStatus
 
@@ -40,19 +39,14 @@ def list_jobs(
 
 def cancel_job(session: Session, tenant: TenantRef, job_id: str, bus: LiveBus) -> Job:
     """queued or paused: cancelled at once; running: cancelling until the worker stops; finished: 409."""
-    repo = JobRepository(session)
     for _ in range(3):  # a concurrent status change makes the compare-and-set miss: look again
         job = get_job(session, tenant, job_id)
         if job.status == JobStatus.CANCELLING:
             return job
         if JobStatus(job.status).finished:
             raise Conflict(f"job {job_id} has already finished ({job.status})")
-        if job.status in (JobStatus.QUEUED, JobStatus.PAUSED):
-            changed = repo.cancel_queued(job_id, utcnow())
-        else:
-            changed = repo.request_cancel(job_id)
-        if changed:
-            return record_status(session, bus, job_id)
+        if (changed := lifecycle.cancel(session, bus, job)) is not None:
+            return changed
     raise Conflict(f"job {job_id} kept changing state; try again")
 
 

@@ -1,8 +1,9 @@
 """The reaper: jobs whose worker stopped renewing its lease go back to the queue (to resume from
 their latest checkpoint), or end cancelled / failed; queued jobs whose task got lost are re-sent;
 running sweeps start their next trials where slots have freed up (app.services.sweeps.advance).
-Several reapers may run at once (API and workers): every change is a compare-and-set. Every
-SWEEP_SECONDS it also removes the dataset files that no row names (app.services.datasets)."""
+Several reapers may run at once (API and workers): every change is a compare-and-set
+(app.services.lifecycle ``release``). Every SWEEP_SECONDS it also removes the dataset files that
+no row names (app.services.datasets)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from app.db.session import transaction
 from app.messaging.broker import send_train_tasks, train_tasks
 from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
+from app.repositories.leases import LeaseRepository
+from app.services import lifecycle
 from app.services.datasets import sweep_orphans
-from app.services.job_journal import record_status
 from app.services.sweeps import advance_running
 from app.settings import Settings
 from contract.status import JobStatus
@@ -27,54 +29,33 @@ log = logging.getLogger("muonforge.reaper")
 SWEEP_SECONDS = 600.0  # how often the dataset files are swept (a directory listing per tenant)
 
 
-def after_lost_attempt(job: Job, cause: str) -> tuple[JobStatus, dict | None]:
-    """Where a job goes once its attempt is lost (``cause`` says how): cancelled if a cancel was
-    asked, failed once ``max_restarts`` resumes are used up, else back to the queue to resume from
-    its latest checkpoint."""
-    if job.cancel_requested:
-        return JobStatus.CANCELLED, None
-    if job.attempt > job.max_restarts:
-        return JobStatus.FAILED, {
-            "code": "worker_lost",
-            "message": f"{cause}; max_restarts ({job.max_restarts}) used up",
-        }
-    return JobStatus.QUEUED, None
-
-
 def release(settings: Settings, job: Job, now: datetime) -> list[tuple[str, str]]:
     """Release the expired lease of ``job`` in a transaction of its own: back to the queue, or
     to its final state. Returns its tasks (job id, queue), one per node, where they must be sent
     again, else none. The outcome is decided on the job's row as locked in that transaction, not
     on ``job`` (read earlier): a cancel requested in between ends the job cancelled instead of
     queuing it again."""
+    cause = f"the worker of attempt {job.attempt} stopped renewing its lease"
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        current = repo.locked(job.id)
-        if current is None or current.attempt != job.attempt:
-            return []  # deleted, or another reaper released it and a new attempt began
-        cause = f"the worker of attempt {job.attempt} stopped renewing its lease"
-        status, error = after_lost_attempt(current, cause)
-        if not repo.release_expired(current, now, status, error):
-            return []  # another reaper, or the attempt itself, changed it first
-        log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, status)
-        record_status(session, live_bus(settings), job.id)
-    return train_tasks(job.id, job.queue, job.nnodes) if status == JobStatus.QUEUED else []
+        released = lifecycle.release(session, live_bus(settings), job.id, job.attempt, cause, now, lapsed=True)
+        if released is None:
+            return []  # deleted, or another reaper or the attempt itself changed it first
+        log.warning("job %s: lease of attempt %d expired -> %s", job.id, job.attempt, released.status)
+    return train_tasks(job.id, job.queue, job.nnodes) if released.status == JobStatus.QUEUED else []
 
 
 def release_attempt(settings: Settings, job_id: str, attempt: int, cause: str) -> JobStatus | None:
     """A live attempt that cannot go on (a process of its group died) gives its job up now, by the
-    rule of a lapsed lease (after_lost_attempt), instead of leaving it to lapse; a job sent back
-    to the queue has its task sent at once. None if the attempt no longer held the job."""
+    rule of a lapsed lease (app.services.lifecycle ``after_lost_attempt``), instead of leaving it
+    to lapse; a job sent back to the queue has its task sent at once. None if the attempt no
+    longer held the job."""
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        job = repo.locked(job_id)
-        status, error = after_lost_attempt(job, cause)
-        tasks = train_tasks(job_id, job.queue, job.nnodes)
-        if job.attempt != attempt or not repo.release(job_id, attempt, utcnow(), status, error):
+        released = lifecycle.release(session, live_bus(settings), job_id, attempt, cause, utcnow())
+        if released is None:
             return None
-        record_status(session, live_bus(settings), job_id)
+    status = JobStatus(released.status)
     if status == JobStatus.QUEUED:  # after commit
-        send_train_tasks(settings, tasks)
+        send_train_tasks(settings, train_tasks(job_id, released.queue, released.nnodes))
     return status
 
 
@@ -86,7 +67,7 @@ def reap_once(settings: Settings) -> int:
     wait in a cycle on another reaper (API and workers each run one) or on a worker."""
     now = utcnow()
     with transaction(settings) as session:
-        expired = JobRepository(session).expired_leases(now)
+        expired = LeaseRepository(session).expired_leases(now)
     resend = [task for job in expired for task in release(settings, job, now)]
     with transaction(settings) as session:  # no status change: locks queued jobs' rows only
         for job in JobRepository(session).stale_queued(now - timedelta(seconds=settings.requeue_after_seconds)):

@@ -20,23 +20,20 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from app.db.base import utcnow
 from app.db.models import Job, Sweep, SweepTrial, Tenant
 from app.db.session import on_commit, transaction
 from app.errors import Conflict, DomainError, NotFound, RateLimited, TenantSuspended, ValidationFailed
 from app.messaging.broker import send_train_tasks, train_tasks
 from app.messaging.live_bus import LiveBus
-from app.repositories.jobs import JobRepository
 from app.repositories.sweeps import SweepRepository
 from app.repositories.tenants import TenantRepository
 from app.schemas import api as schemas
 from app.schemas.sweep import SweepSpec
-from app.services import search, webhooks
+from app.services import lifecycle, search, webhooks
 from app.services.asha import promote, promotion_candidates, stop_waiting, waits_at_rungs
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
 from app.services.intake import data_facts, insert_submissions, prepare_submission, request_hash
-from app.services.job_journal import record_status
 from app.services.tenants import job_cap
 from app.services.warm_start import parent_columns
 from app.settings import Settings
@@ -315,12 +312,8 @@ def cancel_sweep(session: Session, tenant: TenantRef, sweep_id: str, bus: LiveBu
         raise Conflict(f"sweep {sweep_id} has already completed")
     if sweep.status == SweepStatus.RUNNING:
         repo.finish(sweep_id, SweepStatus.CANCELLED)
-        jobs = JobRepository(session)
         unfinished = repo.unfinished_jobs(sweep_id, lock=True)
-        now = utcnow()
         idle = (JobStatus.QUEUED, JobStatus.PAUSED)  # on no worker: cancelled at once
         for job in sorted(unfinished, key=lambda j: j.status in idle):  # running ones first
-            changed = jobs.cancel_queued(job.id, now) if job.status in idle else jobs.request_cancel(job.id)
-            if changed:
-                record_status(session, bus, job.id)
+            lifecycle.cancel(session, bus, job)
     return sweep_detail(session, repo.lock(sweep_id))

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job
 from app.errors import ValidationFailed
+from app.repositories.checkpoints import CheckpointRepository
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.services.auth import TenantRef
@@ -33,11 +34,11 @@ def parent_columns(session: Session, tenant: TenantRef, spec: dict[str, Any], vo
     init = spec.get("init_from")
     if init is None:
         return {"parent_job_id": None, "parent_step": None}
-    repo = JobRepository(session)
-    parent = repo.get(init["job_id"], tenant.id)
+    parent = JobRepository(session).get(init["job_id"], tenant.id)
     if parent is None:
         raise ValidationFailed(f"no job {init['job_id']!r} for this tenant", param="init_from.job_id")
-    init["step"] = checkpoint_step(parent.id, [c.step for c in repo.checkpoints(parent.id)], init["step"])
+    steps = [c.step for c in CheckpointRepository(session).checkpoints(parent.id)]
+    init["step"] = checkpoint_step(parent.id, steps, init["step"])
     if difference := first_difference(spec["model"], parent.spec["model"]):
         name, ours, theirs = difference
         raise ValidationFailed(

@@ -20,6 +20,7 @@ from app.errors import RateLimited
 from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
+from app.services import lifecycle
 from app.services.auth import authenticate, create_api_key
 from app.services.datasets import delete_dataset
 from app.services.intake import insert_submissions, prepare_submission
@@ -66,12 +67,12 @@ def active_jobs(settings: Settings, tenant_id: str) -> int:
 
 def claim(settings: Settings, job_id: str) -> int:
     with transaction(settings) as session:
-        return JobRepository(session).claim(job_id, "test-worker", LEASE)
+        return lifecycle.claim(session, live_bus(settings), job_id, "test-worker", LEASE).attempt
 
 
 def finish(settings: Settings, job_id: str, attempt: int, status: JobStatus) -> None:
     with transaction(settings) as session:
-        assert JobRepository(session).finish(job_id, attempt, status)
+        assert lifecycle.finish(session, live_bus(settings), job_id, attempt, status, 0, {})
 
 
 def cancel(settings: Settings, tenant, job_id: str) -> str:
@@ -165,36 +166,37 @@ def test_a_trial_paused_at_a_rung_leaves_the_cap_and_its_promotion_takes_a_place
         waits, cancelling, idle = (job.id for job, _ in insert_submissions(session, subs))
     assert active_jobs(db, tenant.id) == 3
 
-    attempt = claim(db, waits)
+    attempt, bus = claim(db, waits), live_bus(db)
     with transaction(db) as session:
-        assert JobRepository(session).pause(waits, attempt, progress_step=10) == JobStatus.PAUSED  # running -> paused
+        assert lifecycle.pause(session, bus, waits, attempt, 10, {}).status == JobStatus.PAUSED  # running -> paused
     assert active_jobs(db, tenant.id) == 2
     with transaction(db) as session:
         repo = JobRepository(session)
-        assert repo.pause(waits, attempt) is None  # not running any more: a stale attempt changes nothing
+        assert lifecycle.pause(session, bus, waits, attempt, 10, {}) is None  # a stale attempt changes nothing
         restarts = repo.get(waits).max_restarts
-        assert repo.promote(waits)  # paused -> queued: active again
+        promoted = lifecycle.promote(session, bus, waits, tenant.id, cap=100)  # paused -> queued: active again
+        assert promoted == lifecycle.Promotion.PROMOTED
     assert active_jobs(db, tenant.id) == 3
     with transaction(db) as session:  # the promoted attempt is no restart after a lost worker
         assert JobRepository(session).fresh(waits).max_restarts == restarts + 1
-        assert JobRepository(session).unpromote(waits)  # over the cap: undone in the same transaction
+        assert lifecycle.unpromote(session, waits)  # over the cap: undone in the same transaction
     assert active_jobs(db, tenant.id) == 2
     with transaction(db) as session:
         assert JobRepository(session).fresh(waits).max_restarts == restarts
     with transaction(db) as session:
-        assert JobRepository(session).stop_paused(waits, {"stopped_at": 10})  # paused -> stopped_early
+        assert lifecycle.stop_waiting(session, bus, waits, {"stopped_at": 10})  # paused -> stopped_early
         assert JobRepository(session).get(waits).status == JobStatus.STOPPED_EARLY
     assert active_jobs(db, tenant.id) == 2
 
     attempt = claim(db, cancelling)
     assert cancel(db, tenant, cancelling) == JobStatus.CANCELLING
     with transaction(db) as session:  # a cancel came before the rung: cancelled, not paused
-        assert JobRepository(session).pause(cancelling, attempt) == JobStatus.CANCELLED
+        assert lifecycle.pause(session, bus, cancelling, attempt, 0, {}).status == JobStatus.CANCELLED
     assert active_jobs(db, tenant.id) == 1
 
     attempt = claim(db, idle)
     with transaction(db) as session:
-        JobRepository(session).pause(idle, attempt)
+        lifecycle.pause(session, bus, idle, attempt, 0, {})
     assert cancel(db, tenant, idle) == JobStatus.CANCELLED  # paused -> cancelled at once
     assert active_jobs(db, tenant.id) == 0
 

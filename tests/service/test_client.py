@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from app.db.session import transaction
-from app.repositories.jobs import JobRepository
+from app.repositories.checkpoints import CheckpointRepository
 from muonforge import AsyncClient, Client
 from muonforge.errors import Conflict, NotFound, Unauthorized, ValidationError
 from tests.http_stub import DROP, Reply, StubServer
@@ -72,7 +72,7 @@ def trained(settings, api_url, tmp_path_factory) -> tuple[str, dict]:
 
 def stored_checkpoint(settings, job_id: str, step: int) -> bytes:
     with transaction(settings) as session:
-        row = next(c for c in JobRepository(session).checkpoints(job_id) if c.step == step)
+        row = next(c for c in CheckpointRepository(session).checkpoints(job_id) if c.step == step)
     return (settings.artifact_dir / row.path).read_bytes()
 
 

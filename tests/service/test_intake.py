@@ -17,8 +17,9 @@ from app.db.base import utcnow
 from app.db.models import ApiKey
 from app.db.session import transaction
 from app.errors import Conflict, Unauthorized
-from app.repositories.jobs import JobRepository
+from app.messaging.live_bus import NoBus
 from app.repositories.tenants import TenantRepository
+from app.services import lifecycle
 from app.services.admission import Admission
 from app.services.auth import KeyCache, authenticate, hash_key
 from app.services.intake import JobWriter, TaskPublisher, insert_submissions, prepare_submission
@@ -183,7 +184,7 @@ def test_a_replayed_key_does_not_wait_for_its_job_while_holding_the_tenant_lock(
         TenantRepository(batch).lock([tenant_id])  # as insert_submissions does, before the cancel waits
         with ThreadPoolExecutor(1) as pool, transaction(settings) as cancel:
             pid = cancel.scalar(text("SELECT pg_backend_pid()"))
-            cancelled = pool.submit(JobRepository(cancel).cancel_queued, job.id, utcnow())
+            cancelled = pool.submit(lifecycle.cancel_waiting, cancel, NoBus(), job.id)
             waiting = text("SELECT count(*) FROM pg_locks WHERE pid = :pid AND NOT granted")
             wait_for(lambda: batch.scalar(waiting, {"pid": pid}) > 0, timeout=10)
             [(replayed, created)] = insert_submissions(batch, [again])

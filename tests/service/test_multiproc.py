@@ -14,7 +14,10 @@ import pytest
 
 from app.db.base import utcnow
 from app.db.session import transaction
-from app.repositories.jobs import JobRepository
+from app.messaging.live_bus import NoBus
+from app.repositories.job_events import JobEventRepository
+from app.repositories.leases import LeaseRepository
+from app.services import lifecycle
 from app.services.reaper import release_attempt
 from muonforge.client import Client
 from tests.service.conftest import tiny_spec, wait_for
@@ -41,7 +44,7 @@ def job(client, auth, job_id):
 
 def events(settings, job_id):
     with transaction(settings) as session:
-        return [(e.kind, e.payload) for e in JobRepository(session).events(job_id)]
+        return [(e.kind, e.payload) for e in JobEventRepository(session).events(job_id)]
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -182,7 +185,7 @@ def test_a_two_node_job_runs_on_two_workers_with_one_record_per_step(client, api
     assert [p["status"] for kind, p in kinds if kind == "status"] == ["queued", "running", "succeeded"]
     # Each worker held one node of the gang.
     with transaction(settings) as session:
-        owners = [n.owner for n in JobRepository(session).nodes(created["id"], 1)]
+        owners = [n.owner for n in LeaseRepository(session).nodes(created["id"], 1)]
     assert sorted(int(owner.split(":")[1]) for owner in owners) == sorted(w.proc.pid for w in workers)
 
 
@@ -196,7 +199,7 @@ def test_a_worker_lost_mid_run_fails_the_attempt_on_all_nodes_and_the_job_resume
     def kill_a_node_and_wait():
         wait_for(lambda: job(client, auth, created["id"])["progress"]["step"] >= 80, timeout=240, interval=0.05)
         with transaction(settings) as session:
-            owner = JobRepository(session).nodes(created["id"], 1)[1].owner
+            owner = LeaseRepository(session).nodes(created["id"], 1)[1].owner
         lost = workers[int(owner.split(":")[1])]  # node 1's worker
         group = group_processes(lost)
         assert len(group["torchrun"]) == 1 and len(group["ranks"]) == 1, group
@@ -223,9 +226,7 @@ def test_the_gang_gathers_through_the_database_or_gives_the_job_back(client, set
     created = client.post("/v1/jobs", json=group_spec(30, nnodes=2), headers=auth).json()
     lease = timedelta(seconds=30)
     with transaction(settings) as session:
-        repo = JobRepository(session)
-        attempt = repo.claim(created["id"], "w0", lease)
-        repo.open_nodes(created["id"], attempt, 2, "w0")
+        attempt = lifecycle.claim(session, NoBus(), created["id"], "w0", lease).attempt  # node 0: opens the slots
     mine = Meeting("127.0.0.1:1", "run", "127.0.0.1:2", "token")
 
     def meet(index, lease, meeting):
@@ -234,23 +235,24 @@ def test_the_gang_gathers_through_the_database_or_gives_the_job_back(client, set
     with pytest.raises(GangBroken, match="1 of the job's 2 nodes joined within 1 s"):
         meet(0, Lease(quick, created["id"], attempt, nnodes=2), mine)
     with transaction(settings) as session:
-        repo = JobRepository(session)
+        repo = LeaseRepository(session)
         assert repo.claim_node(created["id"], "w1", lease) == (attempt, 1)
         assert repo.claim_node(created["id"], "w2", lease) is None  # the gang is full
     assert meet(0, Lease(quick, created["id"], attempt, nnodes=2), mine) == mine
     assert meet(1, Lease(quick, created["id"], attempt, node=1, owner="w1"), None) == mine
     with transaction(settings) as session:
-        repo = JobRepository(session)
+        repo = LeaseRepository(session)
         assert repo.heartbeat_node(created["id"], attempt, 1, "w1", lease)
         assert not repo.heartbeat_node(created["id"], attempt, 1, "w2", lease)  # not its slot
         repo.leave_node(created["id"], attempt, 1, "w1")  # node 1 cannot go on
     wait_for(lambda: transaction_lost_nodes(settings, created["id"], attempt) == [1], timeout=5)
     assert release_attempt(settings, created["id"], attempt, "node 1 stopped renewing its lease") == "queued"
     with transaction(settings) as session:
-        assert not JobRepository(session).heartbeat_node(created["id"], attempt, 1, "w1", lease)  # the attempt is over
+        repo = LeaseRepository(session)
+        assert not repo.heartbeat_node(created["id"], attempt, 1, "w1", lease)  # the attempt is over
     assert client.post(f"/v1/jobs/{created['id']}/cancel", headers=auth).json()["status"] == "cancelled"
 
 
 def transaction_lost_nodes(settings, job_id, attempt):
     with transaction(settings) as session:
-        return JobRepository(session).lost_nodes(job_id, attempt, utcnow())
+        return LeaseRepository(session).lost_nodes(job_id, attempt, utcnow())

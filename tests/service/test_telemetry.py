@@ -16,11 +16,12 @@ from sqlalchemy import select
 
 from app.db.models import Job, MetricChunk, MetricSeries
 from app.db.session import transaction
-from app.messaging.live_bus import live_bus, stream_key
-from app.repositories.jobs import JobRepository
+from app.messaging.live_bus import NoBus, live_bus, stream_key
+from app.repositories.job_events import JobEventRepository
+from app.services import lifecycle
 from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
-from app.services.job_journal import record_sample, record_status
+from app.services.job_journal import record_sample
 from app.services.metric_history import history, store_metrics, unpack
 from contract.metrics import SUMMARY
 from contract.spec import JobSpec
@@ -227,7 +228,7 @@ def test_a_sample_holding_a_nul_character_is_stored(settings):
     with transaction(settings) as session:
         record_sample(session, live_bus(settings), job_id, 0, "def f(\x00", "\x00x = 1\x00")
     with transaction(settings) as session:
-        (event,) = [e for e in JobRepository(session).events(job_id) if e.kind == "sample"]
+        (event,) = [e for e in JobEventRepository(session).events(job_id) if e.kind == "sample"]
         assert event.payload == {"step": 0, "prompt": "def f(\ufffd", "text": "\ufffdx = 1\ufffd"}
 
 
@@ -301,7 +302,7 @@ def test_the_sink_stores_everything_when_the_live_bus_is_down(settings):
     job_id = new_job(settings)
     down = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
     with transaction(settings) as session:
-        attempt = JobRepository(session).claim(job_id, "test", timedelta(minutes=1))
+        attempt = lifecycle.claim(session, NoBus(), job_id, "test", timedelta(minutes=1)).attempt
     sink = JobSink(down, job_id, attempt, 0, {})
     for step in range(30):
         sink.metrics(report(step, {"loss": 3.0 - step / 10}))
@@ -319,7 +320,7 @@ def test_steps_the_bus_did_not_take_go_out_before_the_later_ones(settings, monke
     skipped 10-19."""
     job_id = new_job(settings)
     with transaction(settings) as session:
-        attempt = JobRepository(session).claim(job_id, "test", timedelta(minutes=1))
+        attempt = lifecycle.claim(session, NoBus(), job_id, "test", timedelta(minutes=1)).attempt
     sink = JobSink(settings, job_id, attempt, 0, {})
     publish, down = sink.bus.publish_metrics, [False]
 
@@ -348,8 +349,7 @@ def test_a_stream_trimmed_past_the_stored_mark_falls_back_to_the_database(api_ur
     with Client(api_url, key) as client:
         job = client.create_job(tiny_spec(steps=100))
         with transaction(settings) as session:
-            attempt = JobRepository(session).claim(job["id"], "test", timedelta(minutes=5))
-            record_status(session, live_bus(settings), job["id"])
+            attempt = lifecycle.claim(session, live_bus(settings), job["id"], "test", timedelta(minutes=5)).attempt
         sink = JobSink(slow, job["id"], attempt, 0, {})
         for step in range(50):
             sink.metrics(report(step, {"loss": float(step)}))
@@ -368,8 +368,7 @@ def test_a_stream_trimmed_past_the_stored_mark_falls_back_to_the_database(api_ur
                 sink.metrics(report(step, {"loss": float(step)}))
             sink.close()
             with transaction(settings) as session:
-                JobRepository(session).finish(job["id"], attempt, "succeeded", None, progress_step=100, summary={})
-                record_status(session, live_bus(settings), job["id"])
+                lifecycle.finish(session, live_bus(settings), job["id"], attempt, "succeeded", 100, {})
             events = received.result(timeout=60)
     assert [e.data["step"] for e in events if e.event == "metrics"] == list(range(100))
     assert events[-1].event == "done"

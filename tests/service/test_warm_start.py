@@ -10,7 +10,7 @@ import pytest
 
 from app.db.session import transaction
 from app.errors import ValidationFailed
-from app.repositories.jobs import JobRepository
+from app.repositories.checkpoints import CheckpointRepository
 from app.services.auth import authenticate
 from app.services.intake import insert_submissions, prepare_submission
 from contract.spec import JobSpec
@@ -26,7 +26,7 @@ def with_checkpoints(client, settings, auth, spec: dict, steps=(10, 20, 30)) -> 
     client.post(f"/v1/jobs/{job_id}/cancel", headers=auth)
     with transaction(settings) as session:
         for step in steps:
-            JobRepository(session).add_checkpoint(job_id, 1, step, f"jobs/{job_id}/checkpoints/{step}.pt", 1, {})
+            CheckpointRepository(session).add_checkpoint(job_id, 1, step, f"jobs/{job_id}/checkpoints/{step}.pt", 1, {})
     return job_id
 
 
@@ -187,7 +187,7 @@ def test_a_warm_start_and_its_parents_retention_at_once_never_leave_it_without_i
     for t in threads:
         t.join(60)
     with transaction(settings) as session:
-        kept = {c.step for c in JobRepository(session).checkpoints(parent)}
+        kept = {c.step for c in CheckpointRepository(session).checkpoints(parent)}
     if first == "intake":
         assert isinstance(results["intake"], tuple) and kept == {10, 20}
     else:

@@ -12,7 +12,10 @@ import torch
 
 from app.db.session import transaction
 from app.messaging.broker import send_train_tasks
+from app.messaging.live_bus import NoBus
+from app.repositories.job_events import JobEventRepository
 from app.repositories.jobs import JobRepository
+from app.services import lifecycle
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
 from worker.engine.checkpoints import save_checkpoint
@@ -27,7 +30,7 @@ def job(client, auth, job_id):
 
 def events(settings, job_id):
     with transaction(settings) as session:
-        return [(e.kind, e.payload) for e in JobRepository(session).events(job_id)]
+        return [(e.kind, e.payload) for e in JobEventRepository(session).events(job_id)]
 
 
 def test_submit_run_succeed_with_summary(client, settings, auth, start_worker):
@@ -154,7 +157,7 @@ def test_a_checkpoint_written_but_not_recorded_is_adopted_by_the_next_attempt(se
     metrics."""
     created = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()
     with transaction(settings) as session:
-        attempt = JobRepository(session).claim(created["id"], "test", timedelta(minutes=1))
+        attempt = lifecycle.claim(session, NoBus(), created["id"], "test", timedelta(minutes=1)).attempt
     directory = checkpoint_dir(settings.artifact_dir / "jobs" / created["id"])
     save_checkpoint(directory, 20, {"model": {}, "last_metrics": {"loss": 1.25, "val_loss": 1.5}})
     save_checkpoint(directory, 30, {"model": {}, "last_metrics": {"loss": 1.0}})
@@ -176,7 +179,8 @@ def test_a_stalled_attempt_stops_renewing_its_lease_and_a_live_one_renews(client
     quick = settings.model_copy(update={"heartbeat_seconds": 0.1, "stall_seconds": 1.0})
     ids = [client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"] for _ in range(2)]
     with transaction(settings) as session:
-        attempts = [JobRepository(session).claim(job_id, "test:0:0", timedelta(seconds=30)) for job_id in ids]
+        lease = timedelta(seconds=30)
+        attempts = [lifecycle.claim(session, NoBus(), job_id, "test:0:0", lease).attempt for job_id in ids]
 
     def expiry(job_id):
         with transaction(settings) as session:
