@@ -219,6 +219,7 @@ def ddp_job(steps: int, cores: int) -> dict:
     with resources.nproc 1 and then 2 (DDP under torchrun, the same global batch of 32 x 64):
     each run's tokens/s and wall time per step."""
     from contract.spec import JobSpec
+    from worker.engine.request import RunRequest
     from worker.engine.run import run_job
 
     out = {}
@@ -234,7 +235,7 @@ def ddp_job(steps: int, cores: int) -> dict:
             "resources": {"nproc": nproc},
         }).model_dump()  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
-            result = run_job(spec, Path(tmp))
+            result = run_job(RunRequest(spec, Path(tmp)))
         out[nproc] = {"tokens_per_s": result.tokens_per_s, "wall_s": result.wall_s,
                       "step_ms": 1e3 * result.wall_s / steps, "val_loss": result.val_loss}  # fmt: skip
     print(f"\nA DDP job, {steps} steps of a GPT 2 x 128 (batch 32 x 64, Muon), {cores} cores: "

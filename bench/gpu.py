@@ -498,6 +498,7 @@ def engine_spec(device: str, precision: str, steps: int, tau: float | None) -> d
 
 def engine_section(device: torch.device, steps: int) -> dict:
     from worker.engine.data import synthetic_task
+    from worker.engine.request import RunRequest
     from worker.engine.run import run_job
 
     floor = synthetic_task(ENGINE_TRAIN["seed"], tokens=4096).entropy_floor
@@ -506,7 +507,7 @@ def engine_section(device: torch.device, steps: int) -> dict:
         spec = engine_spec(device.type, precision, steps, tau)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            result = run_job(spec, Path(tmp))
+            result = run_job(RunRequest(spec, Path(tmp)))
             wall = time.perf_counter() - t0
             lines = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         train = [line["metrics"] for line in lines if "loss" in line["metrics"]]

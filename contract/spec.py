@@ -6,7 +6,7 @@ documented default. A validated spec's ``model_dump()`` is what the engine consu
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self, get_args, get_origin
+from typing import Annotated, Any, Literal, Self, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -322,6 +322,10 @@ class JobSpec(_Strict):
             details = InitErrorDetails(type=error, loc=("train", "batch_size"), input=batch)
             raise ValidationError.from_exception_data(cls.__name__, [details])
         return spec
+
+    def stored(self) -> dict[str, Any]:
+        """The spec as the service stores and shows it (JSON types, every default filled in)."""
+        return self.model_dump(mode="json")
 
     model_config = ConfigDict(
         extra="forbid",

@@ -41,6 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from muonforge.progress import ProgressSink
     from worker.engine.launch import RankFailed
     from worker.engine.outcome import TrainingError
+    from worker.engine.request import RunRequest
     from worker.engine.run import run_job
 
     spec = load_spec(args.spec, args.data)
@@ -50,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SpecError("init_from names a checkpoint of a server's job: submit the spec to that server")
     with ProgressSink(spec["train"]["steps"]) as progress:
         try:
-            result = run_job(spec, args.out, sink=progress, resume=args.resume)
+            result = run_job(RunRequest(spec, args.out, sink=progress, resume=args.resume))
         except (TrainingError, RankFailed, FileNotFoundError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

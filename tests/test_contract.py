@@ -17,12 +17,13 @@ import torch
 import optim
 from contract import metrics, status, webhooks
 from contract import spec as contract_spec
-from contract.spec import JobSpec
+from contract.spec import DataSpec, JobSpec
 from worker.engine import data as engine_data
 from worker.engine.config import ModelConfig, job_config
 from worker.engine.facts import parameter_count, series_per_step, vocabulary
 from worker.engine.models import build_model
 from worker.engine.optimizer import NS_DTYPES
+from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,18 +169,18 @@ def test_the_parameter_count_is_the_built_models(arch):
             model |= {"n_experts": 3, "top_k": 2}
         section = JobSpec.model_validate({"model": model, "data": {"builtin": "synthetic"}}).model
         built = build_model(ModelConfig.of(section, vocab))
-        assert parameter_count(section.model_dump(), vocab) == sum(p.numel() for p in built.parameters()), model
+        assert parameter_count(section, vocab) == sum(p.numel() for p in built.parameters()), model
 
 
 def test_the_builtin_vocabularies_are_the_loaded_datas(tmp_path):
     """The parameter cap counts exactly the vocabulary the engine builds for the builtin tasks."""
-    assert vocabulary({"builtin": "synthetic"}) == engine_data.synthetic_task(0).vocab_size
+    assert vocabulary(DataSpec(builtin="synthetic")) == engine_data.synthetic_task(0).vocab_size
     for tokenizer, size in (("byte", 256), ("char", 128)):
         spec = JobSpec.model_validate(
             {"model": {"arch": "gpt"}, "data": {"builtin": "pysource", "tokenizer": tokenizer}}
         )
         loaded = engine_data.load_data(job_config(spec).data, 0, tmp_path).vocab_size
-        assert vocabulary(spec.data.model_dump()) == loaded == size
+        assert vocabulary(spec.data) == loaded == size
 
 
 @pytest.mark.parametrize(
@@ -199,8 +200,8 @@ def test_the_series_are_what_the_engine_reports(tmp_path, arch, optimizer, per_h
             "train": {"steps": 2, "batch_size": 2, "eval_every": 1},
             "telemetry": {"sample_tokens": 0, "per_head": per_head, "per_expert": per_expert},
         }
-    ).model_dump(mode="json")
-    run_job(spec, tmp_path)
+    )
+    run_job(RunRequest(spec, tmp_path))
     reported = [set(json.loads(line)["metrics"]) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(len(names) for names in reported) == series_per_step(spec)
     layers, heads, experts = range(3), range(2), range(5)

@@ -101,4 +101,4 @@ def test_the_example_sweep_validates_and_so_does_every_trial():
         assert len(params) == spec.max_trials
         for number, trial in enumerate(params):
             job = trial_spec(spec, number, trial)
-            assert job["optimizer"]["lr"] == trial["optimizer.lr"] and job["name"] == f"{spec.name} #{number}"
+            assert job.optimizer.lr == trial["optimizer.lr"] and job.name == f"{spec.name} #{number}"

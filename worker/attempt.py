@@ -34,12 +34,14 @@ from app.services.asha import record_rung, rung_outcome
 from app.services.caps import gib
 from app.services.reaper import release_attempt
 from app.settings import Settings
+from contract.spec import JobSpec
 from contract.status import JobStatus
 from worker.engine.checkpoints import checkpoint_path
 from worker.engine.early_stop import RungCheck
 from worker.engine.facts import peak_memory_bytes, vocabulary
 from worker.engine.launch import RankFailed
 from worker.engine.outcome import TrainingError
+from worker.engine.request import RunRequest
 from worker.engine.run import checkpoint_dir, run_job
 from worker.engine.trainer import device_type
 from worker.gang import nnodes_of, run_node, this_node
@@ -76,7 +78,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
     if corpus is not None and not corpus.is_file():
-        error = {"code": "dataset_missing", "message": DATASET_MISSING.format(dataset_id=spec["data"]["dataset_id"])}
+        error = {"code": "dataset_missing", "message": DATASET_MISSING.format(dataset_id=spec.data.dataset_id)}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     if needed is not None and needed > settings.worker_memory_bytes:
         # The API admitted it under its own budget; this worker is smaller. Failing with the figures
@@ -85,11 +87,12 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         error = {"code": "exceeds_worker_memory", "message": message}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     init_from = warm_start_file(settings, spec)
-    if init_from is not None and not init_from.is_file():
-        error = {"code": "init_checkpoint_missing", "message": INIT_MISSING.format(**spec["init_from"])}
+    if init_from is not None and not init_from.is_file() and spec.init_from is not None:
+        message = INIT_MISSING.format(job_id=spec.init_from.job_id, step=spec.init_from.step)
+        error = {"code": "init_checkpoint_missing", "message": message}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     out_dir = settings.artifact_dir / "jobs" / job_id
-    sink = JobSink(settings, job_id, attempt, progress, summary, spec["train"].get("keep_checkpoints", 3))
+    sink = JobSink(settings, job_id, attempt, progress, summary, spec.train.keep_checkpoints)
     nnodes = nnodes_of(spec)
     with Lease(settings, job_id, attempt, nnodes=nnodes) as lease:
         should_cancel = _cancel_flag(settings, job_id, lease)
@@ -97,11 +100,19 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         try:
             try:
                 sink.adopt_checkpoints(checkpoint_dir(out_dir))
-                result = run_job(
-                    spec, out_dir, corpus=corpus, sink=sink, should_cancel=should_cancel, init_from=init_from,
-                    rungs=rung_check(settings, job_id, claim.rungs) if claim.rungs else None, watch=lease.check,
+                rungs = rung_check(settings, job_id, claim.rungs) if claim.rungs else None
+                request = RunRequest(
+                    spec,
+                    out_dir,
+                    corpus,
+                    sink,
+                    should_cancel,
+                    init_from=init_from,
+                    rungs=rungs,
+                    watch=lease.check,
                     node=node,
-                )  # fmt: skip
+                )
+                result = run_job(request)
             finally:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
@@ -132,21 +143,21 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
 
 
-def warm_start_file(settings: Settings, spec: dict) -> Path | None:
+def warm_start_file(settings: Settings, spec: JobSpec) -> Path | None:
     """The checkpoint file a warm-started job loads: its parent's at the step resolved at intake
     (where the parent's attempts wrote it), or None without ``init_from``."""
-    init = spec.get("init_from")
-    if not init:
+    init = spec.init_from
+    if init is None or init.step is None:
         return None
-    return checkpoint_path(checkpoint_dir(settings.artifact_dir / "jobs" / init["job_id"]), init["step"])
+    return checkpoint_path(checkpoint_dir(settings.artifact_dir / "jobs" / init.job_id), init.step)
 
 
 def peak_memory(claim: lifecycle.Claim) -> int | None:
     """The estimated peak memory of the claimed job's run on a CPU, or None for a CUDA run (one
     that does not fit raises OutOfMemoryError instead)."""
-    if device_type(claim.spec["train"].get("device", "auto")) != "cpu":
+    if device_type(claim.spec.train.device) != "cpu":
         return None
-    vocab = vocabulary(claim.spec["data"], claim.char_vocab)
+    vocab = vocabulary(claim.spec.data, claim.char_vocab)
     return peak_memory_bytes(claim.spec, vocab, claim.corpus_bytes, on_cuda=False)
 
 

@@ -23,7 +23,9 @@ from functools import partial
 from app.db.session import retrying, transaction
 from app.services import leases
 from app.settings import Settings
+from contract.spec import JobSpec
 from worker.engine.launch import Meeting, Node
+from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 from worker.lease import GangBroken, Lease
 from worker.sink import LeaseLost
@@ -32,8 +34,8 @@ log = logging.getLogger("muonforge.worker")
 POLL_SECONDS = 0.5  # how often a node waiting for the others looks
 
 
-def nnodes_of(spec: dict) -> int:
-    return int((spec.get("resources") or {}).get("nnodes", 1))
+def nnodes_of(spec: JobSpec) -> int:
+    return spec.resources.nnodes
 
 
 def node_address(settings: Settings) -> str:
@@ -102,7 +104,7 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
     with Lease(settings, job_id, attempt, node=index, owner=owner) as lease:
         node = this_node(settings, job_id, attempt, index, lease, nnodes_of(spec))
         try:
-            run_job(spec, out_dir, corpus=corpus, init_from=init_from, watch=lease.check, node=node)
+            run_job(RunRequest(spec, out_dir, corpus, init_from=init_from, watch=lease.check, node=node))
         except LeaseLost:
             return "lease_lost"  # the attempt is over: node 0 ended it or gave the job back
         except Exception as exc:

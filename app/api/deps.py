@@ -9,10 +9,11 @@ thread waits for a connection that a request parked between hops is holding.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Concatenate, ParamSpec, TypeVar
 
 from fastapi import Cookie, Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
 
 from app.db.session import open_session
 from app.errors import Unauthorized
@@ -21,6 +22,7 @@ from app.services.auth import TenantRef, authenticate, cached_tenant
 from app.services.intake import Intake
 
 T = TypeVar("T")
+P = ParamSpec("P")
 bearer = HTTPBearer(auto_error=False, description="An API key from `muonforge keys create`.")
 # The web app's sign-in keeps the key in this cookie: HttpOnly (page scripts never see it) and
 # SameSite=Strict (no other site's page can make the browser send it), for the browser session.
@@ -55,12 +57,14 @@ class UnitOfWork:
             self._tenant = tenant
         return self._tenant
 
-    async def __call__(self, fn: Callable[..., T], *args: Any) -> T:
+    async def __call__(
+        self, fn: Callable[Concatenate[Session, TenantRef, P], T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
         # A key verified within the cache's time is admitted here, on the event loop: a tenant
         # over its rate costs no thread and no query (429s stay cheap under a flood).
         if self._tenant is None and (tenant := self.cached_tenant()) is not None:
             self._admit(tenant)
-        return await self.in_thread(self._run, fn, args)
+        return await self.in_thread(self._run, lambda session, tenant: fn(session, tenant, *args, **kwargs))
 
     def in_thread(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
         """``fn(*args)`` in the thread pool, within the share of its threads the request's tenant
@@ -68,14 +72,14 @@ class UnitOfWork:
         tenant_id = self._tenant.id if self._tenant is not None else None
         return self.request.app.state.tenant_threads.run(tenant_id, fn, *args)
 
-    def _run(self, fn: Callable[..., T], args: tuple) -> T:
+    def _run(self, fn: Callable[[Session, TenantRef], T]) -> T:
         with open_session(self.settings) as session:
             tenant = self._tenant or self._admit(authenticate(session, self._authorization, self.key_cache))
             # A key looked up in the database (a cache miss) may have had its last use written:
             # commit that now, so that no row lock or SQLite write lock lasts as long as the work.
             # Nothing was sent on a cache hit, and then this commit sends nothing either.
             session.commit()
-            result = fn(session, tenant, *args)
+            result = fn(session, tenant)
             session.commit()
         return result
 

@@ -45,9 +45,9 @@ from app.services.auth import TenantRef
 from app.services.caps import check_caps
 from app.services.lifecycle import record_created
 from app.services.tenants import job_cap
-from app.services.warm_start import parent_columns
+from app.services.warm_start import resolve_init_from
 from app.settings import Settings
-from contract.spec import JobSpec
+from contract.spec import DataSpec, JobSpec
 from contract.status import INITIAL
 from worker.engine.facts import CHAR_VOCAB_MAX, vocabulary
 
@@ -92,10 +92,7 @@ def prepare_submission(
     ``admission`` (the API process's) spares most submissions the read of the tenant's active
     jobs (a round trip)."""
     repo = JobRepository(session)
-    dumped = spec.model_dump(mode="json")
-    if dumped["train"]["max_minutes"] is None:  # the server's limit, shown in the stored spec
-        dumped["train"]["max_minutes"] = settings.max_job_minutes
-    digest = request_hash(dumped)
+    digest = request_hash(with_server_limits(spec, settings).stored())
     if idempotency_key:
         existing = repo.by_idempotency_key(tenant.id, idempotency_key)
         if existing is not None:
@@ -103,18 +100,18 @@ def prepare_submission(
     cap = job_cap(tenant.job_cap, settings.tenant_job_cap)
     if cap <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
-    vocab, corpus_bytes = data_facts(session, tenant, dumped["data"])
-    check_caps(dumped, vocab, corpus_bytes, settings)
-    parent = parent_columns(session, tenant, dumped, vocab)  # resolves init_from.step in the stored spec
+    spec = check_spec(session, tenant, spec, settings)
     active_jobs = partial(TenantRepository(session).active_jobs, tenant.id)
     if not (admission.admit(tenant.id, cap, active_jobs) if admission else active_jobs() < cap):
         raise cap_reached(cap)
     now = utcnow()
     row = dict(
-        id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=INITIAL, spec=dumped,
+        id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=INITIAL, spec=spec.stored(),
         queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
         request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
-        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1, sweep_id=None, **parent,
+        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1, sweep_id=None,
+        parent_job_id=spec.init_from.job_id if spec.init_from else None,
+        parent_step=spec.init_from.step if spec.init_from else None,
     )  # fmt: skip
     return Submission(digest, row=row, cap=cap)
 
@@ -142,18 +139,38 @@ def replay(existing: Job, digest: str) -> Job:
     return existing
 
 
-def data_facts(session: Session, tenant: TenantRef, data: dict[str, Any]) -> tuple[int, int]:
+def with_server_limits(spec: JobSpec, settings: Settings) -> JobSpec:
+    """The spec as this server runs it: an unset ``train.max_minutes`` is the server's limit,
+    which the stored spec then shows."""
+    if spec.train.max_minutes is not None:
+        return spec
+    train = spec.train.model_copy(update={"max_minutes": settings.max_job_minutes})
+    return spec.model_copy(update={"train": train})
+
+
+def check_spec(session: Session, tenant: TenantRef, spec: JobSpec, settings: Settings) -> JobSpec:
+    """Every check of a job's spec before its insert, bar the job cap: its dataset, the resource
+    caps and a warm start's checkpoint. Returns the spec as the service runs it: the server's time
+    limit filled in, and ``init_from.step`` resolved (the stored spec names the file the worker
+    loads)."""
+    spec = with_server_limits(spec, settings)
+    vocab, corpus_bytes = data_facts(session, tenant, spec.data)
+    check_caps(spec, vocab, corpus_bytes, settings)
+    return spec.model_copy(update={"init_from": resolve_init_from(session, tenant, spec, vocab)})
+
+
+def data_facts(session: Session, tenant: TenantRef, data: DataSpec) -> tuple[int, int]:
     """(vocabulary size, corpus bytes) of a validated spec's ``data``, as the engine will see them
     (for the parameter and memory caps). A dataset with more distinct characters than the char
     tokenizer takes is refused here."""
-    if data["path"] is not None:
+    if data.path is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
-    if data["builtin"] is not None:
+    if data.dataset_id is None:
         return vocabulary(data), 0
-    dataset = DatasetRepository(session).get(data["dataset_id"], tenant.id)
+    dataset = DatasetRepository(session).get(data.dataset_id, tenant.id)
     if dataset is None:
-        raise no_dataset(data["dataset_id"])
-    if data["tokenizer"] == "char" and dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1
+        raise no_dataset(data.dataset_id)
+    if data.tokenizer == "char" and dataset.char_vocab > CHAR_VOCAB_MAX:  # counted up to CHAR_VOCAB_MAX + 1
         raise ValidationFailed(
             f"the dataset has more than {CHAR_VOCAB_MAX:,} distinct characters, the most the char tokenizer "
             "takes: use tokenizer byte",

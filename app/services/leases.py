@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -16,6 +15,7 @@ from app.db.models import JobNode
 from app.repositories.jobs import JobRepository
 from app.repositories.leases import LeaseRepository
 from app.repositories.tenants import DatasetRepository
+from contract.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class NodeClaim:
 
     attempt: int
     node: int
-    spec: dict[str, Any]
+    spec: JobSpec
     dataset_path: str | None  # the corpus's file, relative to the artifact dir; None for a builtin corpus
 
 
@@ -59,7 +59,7 @@ def join(session: Session, job_id: str, owner: str, lease: timedelta) -> NodeCla
         return None
     job = JobRepository(session).get(job_id)
     dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
-    return NodeClaim(*claimed, job.spec, dataset.path if dataset else None)
+    return NodeClaim(*claimed, JobSpec.model_validate(job.spec), dataset.path if dataset else None)
 
 
 def publish_meeting(

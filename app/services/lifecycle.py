@@ -31,6 +31,7 @@ from app.repositories.leases import LeaseRepository
 from app.repositories.sweeps import SweepRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.job_journal import record_first_statuses, record_status
+from contract.spec import JobSpec
 from contract.status import JobStatus
 
 
@@ -48,7 +49,7 @@ class Claim:
     """A new attempt at a job, with what its worker needs to run it."""
 
     attempt: int  # the fencing token of every later write of this attempt
-    spec: dict[str, Any]
+    spec: JobSpec
     dataset_path: str | None  # the corpus's file, relative to the artifact dir; None for a builtin corpus
     char_vocab: int | None  # the dataset's distinct characters, if it has one
     corpus_bytes: int
@@ -89,7 +90,7 @@ def claim(session: Session, bus: LiveBus, job_id: str, owner: str, lease: timede
     dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
     sweep = SweepRepository(session).get(job.sweep_id, job.tenant_id) if job.sweep_id else None
     return Claim(
-        attempt=attempt, spec=job.spec, dataset_path=dataset.path if dataset else None,
+        attempt=attempt, spec=JobSpec.model_validate(job.spec), dataset_path=dataset.path if dataset else None,
         char_vocab=dataset.char_vocab if dataset else None, corpus_bytes=dataset.bytes if dataset else 0,
         progress=job.progress_step, summary=dict(job.summary or {}),
         rungs=Rungs(sweep.id, dict(sweep.asha), sweep.metric) if sweep is not None and sweep.asha else None,

@@ -32,10 +32,8 @@ from app.schemas.sweep import SweepSpec
 from app.services import lifecycle, search, webhooks
 from app.services.asha import promote, promotion_candidates, stop_waiting, waits_at_rungs
 from app.services.auth import TenantRef
-from app.services.caps import check_caps
-from app.services.intake import data_facts, insert_submissions, prepare_submission, request_hash
+from app.services.intake import check_spec, insert_submissions, prepare_submission, request_hash
 from app.services.tenants import job_cap
-from app.services.warm_start import parent_columns
 from app.settings import Settings
 from contract.spec import JobSpec
 from contract.status import JobStatus, SweepStatus, TrialStatus
@@ -62,7 +60,7 @@ def trial_params(spec: SweepSpec) -> list[search.Params]:
     return search.sample(space, spec.max_trials or 1, spec.seed)
 
 
-def trial_spec(spec: SweepSpec, number: int, params: search.Params) -> dict[str, Any]:
+def trial_spec(spec: SweepSpec, number: int, params: search.Params) -> JobSpec:
     """Trial ``number``'s JobSpec, validated, defaults filled in; a 422 names the swept path
     (``space.optimizer.lr``) or the base's field (``base.train.steps``) that makes it invalid."""
     try:
@@ -93,18 +91,7 @@ def trial_spec(spec: SweepSpec, number: int, params: search.Params) -> dict[str,
             f"{job.resources.world_size} (trial {number}): drop asha or train each trial in one process",
             "asha",
         )
-    return job.model_dump(mode="json")
-
-
-def check_trial(session: Session, tenant: TenantRef, spec: dict[str, Any], settings: Settings) -> None:
-    """What the intake checks of a job before its insert, bar the job cap (a trial waits for
-    it): the dataset, the resource caps, the warm start's checkpoint."""
-    dumped = dict(spec, train=dict(spec["train"]))
-    if dumped["train"]["max_minutes"] is None:
-        dumped["train"]["max_minutes"] = settings.max_job_minutes
-    vocab, corpus_bytes = data_facts(session, tenant, dumped["data"])
-    check_caps(dumped, vocab, corpus_bytes, settings)
-    parent_columns(session, tenant, dumped, vocab)
+    return job
 
 
 def create_sweep(
@@ -133,12 +120,12 @@ def create_sweep(
     for number, params in enumerate(trial_params(spec)):
         job_spec = trial_spec(spec, number, params)
         try:
-            check_trial(session, tenant, job_spec, settings)
+            check_spec(session, tenant, job_spec, settings)  # what intake checks, bar the job cap a trial waits for
         except ValidationFailed as exc:
             swept = next((p for p in params if exc.param and (exc.param + ".").startswith(p + ".")), None)
             exc.param = f"space.{swept}" if swept else f"base.{exc.param}" if exc.param else "base"
             raise
-        trials.append({"number": number, "params": params, "spec": job_spec})
+        trials.append({"number": number, "params": params, "spec": job_spec.stored()})
     sweep = Sweep(
         tenant_id=tenant.id, name=spec.name, status=SweepStatus.RUNNING, request=request, metric=spec.metric,
         mode=spec.mode, max_concurrent=spec.max_concurrent, asha=spec.asha.model_dump() if spec.asha else None,

@@ -16,30 +16,29 @@ from app.repositories.checkpoints import CheckpointRepository
 from app.repositories.jobs import JobRepository
 from app.repositories.tenants import DatasetRepository
 from app.services.auth import TenantRef
-from contract.spec import ModelSpec
+from contract.spec import DataSpec, InitFromSpec, JobSpec, ModelSpec
 from worker.engine.facts import vocabulary
 
 MODEL_FIELDS = tuple(ModelSpec.model_fields)  # compared in the order people write them
 
 
-def parent_columns(session: Session, tenant: TenantRef, spec: dict[str, Any], vocab: int) -> dict[str, Any]:
-    """The new job's ``parent_job_id`` and ``parent_step`` for a validated spec's ``init_from``.
+def resolve_init_from(session: Session, tenant: TenantRef, spec: JobSpec, vocab: int) -> InitFromSpec | None:
+    """The spec's ``init_from`` with its step resolved, once every check of the warm start holds (None without one).
 
-    Both are None without one. The parent must be the tenant's own job (another tenant's answers as
-    a missing one), have a checkpoint at ``init_from.step`` (omitted: its latest, which is then
-    written into the spec, so the stored spec names the file the worker loads), and train the same
-    model on a vocabulary of the same size; loading its optimizer state needs the same optimizer.
+    The parent must be the tenant's own job (another tenant's answers as a missing one), have a
+    checkpoint at ``init_from.step`` (omitted: its latest), and train the same model on a
+    vocabulary of the same size; loading its optimizer state needs the same optimizer.
     ``vocab``: the new job's vocabulary size.
     """
-    init = spec.get("init_from")
+    init = spec.init_from
     if init is None:
-        return {"parent_job_id": None, "parent_step": None}
-    parent = JobRepository(session).get(init["job_id"], tenant.id)
+        return None
+    parent = JobRepository(session).get(init.job_id, tenant.id)
     if parent is None:
-        raise ValidationFailed(f"no job {init['job_id']!r} for this tenant", param="init_from.job_id")
+        raise ValidationFailed(f"no job {init.job_id!r} for this tenant", param="init_from.job_id")
     steps = [c.step for c in CheckpointRepository(session).checkpoints(parent.id)]
-    init["step"] = checkpoint_step(parent.id, steps, init["step"])
-    if difference := first_difference(spec["model"], parent.spec["model"]):
+    step = checkpoint_step(parent.id, steps, init.step)
+    if difference := first_difference(spec.model.model_dump(), parent.spec["model"]):
         name, ours, theirs = difference
         raise ValidationFailed(
             f"model.{name} is {json.dumps(ours)} here and {json.dumps(theirs)} in job {parent.id}: a warm start "
@@ -53,14 +52,14 @@ def parent_columns(session: Session, tenant: TenantRef, spec: dict[str, Any], vo
             "start needs the same tokenizer on a vocabulary of the same size",
             param="data.tokenizer",
         )
-    ours, theirs = spec["optimizer"]["name"], parent.spec["optimizer"]["name"]
-    if init["optimizer_state"] and ours != theirs:
+    ours, theirs_name = spec.optimizer.name, parent.spec["optimizer"]["name"]
+    if init.optimizer_state and ours != theirs_name:
         raise ValidationFailed(
-            f"job {parent.id} trained with optimizer {theirs!r}, this job with {ours!r}: its optimizer state "
-            f"loads into the same optimizer (set optimizer.name to {theirs!r}, or optimizer_state to false)",
+            f"job {parent.id} trained with optimizer {theirs_name!r}, this job with {ours!r}: its optimizer state "
+            f"loads into the same optimizer (set optimizer.name to {theirs_name!r}, or optimizer_state to false)",
             param="init_from.optimizer_state",
         )
-    return {"parent_job_id": parent.id, "parent_step": init["step"]}
+    return init.model_copy(update={"step": step})
 
 
 def checkpoint_step(job_id: str, steps: list[int], wanted: int | None) -> int:
@@ -89,8 +88,8 @@ def first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str,
 def parent_vocabulary(session: Session, parent: Job) -> int | None:
     """The vocabulary size the parent's model was built for; None where it cannot be known any
     more (a char tokenizer on a dataset deleted since: the worker's strict load decides)."""
-    data = parent.spec["data"]
-    if data.get("tokenizer") != "char" or not data.get("dataset_id"):
+    data = DataSpec.model_validate(parent.spec["data"])
+    if data.tokenizer != "char" or data.dataset_id is None:
         return vocabulary(data)
-    dataset = DatasetRepository(session).get_any(data["dataset_id"])
+    dataset = DatasetRepository(session).get_any(data.dataset_id)
     return vocabulary(data, dataset.char_vocab) if dataset else None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 
 
@@ -30,11 +31,11 @@ def main() -> None:
         warm = copy.deepcopy(spec)  # imports, kernels and allocator arenas first, on a tiny run
         warm["train"].update(steps=2, batch_size=1)
         warm["model"].update(n_layer=1, n_head=1, d_model=8, seq_len=8)
-        run_job(warm, Path(tmp) / "warm")
+        run_job(RunRequest(warm, Path(tmp) / "warm"))
         gc.collect()
         before = status_bytes("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")
-        run_job(spec, Path(tmp) / "run")
+        run_job(RunRequest(spec, Path(tmp) / "run"))
         print(json.dumps({"peak_growth": status_bytes("VmHWM") - before}))
 
 

@@ -11,6 +11,7 @@ from contract.spec import JobSpec
 from tests.engine.test_trainer import ListSink, trainer
 from worker.engine.checkpoints import checkpoint_path
 from worker.engine.data import synthetic_task
+from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 
 
@@ -52,8 +53,8 @@ def test_the_ranks_shares_make_the_global_batch():
 def test_two_ranks_follow_the_loss_curve_of_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     one, two = ListSink(), ListSink()
-    run_job(spec(1), tmp_path / "one", sink=one)
-    result = run_job(spec(2), tmp_path / "two", sink=two)
+    run_job(RunRequest(spec(1), tmp_path / "one", sink=one))
+    result = run_job(RunRequest(spec(2), tmp_path / "two", sink=two))
     assert result.status == "succeeded" and result.steps == 8
     # Rank 0 alone reports: each step once, with the global batch's loss and val_loss.
     assert [step for step, _ in two.records] == [step for step, _ in one.records] == list(range(9))
@@ -72,10 +73,10 @@ def test_two_ranks_follow_the_loss_curve_of_one_process(tmp_path, monkeypatch):
 def test_a_cancel_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     sink = ListSink()
-    result = run_job(
+    result = run_job(RunRequest(
         spec(2, steps=100_000, checkpoint_every=100_000), tmp_path, sink=sink,
         should_cancel=lambda: len(sink.records) >= 5,
-    )  # fmt: skip
+    ))  # fmt: skip
     assert result.status == "cancelled" and 5 <= result.steps < 100_000
     assert sink.checkpoints[-1][0] == result.steps
     assert sink.logs[-1] == ("info", f"cancelled before step {result.steps}")
@@ -97,13 +98,13 @@ def test_early_stopping_is_rank_0s_verdict_on_every_rank(tmp_path):
 
 def test_a_warm_started_group_stops_early_at_the_step_one_process_does(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run_job(spec(1), tmp_path / "parent")
+    run_job(RunRequest(spec(1), tmp_path / "parent"))
     parent = checkpoint_path(tmp_path / "parent" / "checkpoints", 8)
     init = {"job_id": "parent", "step": 8, "optimizer_state": True}
     early = {"steps": 40, "checkpoint_every": 5, "early_stop": {"patience": 3, "min_delta": 10.0}}
     one, two = ListSink(), ListSink()
-    alone = run_job(spec(1, init, **early), tmp_path / "one", sink=one, init_from=parent)
-    group = run_job(spec(2, init, **early), tmp_path / "two", sink=two, init_from=parent)
+    alone = run_job(RunRequest(spec(1, init, **early), tmp_path / "one", sink=one, init_from=parent))
+    group = run_job(RunRequest(spec(2, init, **early), tmp_path / "two", sink=two, init_from=parent))
     # No evaluation betters the first by 10 nats: both stop after 3 more, at step 12, every rank
     # with them (a rank that went on would wait in a collective for ever, and the group fail).
     assert alone.status == group.status == "succeeded" and alone.steps == group.steps == 12

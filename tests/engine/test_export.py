@@ -17,6 +17,7 @@ from worker.engine.checkpoints import latest_checkpoint, load_checkpoint
 from worker.engine.config import ModelConfig
 from worker.engine.export import load_safetensors
 from worker.engine.models import build_model
+from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def logits(model: torch.nn.Module, vocab: int, seq_len: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["gpt", "moe", "mlp"])
 def test_the_exported_safetensors_reload_to_the_same_logits(tmp_path, arch):
-    run_job(spec(arch, {"builtin": "synthetic"}), tmp_path / "run")
+    run_job(RunRequest(spec(arch, {"builtin": "synthetic"}), tmp_path / "run"))
     checkpoint = latest_checkpoint(tmp_path / "run" / "checkpoints")
     exported = to_safetensors(checkpoint, tmp_path / "exports")
     model, config = load_safetensors(exported)
@@ -77,7 +78,7 @@ def docs_example() -> str:
 def test_the_docs_example_loads_an_export_and_writes_text(tmp_path, monkeypatch, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def main(argv):\n    return len(argv)\n" * 200)
-    run_job(spec("gpt", {"path": str(corpus)}), tmp_path / "run")
+    run_job(RunRequest(spec("gpt", {"path": str(corpus)}), tmp_path / "run"))
     exported = to_safetensors(latest_checkpoint(tmp_path / "run" / "checkpoints"), tmp_path / "export")
     write_export_config(exported.replace(tmp_path / "export" / EXPORT_FILE))
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == sorted([CONFIG_FILE, EXPORT_FILE])

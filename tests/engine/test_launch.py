@@ -10,6 +10,7 @@ import pytest
 
 from worker.engine.launch import Launch, RankFailed
 from worker.engine.outcome import RunResult
+from worker.engine.request import RunRequest
 
 ABORTED = 134  # the exit status of a process that aborted (SIGABRT), as a gloo teardown fault can
 
@@ -85,6 +86,6 @@ def test_a_cuda_group_with_more_ranks_than_the_node_has_gpus_fails_before_it_sta
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     job = spec(2, device="cuda")
     with pytest.raises(NotEnoughGpus, match=r"resources\.nproc is 2: .* this worker has 1") as raised:
-        run_group(job, tmp_path / "run")
+        run_group(RunRequest(job, tmp_path / "run"))
     assert raised.value.code == "not_enough_gpus"
     assert not (tmp_path / "run").exists()  # nothing launched, nothing written

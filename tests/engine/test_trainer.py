@@ -15,6 +15,7 @@ from worker.engine.config import job_config
 from worker.engine.data import SYNTHETIC_ALPHABET, Tokenizer, load_corpus, synthetic_task
 from worker.engine.optimizer import lr_factor
 from worker.engine.outcome import TimeLimitReached, TrainingError
+from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 from worker.engine.sample import PROMPT_TOKENS
 from worker.engine.telemetry import JsonlSink, Report
@@ -233,7 +234,7 @@ def test_non_utf8_corpus_is_refused(tmp_path):
 
 
 def test_run_job_writes_metrics_checkpoints_and_summary(tmp_path):
-    result = run_job(spec(steps=6, checkpoint_every=3), tmp_path)
+    result = run_job(RunRequest(spec(steps=6, checkpoint_every=3), tmp_path))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(7))
     assert set(lines[0]) == {"step", "metrics"}
@@ -269,7 +270,7 @@ def test_real_run_on_the_builtin_text_learns_it(tmp_path):
             "telemetry": {"every": 10},
         }
     ).model_dump()
-    result = run_job(s, tmp_path)
+    result = run_job(RunRequest(s, tmp_path))
     print(f"pysource byte-level gpt, Muon, 300 steps: val_loss {result.val_loss:.3f}")
     # 1.942 on Python 3.11.7's text; its byte frequencies alone (no context) give 3.118
     assert result.status == "succeeded" and result.val_loss < 2.15
@@ -277,8 +278,8 @@ def test_real_run_on_the_builtin_text_learns_it(tmp_path):
 
 def test_a_resume_after_the_last_step_keeps_the_summary(tmp_path):
     s = spec(steps=8, checkpoint_every=4)
-    first = run_job(s, tmp_path)
-    again = run_job(s, tmp_path)  # resumes at step 8 and trains nothing
+    first = run_job(RunRequest(s, tmp_path))
+    again = run_job(RunRequest(s, tmp_path))  # resumes at step 8 and trains nothing
     assert again.steps == 8 and again.status == "succeeded"
     assert again.loss == first.loss and again.attn_max_logit == first.attn_max_logit
     assert again.val_loss == first.val_loss

@@ -7,6 +7,7 @@ from contract.spec import JobSpec
 from tests.engine.test_trainer import ListSink, trainer
 from worker.engine.checkpoints import checkpoint_path, load_checkpoint
 from worker.engine.outcome import TrainingError
+from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 
 
@@ -84,7 +85,7 @@ def test_a_run_with_a_checkpoint_of_its_own_resumes_from_it_not_from_the_parent(
 
 
 def test_run_job_hands_the_file_to_the_trainer(parent, tmp_path):
-    result = run_job(spec(2, {"job_id": "parent", "step": 60}), tmp_path, init_from=parent_file(parent))
+    result = run_job(RunRequest(spec(2, {"job_id": "parent", "step": 60}), tmp_path, init_from=parent_file(parent)))
     assert result.loss < parent[1][0] - 1.0
 
 

@@ -7,9 +7,8 @@ constants; the API calls these functions at admission (app.services.caps).
 
 from __future__ import annotations
 
-from typing import Any
-
 from contract import metrics
+from contract.spec import DataSpec, JobSpec, ModelSpec
 
 MLP_RATIO = 4  # feed-forward width: d_model x 4
 MLP_CONTEXT = 8  # the mlp baseline's window, in tokens
@@ -43,32 +42,32 @@ LAUNCHER_BYTES = 256 << 20  # torchrun's agent (measured: about 220 MiB)
 DDP_COPIES = 1  # DDP's gradient buckets: one more fp32 copy of the parameters per rank
 
 
-def vocabulary(data: dict[str, Any], dataset_char_vocab: int | None = None) -> int:
+def vocabulary(data: DataSpec, dataset_char_vocab: int | None = None) -> int:
     """The vocabulary size the engine builds for a spec's ``data`` (with an uploaded dataset's
     distinct characters for its char tokenizer)."""
-    if data.get("builtin") == "synthetic":
+    if data.builtin == "synthetic":
         return SYNTHETIC_VOCAB
-    if data.get("tokenizer", "byte") == "byte":
+    if data.tokenizer == "byte":
         return BYTE_VOCAB
-    return PYSOURCE_CHAR_VOCAB if data.get("builtin") == "pysource" else int(dataset_char_vocab or 0)
+    return PYSOURCE_CHAR_VOCAB if data.builtin == "pysource" else int(dataset_char_vocab or 0)
 
 
-def parameter_count(model: dict[str, Any], vocab: int) -> int:
+def parameter_count(model: ModelSpec, vocab: int) -> int:
     """Exact parameter count of the engine's model for a JobSpec ``model`` section (tied head)."""
-    d, L, T = model["d_model"], model["n_layer"], model["seq_len"]
+    d, L, T = model.d_model, model.n_layer, model.seq_len
     hidden = MLP_RATIO * d
-    if model["arch"] == "mlp":
+    if model.arch == "mlp":
         context = min(MLP_CONTEXT, T)
         layers = (context * d * hidden + hidden) + (L - 1) * (hidden * hidden + hidden)
         return vocab * d + layers + 2 * hidden + hidden * vocab
     ffn = 2 * d * hidden
-    if model["arch"] == "moe":
-        ffn = model["n_experts"] * (ffn + d)  # experts plus the router's row per expert
+    if model.arch == "moe":
+        ffn = moe_experts(model) * (ffn + d)  # experts plus the router's row per expert
     block = 4 * d + 4 * d * d + ffn  # two LayerNorms, qkv + proj, feed-forward
     return vocab * d + T * d + L * block + 2 * d
 
 
-def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0, on_cuda: bool | None = None) -> int:
+def peak_memory_bytes(spec: JobSpec, vocab: int, corpus_bytes: int = 0, on_cuda: bool | None = None) -> int:
     """An upper estimate, in bytes, of the memory a training run of ``spec`` takes on one worker.
 
     It counts what the run takes beyond the worker's own: weights, gradients and optimizer state
@@ -85,57 +84,66 @@ def peak_memory_bytes(spec: dict[str, Any], vocab: int, corpus_bytes: int = 0, o
     The coefficients are measured (peak resident memory of real runs): the estimate is above the
     measured peak and within a small factor of it.
     """
-    resources = spec.get("resources") or {"nproc": 1, "nnodes": 1}
-    nproc, ranks = resources["nproc"], resources["nproc"] * resources["nnodes"]
-    data = corpus_bytes * (CORPUS_BYTES_CHAR if spec["data"].get("tokenizer") == "char" else CORPUS_BYTES_BYTE)
+    nproc, ranks = spec.resources.nproc, spec.resources.world_size
+    data = corpus_bytes * (CORPUS_BYTES_CHAR if spec.data.tokenizer == "char" else CORPUS_BYTES_BYTE)
     if ranks == 1:
-        return run_memory_bytes(spec, vocab, spec["train"]["batch_size"], on_cuda) + data
-    rank = RANK_PROCESS_BYTES + run_memory_bytes(spec, vocab, spec["train"]["batch_size"] // ranks, on_cuda, DDP_COPIES)
+        return run_memory_bytes(spec, vocab, spec.train.batch_size, on_cuda) + data
+    rank = RANK_PROCESS_BYTES + run_memory_bytes(spec, vocab, spec.train.batch_size // ranks, on_cuda, DDP_COPIES)
     return LAUNCHER_BYTES + nproc * rank + data
 
 
-def run_memory_bytes(spec: dict[str, Any], vocab: int, B: int, on_cuda: bool | None, copies: int = 0) -> int:
+def run_memory_bytes(spec: JobSpec, vocab: int, B: int, on_cuda: bool | None, copies: int = 0) -> int:
     """peak_memory_bytes of one process training ``spec`` on batches of ``B`` sequences, its
     corpus aside; ``copies``: more fp32 copies of the parameters it keeps."""
-    model, train = spec["model"], spec["train"]
-    d, L, T = model["d_model"], model["n_layer"], model["seq_len"]
+    model = spec.model
+    d, L, T = model.d_model, model.n_layer, model.seq_len
     tokens = B * T
     params = parameter_count(model, vocab)
     state = (STATE_COPIES + copies) * params + NS_WORK * max_matrix(model, vocab)
     if on_cuda is None:  # where the run will go is not known before a worker takes it: a CPU's cost
-        on_cuda = train.get("device") == "cuda"
-    if model["arch"] == "mlp":
+        on_cuda = spec.train.device == "cuda"
+    if model.arch == "mlp":
         hidden = MLP_RATIO * d
         layer_floats = tokens * (MLP_CONTEXT * d + ACT_FLOATS_MLP * hidden * L)
         attention = 0
     else:
         ffn = ACT_FLOATS_FFN * d
-        if model["arch"] == "moe":
-            ffn = ACT_FLOATS_MOE * d * model["top_k"] + model["n_experts"]
+        if model.arch == "moe":
+            ffn = ACT_FLOATS_MOE * d * moe_top_k(model) + moe_experts(model)
         layer_floats = tokens * L * (ACT_FLOATS_BLOCK * d + ffn)
-        scores = B * model["n_head"] * T * (min(T, MAX_LOGIT_BLOCK) if on_cuda else T)
+        scores = B * model.n_head * T * (min(T, MAX_LOGIT_BLOCK) if on_cuda else T)
         attention = scores * (L * (0 if on_cuda else 1) + ATTENTION_TRANSIENT)
     logits = LOGIT_FLOATS * tokens * vocab
     return RUN_OVERHEAD_BYTES + BYTES_PER_FLOAT * (state + layer_floats + attention + logits)
 
 
-def max_matrix(model: dict[str, Any], vocab: int) -> int:
+def max_matrix(model: ModelSpec, vocab: int) -> int:
     """Elements of the largest weight matrix (the Newton–Schulz work is a few of its size)."""
-    d = model["d_model"]
+    d = model.d_model
     hidden = MLP_RATIO * d
-    if model["arch"] == "mlp":
-        return max(vocab * hidden, min(MLP_CONTEXT, model["seq_len"]) * d * hidden, hidden * hidden)
+    if model.arch == "mlp":
+        return max(vocab * hidden, min(MLP_CONTEXT, model.seq_len) * d * hidden, hidden * hidden)
     return max(vocab * d, 3 * d * d, hidden * d)
 
 
-def series_per_step(spec: dict[str, Any]) -> int:
+def series_per_step(spec: JobSpec) -> int:
     """The telemetry series a run reports at each telemetry step (contract.metrics): global ones,
     per layer, per head, per expert, the optimizer's."""
-    model, telemetry, optimizer = spec["model"], spec["telemetry"], spec["optimizer"]["name"]
-    count = len(metrics.GLOBAL) + len(metrics.OPTIMIZER[optimizer])
-    if model["arch"] != "mlp":
-        L = model["n_layer"]
-        count += 1 + L + (L * model["n_head"] if telemetry["per_head"] else 0)  # attn_max_logit[/l{i}[h{j}]]
-        if model["arch"] == "moe":
-            count += ROUTER_SERIES + (L * model["n_experts"] if telemetry["per_expert"] else 0)
+    model, telemetry = spec.model, spec.telemetry
+    count = len(metrics.GLOBAL) + len(metrics.OPTIMIZER[spec.optimizer.name])
+    if model.arch != "mlp":
+        L = model.n_layer
+        count += 1 + L + (L * model.n_head if telemetry.per_head else 0)  # attn_max_logit[/l{i}[h{j}]]
+        if model.arch == "moe":
+            count += ROUTER_SERIES + (L * moe_experts(model) if telemetry.per_expert else 0)
     return count
+
+
+def moe_experts(model: ModelSpec) -> int:
+    """An moe model's experts per layer (validation fills it in for arch moe; 0 for the others)."""
+    return model.n_experts or 0
+
+
+def moe_top_k(model: ModelSpec) -> int:
+    """The experts each token of an moe model is routed to (0 for the other archs)."""
+    return model.top_k or 0

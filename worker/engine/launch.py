@@ -37,6 +37,7 @@ from contract.status import JobStatus
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, deliver, encode
 from .config import job_config
 from .outcome import NotEnoughGpus, RunResult, TrainingError
+from .request import RunRequest
 from .telemetry import TelemetrySink
 from .trainer import resolve_device
 
@@ -93,35 +94,25 @@ def torchrun_command(
     return [*launcher, "-m", RANK_MODULE, *rank_args]
 
 
-def run_group(
-    spec: dict[str, Any],
-    out_dir: Path,
-    corpus: Path | None = None,
-    sink: TelemetrySink | None = None,
-    should_cancel: Callable[[], bool] | None = None,
-    resume: bool = True,
-    watch: Callable[[], None] | None = None,
-    node: Node | None = None,
-    init_from: Path | None = None,
-) -> RunResult | None:
-    """Train ``spec`` in a group of ``resources.nproc`` ranks (per node) launched and followed from here.
+def run_group(request: RunRequest) -> RunResult | None:
+    """Train a job in a group of ``resources.nproc`` ranks (per node) launched and followed from here.
 
-    The run's files go under ``out_dir`` (rank 0 writes them; torchrun's and the ranks' output goes
-    to ``ranks.log``). Raises as the trainer would (TrainingError with its code, out of memory), or
-    RankFailed. ``node``: this process's node of a job of several; a node other than 0 returns None
-    once its ranks ended well (the outcome is node 0's). ``init_from``: a warm start's checkpoint
-    file, which every rank loads.
+    The run's files go under ``request.out_dir`` (rank 0 writes them; torchrun's and the ranks'
+    output goes to ``ranks.log``). Raises as the trainer would (TrainingError with its code, out of
+    memory), or RankFailed. On a ``request.node`` other than 0 of a job of several, returns None
+    once its ranks ended well (the outcome is node 0's). Every rank loads ``request.init_from``.
     """
-    job = job_config(spec)
+    job, out_dir, node = job_config(request.spec), request.out_dir, request.node
     resources = job.resources
     check_gpus(job.train, resources.nproc)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = f"-node{node.index}" if node is not None else ""  # the nodes may share the directory
     spec_path = out_dir / f"group-spec{suffix}.json"
+    spec = request.spec if isinstance(request.spec, dict) else request.spec.model_dump(mode="json")
     spec_path.write_text(json.dumps(spec))
     args = ["--spec", str(spec_path), "--out", str(out_dir)]
-    args += (["--corpus", str(corpus)] if corpus else []) + ([] if resume else ["--fresh"])
-    args += ["--init-from", str(init_from)] if init_from else []
+    args += (["--corpus", str(request.corpus)] if request.corpus else []) + ([] if request.resume else ["--fresh"])
+    args += ["--init-from", str(request.init_from)] if request.init_from else []
     reports = node is None or node.index == 0
     host = node.address if node is not None and reports else "127.0.0.1"
     group = Launch(host, out_dir / f"ranks{suffix}.log", resources.nproc)
@@ -134,7 +125,7 @@ def run_group(
                 mine = Meeting(rendezvous, secrets.token_hex(8), group.address, group.token)
             meeting = node.meet(mine)
         group.start(torchrun_command(resources.nproc, args, resources.nnodes, node, meeting), meeting)
-        return group.follow(sink, should_cancel or (lambda: False), watch, reports)
+        return group.follow(request.sink, request.should_cancel or (lambda: False), request.watch, reports)
     finally:
         group.kill()
 

@@ -18,6 +18,7 @@ from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, RankC
 from .config import job_config
 from .distributed import join_group, leave_group
 from .outcome import TrainingError
+from .request import RunRequest
 from .run import run_process
 from .trainer import resolve_device
 
@@ -45,16 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device, _ = resolve_device(job_config(spec).train)
         group = join_group(device.type == "cuda")
-        result = run_process(
+        request = RunRequest(
             spec,
             args.out,
             args.corpus,
             sink=channel if lead else None,
             should_cancel=channel.should_cancel if lead else None,
             resume=not args.fresh,
-            group=group,
             init_from=args.init_from,
         )
+        result = run_process(request, group)
         if lead:
             channel.result(result)
         channel.done()
