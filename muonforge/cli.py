@@ -1,6 +1,8 @@
-"""The ``muonforge`` command line: the service commands here, the client commands in
-``muonforge.client_commands``. A service command imports app, worker or torch only when it
-runs; a client command never does."""
+"""The ``muonforge`` command line: the service commands here, the client commands beside it.
+
+The client commands are in ``muonforge.client_commands``. A service command imports app, worker
+or torch only when it runs; a client command never does.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""The extras of this distribution that a service command needs (pyproject.toml: ``server``,
-``train``), checked against what is installed before the command imports any of them: a
-client-only install (``pip install muonforge``) answers ``muonforge up`` with one line naming
-what to install, not a traceback. The packages of each extra are read from the installed
-distribution's own metadata, so pyproject.toml stays the one place that lists them."""
+"""The extras a service command needs, checked against what is installed before any import.
+
+The extras are pyproject.toml's ``server`` and ``train``: a client-only install (``pip install
+muonforge``) answers ``muonforge up`` with one line naming what to install, not a traceback. The
+packages of each extra are read from the installed distribution's own metadata, so
+pyproject.toml stays the one place that lists them.
+"""
 
 from __future__ import annotations
 

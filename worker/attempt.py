@@ -1,8 +1,9 @@
-"""One worker attempt at a job: claim it with a lease, keep the lease alive, train with the engine
-while keeping the job's progress and summary current in the database, then record the outcome.
-This module is the adapter between the Celery task, the engine and the service: every status
-change is a use case of app.services.lifecycle, in a transaction of its own, retried through a
-database outage; here the engine's exceptions become error codes.
+"""One worker attempt at a job: claim it, keep its lease, train with the engine, record the outcome.
+
+This module is the adapter between the Celery task, the engine and the service: the job's
+progress and summary stay current in the database while it trains, every status change is a use
+case of app.services.lifecycle, in a transaction of its own, retried through a database outage,
+and the engine's exceptions become error codes.
 
 Every write is fenced by the attempt number: an attempt that lost its lease (the reaper gave the
 job to another) changes nothing and stops at its next step.
@@ -13,7 +14,8 @@ and the cancel flag stay here, rank 0's telemetry comes back over a local socket
 kills the group, and a rank that dies gives the job back to the queue at once (it resumes from its
 latest checkpoint, as after a lost worker, and the attempt counts against ``max_restarts``). A job
 of several nodes (``resources.nnodes``) is gang-scheduled (worker.gang): this attempt is its node 0,
-and a task that finds the job running takes one of its other nodes instead."""
+and a task that finds the job running takes one of its other nodes instead.
+"""
 
 from __future__ import annotations
 

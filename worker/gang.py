@@ -1,15 +1,14 @@
-"""Jobs of several nodes (``resources.nnodes``), gang-scheduled on as many workers through the
-database.
+"""Jobs of several nodes (``resources.nnodes``), gang-scheduled on as many workers through the database.
 
 A job's task goes out once per node. The worker that claims the job is node 0: its claim opens the
-attempt's node slots (app.services.lifecycle ``claim``), the job's lease is its lease, and it publishes
-where the others meet it: its c10d rendezvous and its launcher's socket, which global rank 0
-reports to. Each other worker that takes one of the job's tasks claims a free slot of the running
-attempt under a lease of its own, and nothing starts until every slot is held. Node 0 alone
-records the outcome. A node whose group fails lets its slot lapse at once, and a node whose worker
-is lost stops renewing it: either way node 0 sees the lapsed slot, gives the job back (the attempt
-fails on every node: the others' slot leases end with it, which kills their groups) and the job
-resumes from its latest checkpoint with a new gang.
+attempt's node slots (app.services.lifecycle ``claim``), the job's lease is its lease, and it
+publishes where the others meet it: its c10d rendezvous and its launcher's socket, which global
+rank 0 reports to. Each other worker that takes one of the job's tasks claims a free slot of the
+running attempt under a lease of its own, and nothing starts until every slot is held. Node 0
+alone records the outcome. A node whose group fails lets its slot lapse at once, and a node whose
+worker is lost stops renewing it: either way node 0 sees the lapsed slot, gives the job back (the
+attempt fails on every node: the others' slot leases end with it, which kills their groups) and
+the job resumes from its latest checkpoint with a new gang.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""An attempt's lease on its job (or, on a node other than 0 of a job of several nodes, on its
-node slot), renewed from a background thread while the attempt makes progress."""
+"""An attempt's lease on its job, or on its node slot, renewed from a background thread.
+
+A node other than 0 of a job of several nodes holds a lease on its slot instead of the job's. The
+thread renews it while the attempt makes progress.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""All SQL about checkpoints: the files a job's attempts wrote, by step, and the steps that
-other jobs start from (a warm start's ``init_from``), which the job's retention keeps."""
+"""All SQL about checkpoints.
+
+The files a job's attempts wrote, by step, and the steps that other jobs start from (a warm
+start's ``init_from``), which the job's retention keeps.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""All SQL about job events: a job's log of status changes, checkpoints, log lines and samples,
-numbered per job (app.services.job_journal writes them)."""
+"""All SQL about job events.
+
+A job's log of status changes, checkpoints, log lines and samples, numbered per job
+(app.services.job_journal writes them).
+"""
 
 from __future__ import annotations
 

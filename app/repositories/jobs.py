@@ -1,15 +1,17 @@
-"""All SQL about a job's row: reads, inserts, and its status, which changes in one place,
-``change_status``: a compare-and-set UPDATE that names its rule of contract.status.TRANSITIONS and
-the states it may leave (and, for a worker, its attempt number: the fencing token), so a stale
-writer changes nothing and learns so from the row count. Its caller is app.services.lifecycle.
-A job's events, checkpoints and leases have repositories of their own (job_events, checkpoints,
-leases).
+"""All SQL about a job's row: reads, inserts, and its status.
+
+The status changes in one place, ``change_status``: a compare-and-set UPDATE that names its rule
+of contract.status.TRANSITIONS and the states it may leave (and, for a worker, its attempt
+number: the fencing token), so a stale writer changes nothing and learns so from the row count.
+Its caller is app.services.lifecycle. A job's events, checkpoints and leases have repositories of
+their own (job_events, checkpoints, leases).
 
 A change into or out of contract.status.ACTIVE also updates the tenant's ``active_jobs``, by
 trigger (migration 0005), in its transaction: it locks the job's row, then the tenant's. So a
 transaction changes the status of one existing job at most, and locks no tenant before it: two
 such changes in one transaction, or a tenant's lock then a change, can wait in a cycle on
-another transaction that takes the same rows in another order (Postgres then aborts one)."""
+another transaction that takes the same rows in another order (Postgres then aborts one).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""All SQL about leases: a worker attempt's lease on its job (taken by the claim, a status
-change of app.repositories.jobs), renewed here and found lapsed by the reaper, and the node slots
-(``job_nodes``) of a job of several nodes, each under a lease of its own. Every write is fenced by
-the attempt number."""
+"""All SQL about leases: a worker attempt's on its job, and the node slots of a job of several nodes.
+
+The job's lease is taken by the claim (a status change of app.repositories.jobs), renewed here and
+found lapsed by the reaper; each node slot (``job_nodes``) has a lease of its own. Every write is
+fenced by the attempt number.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The per-tenant cap on queued plus running jobs at the edge, without a database round trip
-per submission.
+"""The per-tenant job cap checked at the edge, mostly without a database round trip.
 
 The cap holds exactly where jobs are inserted (app.services.intake: the tenants' rows locked,
 their ``active_jobs`` read). This earlier check only refuses early: most submissions over the

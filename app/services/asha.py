@@ -1,8 +1,10 @@
-"""ASHA in a sweep: the decision of a trial at a rung (``record_rung``, made once under the
-sweep's lock), what it means for the trial's attempt (``rung_outcome``), and in the promote form
-the promotions of waiting trials (``promotion_candidates``, ``promote``) or, when the sweep has
-nothing left to run, the end of their waits (``stop_waiting``). The rules themselves are pure
-functions (app.services.search). Services never commit.
+"""ASHA in a sweep: a trial's decision at a rung, and the promotions of waiting trials.
+
+The decision (``record_rung``) is made once, under the sweep's lock; ``rung_outcome`` says what it
+means for the trial's attempt. In the promote form, waiting trials are promoted
+(``promotion_candidates``, ``promote``) or, once the sweep has nothing left to run, their waits
+end (``stop_waiting``). The rules themselves are pure functions (app.services.search). Services
+never commit.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Job events: status changes, checkpoints, log lines and text samples, each recorded in the
-transaction of the change it reports and published to the live bus once that transaction has
-committed (not at all on rollback).
+"""A job's events, each recorded in its change's transaction and published once that commits.
 
-Every writer of a job event goes through here: the job lifecycle (app.services.lifecycle: a new
-job's first status and every status change) and a worker attempt's telemetry sink (checkpoints,
-logs, samples). The event's seq comes from the job's row (locked until commit), so a
-job's events commit in seq order; the events stream (app.services.event_stream) replays them from the
-database and tails them from the bus. A final status also queues the job's webhook deliveries
-(app.services.webhooks) in its transaction: the one place every job's end passes.
+Events are status changes, checkpoints, log lines and text samples; one whose transaction rolls
+back is never published. Every writer of a job event goes through here: the job lifecycle
+(app.services.lifecycle: a new job's first status and every status change) and a worker
+attempt's telemetry sink (checkpoints, logs, samples). The event's seq comes from the job's row
+(locked until commit), so a job's events commit in seq order; the events stream
+(app.services.event_stream) replays them from the database and tails them from the bus. A final
+status also queues the job's webhook deliveries (app.services.webhooks) in its transaction: the
+one place every job's end passes.
 """
 
 from __future__ import annotations

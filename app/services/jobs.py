@@ -1,5 +1,7 @@
-"""Job use cases after intake (app.services.intake): get, list, cancel, metric history. Services
-never commit; the request (or task) that owns the session does."""
+"""Job use cases after intake (app.services.intake): get, list, cancel, metric history.
+
+Services never commit; the request (or task) that owns the session does.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""A worker attempt's hold on its job between its claim and its end (app.services.lifecycle):
-its lease renewed, and for a job of several nodes (gang-scheduled, worker.gang) the node slots its
-other workers take, where node 0 publishes their meeting point. Every write is fenced by the
-attempt number. Services never commit."""
+"""A worker attempt's hold on its job between its claim and its end: leases and node slots.
+
+The lease is renewed here; for a job of several nodes (gang-scheduled, worker.gang) the other
+workers take node slots, and node 0 publishes their meeting point. Every write is fenced by the
+attempt number. Services never commit.
+"""
 
 from __future__ import annotations
 

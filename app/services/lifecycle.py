@@ -1,17 +1,17 @@
-"""The job lifecycle: every change of a job's status, each a use case named after its rule in
-contract.status.TRANSITIONS (claim, request_cancel and cancel_waiting, finish, pause, release,
-promote and unpromote, stop_waiting), and a new job's first status.
+"""The job lifecycle: every change of a job's status, each a use case named after its rule.
 
-A use case does one fenced compare-and-set (app.repositories.jobs ``change_status``, which refuses
-a change its rule does not name) and, if the row changed, records the status event in the same
-transaction (app.services.job_journal ``record_status``, which also queues a final status's
-webhook deliveries). It returns the job as recorded, or None where the row had moved on (another
-attempt holds it, a concurrent change came first): the caller looks again, or stops. Services
-never commit: the request's unit of work or the task's ``transaction(settings)`` does.
+The rules are contract.status.TRANSITIONS (claim, request_cancel and cancel_waiting, finish,
+pause, release, promote and unpromote, stop_waiting); a new job's first status is recorded here
+too. A use case does one fenced compare-and-set (app.repositories.jobs ``change_status``, which
+refuses a change its rule does not name) and, if the row changed, records the status event in
+the same transaction (app.services.job_journal ``record_status``, which also queues a final
+status's webhook deliveries). It returns the job as recorded, or None where the row had moved on
+(another attempt holds it, a concurrent change came first): the caller looks again, or stops.
+Services never commit: the request's unit of work or the task's ``transaction(settings)`` does.
 
 Callers keep the lock order of app.repositories.jobs: one existing job's status per transaction,
-no tenant locked before it. ``promote`` reads the tenant's job cap on the row its change's trigger
-now holds, so the count is exact.
+no tenant locked before it. ``promote`` reads the tenant's job cap on the row its change's
+trigger now holds, so the count is exact.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The reaper: jobs whose worker stopped renewing its lease go back to the queue (to resume from
-their latest checkpoint), or end cancelled / failed; queued jobs whose task got lost are re-sent;
-running sweeps start their next trials where slots have freed up (app.services.sweeps.advance).
-Several reapers may run at once (API and workers): every change is a compare-and-set
+"""The reaper: lapsed leases, lost task messages, sweeps' next trials and orphaned dataset files.
+
+Jobs whose worker stopped renewing its lease go back to the queue (to resume from their latest
+checkpoint), or end cancelled or failed; queued jobs whose task got lost are sent again; running
+sweeps start their next trials where slots have freed up (app.services.sweeps.advance). Several
+reapers may run at once (API and workers): every change is a compare-and-set
 (app.services.lifecycle ``release``). Every SWEEP_SECONDS it also removes the dataset files that
-no row names (app.services.datasets)."""
+no row names (app.services.datasets).
+"""
 
 from __future__ import annotations
 

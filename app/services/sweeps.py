@@ -1,7 +1,9 @@
-"""Sweeps: submission (every trial's spec validated, the sweep, its trials and its first jobs
-stored in one transaction), list, get, cancel; ``advance``, which promotes waiting trials and
-starts the next ones as slots free up and completes the sweep. ASHA's decisions and promotions
-are app.services.asha; the rules themselves are pure functions (app.services.search). Services never commit.
+"""Sweeps: submission, list, get, cancel, and ``advance``, which starts trials as slots free up.
+
+A submission validates every trial's spec and stores the sweep, its trials and its first jobs in
+one transaction. ``advance`` promotes waiting trials, starts the next ones and completes the
+sweep. ASHA's decisions and promotions are app.services.asha; the rules themselves are pure
+functions (app.services.search). Services never commit.
 
 Trials are ordinary jobs, inserted through the job intake's own stages (``prepare_submission``,
 ``insert_submissions``): the tenant's job cap holds exactly, and a trial beyond it or beyond the

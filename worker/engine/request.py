@@ -1,4 +1,4 @@
-"""What a run of a job is given: ``RunRequest``, the one argument of run_job, run_process and run_group."""
+"""What a run of a job is given: ``RunRequest``, the argument of run_job, run_process, run_group."""
 
 from __future__ import annotations
 
