@@ -21,7 +21,7 @@ from contract.spec import DataSpec, JobSpec
 from worker.engine import data as engine_data
 from worker.engine.config import ModelConfig, job_config
 from worker.engine.facts import parameter_count, series_per_step, vocabulary
-from worker.engine.models import build_model
+from worker.engine.models import ARCHITECTURES, build_model
 from worker.engine.optimizer import NS_DTYPES
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
@@ -150,6 +150,10 @@ def test_every_status_is_reachable_and_a_finished_one_is_final():
             reachable.add(target)
             frontier.append(target)
     assert reachable == set(status.JobStatus)
+
+
+def test_every_arch_of_the_spec_has_a_model_and_no_other():
+    assert sorted(contract_spec.choices()["model.arch"]) == sorted(ARCHITECTURES)
 
 
 SHAPES = {  # (n_layer, n_head, d_model, seq_len), a grid that crosses every term of the count

@@ -1,12 +1,11 @@
-"""Language models built from a ModelConfig: gpt, moe and mlp.
+"""The decoder language models gpt and moe, built from a ModelConfig.
 
-gpt is a pre-norm decoder, moe a gpt with MoE feed-forward layers, and mlp is attention-free, with
-a fixed context window.
+gpt is a pre-norm decoder (learned positions, LayerNorm, GELU); moe is a gpt whose feed-forward
+layers are mixtures of experts.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..facts import MLP_CONTEXT  # the mlp baseline predicts each token from this many before it (Bengio et al. 2003)
 from .attention import CausalSelfAttention
 from .moe import MoEFeedForward
 
@@ -60,7 +58,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
-        _init_weights(self, cfg.n_layer)
+        init_weights(self, cfg.n_layer)
 
     def forward(self, idx: Tensor) -> Tensor:
         """idx [B, T] token ids -> logits [B, T, vocab]."""
@@ -82,42 +80,7 @@ class GPT(nn.Module):
         return torch.stack(losses).mean() if losses else None
 
 
-class MLPLanguageModel(nn.Module):
-    """Predicts each token from the embeddings of the MLP_CONTEXT tokens before it (zero-padded)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.context = min(MLP_CONTEXT, cfg.seq_len)
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        width = cfg.mlp_ratio * cfg.d_model
-        dims = [self.context * cfg.d_model] + [width] * cfg.n_layer
-        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
-        self.ln_f = nn.LayerNorm(width)
-        self.lm_head = nn.Linear(width, cfg.vocab_size, bias=False)
-        _init_weights(self, cfg.n_layer)
-
-    def forward(self, idx: Tensor) -> Tensor:
-        B, T = idx.shape
-        e = self.wte(idx)  # [B, T, C]
-        e = F.pad(e, (0, 0, self.context - 1, 0))  # [B, T + ctx - 1, C]: zeros before the start
-        x = e.unfold(1, self.context, 1)  # [B, T, C, ctx]: window ending at each position
-        x = x.transpose(2, 3).reshape(B, T, -1)  # [B, T, ctx * C]
-        for layer in self.hidden:
-            x = F.gelu(layer(x))
-        return self.lm_head(self.ln_f(x))
-
-    def attention_layers(self) -> list[CausalSelfAttention]:
-        return []
-
-    def moe_layers(self) -> list[MoEFeedForward]:
-        return []
-
-    def aux_loss(self) -> Tensor | None:
-        return None
-
-
-def _init_weights(model: nn.Module, n_layer: int) -> None:
+def init_weights(model: nn.Module, n_layer: int) -> None:
     """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
     for name, p in model.named_parameters():
         if p.ndim >= 2 and "router" not in name:
@@ -125,9 +88,4 @@ def _init_weights(model: nn.Module, n_layer: int) -> None:
             nn.init.normal_(p, mean=0.0, std=std)
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    if cfg.arch in ("gpt", "moe"):
-        return GPT(cfg)
-    if cfg.arch == "mlp":
-        return MLPLanguageModel(cfg)
-    raise ValueError(f"unknown arch {cfg.arch!r}")
+ARCHITECTURES = {"gpt": GPT, "moe": GPT}  # moe: MoE feed-forward layers (n_experts, top_k)
