@@ -48,7 +48,7 @@ def record_rung(session: Session, sweep_id: str, job_id: str, rung: int, value: 
     return repo.add_rung(sweep_id, job_id, rung, len(recorded), value, go_on)
 
 
-def rung_outcome(decision: SweepRung, metric: str, asha: dict[str, Any]) -> tuple[str, str] | None:
+def rung_outcome(decision: SweepRung, metric: str, asha: dict[str, Any]) -> tuple[JobStatus, str] | None:
     """None if the trial goes on past the rung (at once, or promoted), else the status its
     attempt ends with (``stopped_early``, or ``paused`` to wait for a promotion) and why."""
     if decision.go_on or decision.promoted_at is not None:

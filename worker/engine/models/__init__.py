@@ -1,12 +1,13 @@
 """Models the engine trains, built from a ModelConfig."""
 
 from .attention import CausalSelfAttention, causal_max_logits
-from .gpt import GPT, MLPLanguageModel, build_model
+from .gpt import GPT, LanguageModel, MLPLanguageModel, build_model
 from .moe import MoEFeedForward, load_balancing_loss, top_k_routing
 
 __all__ = [
     "GPT",
     "CausalSelfAttention",
+    "LanguageModel",
     "MLPLanguageModel",
     "MoEFeedForward",
     "build_model",

@@ -39,6 +39,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         if cfg.arch == "moe":
+            if cfg.n_experts is None or cfg.top_k is None:
+                raise ValueError("a moe model needs n_experts and top_k")
             self.ffn: nn.Module = MoEFeedForward(cfg.d_model, cfg.n_experts, cfg.top_k, hidden)
         else:
             self.ffn = FeedForward(cfg.d_model, hidden)
@@ -71,7 +73,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
     def attention_layers(self) -> list[CausalSelfAttention]:
-        return [b.attn for b in self.blocks]
+        return [b.attn for b in self.blocks if isinstance(b.attn, CausalSelfAttention)]
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
@@ -125,7 +127,11 @@ def _init_weights(model: nn.Module, n_layer: int) -> None:
             nn.init.normal_(p, mean=0.0, std=std)
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+# What the engine trains: the trainer and its telemetry ask it for its attention and MoE layers.
+LanguageModel = GPT | MLPLanguageModel
+
+
+def build_model(cfg: ModelConfig) -> LanguageModel:
     if cfg.arch in ("gpt", "moe"):
         return GPT(cfg)
     if cfg.arch == "mlp":
