@@ -49,3 +49,4 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check contract optim app worker muonforge migrations tests bench
 	$(VENV)/bin/ruff format --check contract optim app worker muonforge migrations tests bench
+	$(VENV)/bin/mypy

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from typing import TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,27 +85,34 @@ HTTP_CODES = {
 }
 
 
+class FieldError(TypedDict):
+    """One invalid field of a request: ``{"param": "optimizer.lr", "message": "..."}``."""
+
+    param: str | None
+    message: str
+
+
 def error_response(
     status: int,
     code: str,
     message: str,
     param: str | None = None,
     headers: dict[str, str] | None = None,
-    errors: list[dict[str, str | None]] | None = None,
+    errors: list[FieldError] | None = None,
 ) -> JSONResponse:
     """The one error body: ``{"error": {"code", "message", "param"}}``; a 422 of the request's
     validation also lists every invalid field in ``errors`` (``[{"param", "message"}]``)."""
-    body = {"error": {"code": code, "message": message, "param": param}}
+    error: dict[str, object] = {"code": code, "message": message, "param": param}
     if errors is not None:
-        body["error"]["errors"] = errors
-    return JSONResponse(body, status_code=status, headers=headers)
+        error["errors"] = errors
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
     return error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
 
 
-def _field(error: dict) -> dict[str, str | None]:
+def _field(error: dict) -> FieldError:
     """One pydantic error as ``{"param": "optimizer.lr", "message": "..."}``."""
     loc = [str(p) for p in error.get("loc", ())]
     if loc and loc[0] in ("body", "query", "path", "header"):
@@ -114,7 +122,7 @@ def _field(error: dict) -> dict[str, str | None]:
 
 
 async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-    fields = [_field(error) for error in exc.errors()] or [{"param": None, "message": "invalid request"}]
+    fields = [_field(error) for error in exc.errors()] or [FieldError(param=None, message="invalid request")]
     return error_response(422, "validation_error", fields[0]["message"], fields[0]["param"], errors=fields)
 
 
@@ -145,7 +153,9 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(DomainError, _domain_error)
-    app.add_exception_handler(RequestValidationError, _invalid_request)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
+    # FastAPI's exception_handler takes a handler of the class it is registered for (Starlette's
+    # add_exception_handler is annotated for handlers of any Exception).
+    app.exception_handler(DomainError)(_domain_error)
+    app.exception_handler(RequestValidationError)(_invalid_request)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(Exception)(_unexpected)

@@ -8,10 +8,10 @@ unless they carry a prefix of their own (``qk_clip/``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 LOSS = "loss"
-VAL_LOSS = "val_loss"  # at every multiple of train.eval_every and at the last step
+VAL_LOSS: Final = "val_loss"  # at every multiple of train.eval_every and at the last step
 LR = "lr"
 GRAD_NORM = "grad_norm"  # of the raw gradients, before clipping
 LOGITS_MAX_ABS = "logits/max_abs"

@@ -57,7 +57,7 @@ class Transition:
     by: str
 
 
-def _rule(name: str, sources: set[JobStatus] | frozenset[JobStatus], targets: set[JobStatus], by: str) -> Transition:
+def _rule(name: str, sources: Iterable[JobStatus], targets: Iterable[JobStatus], by: str) -> Transition:
     return Transition(name, frozenset(sources), frozenset(targets), by)
 
 

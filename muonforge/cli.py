@@ -54,6 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     with ProgressSink(spec["train"]["steps"]) as progress:
         try:
             result = run_job(RunRequest(spec, args.out, sink=progress, resume=args.resume))
+            if result is None:  # only a node other than 0 of a job leaves the outcome to another
+                raise RuntimeError("the run ended without its outcome")
         except (TrainingError, RankFailed, FileNotFoundError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -120,7 +122,8 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
         raise InputError(exc.message) from None
     what = f"{key.id} ({key.prefix}…{f', {key.name!r}' if key.name else ''}, tenant {key.tenant!r})"
     if not revoked:
-        print(f"{what} was already revoked, {age(key.revoked_at.isoformat())} ago")
+        since = f", {age(key.revoked_at.isoformat())} ago" if key.revoked_at is not None else ""
+        print(f"{what} was already revoked{since}")
         return 0
     within = f"{settings.auth_cache_seconds:g} s (MUONFORGE_AUTH_CACHE_SECONDS)"
     print(f"revoked {what}; API processes refuse it within {within}, open event streams included")
@@ -264,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key", metavar="KEY", help="its id (key_…), its prefix (mf_…, as `keys list` shows) or the key")
     revoke.set_defaults(func=cmd_keys_revoke)
 
-    tenants = sub.add_parser("tenants", help="tenants and their job caps")
-    tenants = tenants.add_subparsers(dest="tenants_command", required=True)
+    tenants = sub.add_parser("tenants", help="tenants and their job caps").add_subparsers(
+        dest="tenants_command", required=True
+    )
     listing = tenants.add_parser(
         "list", help="tenants: name, id, job cap, queued+running jobs, dataset bytes stored, active keys"
     )

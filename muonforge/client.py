@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypedDict
 
 import httpx
 
@@ -52,6 +52,14 @@ DEFAULT_RETRY = Retry()
 Json = dict[str, Any]
 
 
+class _HttpOptions(TypedDict):
+    """What either client's httpx client is built with."""
+
+    base_url: str
+    headers: dict[str, str]
+    timeout: float
+
+
 class _ClientBase:
     """What both clients are built from: the URL and key (arguments, else the environment), the
     timeout and the retry policy."""
@@ -65,7 +73,11 @@ class _ClientBase:
         if not key:
             raise ConfigError("no API key", "MUONFORGE_API_KEY", "api_key")
         self.retry, self.timeout = retry, timeout
-        self._http_options = {"base_url": self.url, "headers": {"Authorization": f"Bearer {key}"}, "timeout": timeout}
+        self._http_options: _HttpOptions = {
+            "base_url": self.url,
+            "headers": {"Authorization": f"Bearer {key}"},
+            "timeout": timeout,
+        }
 
     def _attempts(self, call: Call, retrying: bool = True) -> Attempts:
         timeout = call.timeout.read if call.timeout is not None else self.timeout

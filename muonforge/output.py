@@ -20,7 +20,7 @@ from contract import metrics
 from contract.status import TRIAL_FINISHED, JobStatus, SweepStatus
 from contract.webhooks import DeliveryStatus
 
-STATUS_STYLE = {
+STATUS_STYLE: dict[str, str] = {  # by a status or its text
     JobStatus.SUCCEEDED: "green",
     JobStatus.FAILED: "red",
     JobStatus.CANCELLED: "yellow",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypedDict
 
 from rich.console import Console
 from rich.progress import (
@@ -38,14 +39,23 @@ class EtaColumn(TimeRemainingColumn):
         return Text("ETA ") + super().render(task)
 
 
+class _Shown(TypedDict, total=False):
+    """The figures a run's bar shows, as far as they are known."""
+
+    loss: str
+    val: str
+    tps: str
+
+
 class ProgressSink:
     """A training run's bar: step, loss, val_loss, tokens/s, elapsed time and ETA; its first
     column says "train" while it runs and the job's outcome once it has ended."""
 
     def __init__(self, total_steps: int, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True, log_path=False)
+        self._state = TextColumn("{task.fields[state]}", style="bold")
         self._progress = Progress(
-            TextColumn("{task.fields[state]}", style="bold"),
+            self._state,
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
@@ -68,7 +78,7 @@ class ProgressSink:
 
     def show(self, completed: int, values: dict[str, float]) -> None:
         """Steps completed, and whichever of loss, val_loss and tokens_per_s are known."""
-        fields = {}
+        fields: _Shown = {}
         if metrics.LOSS in values:
             fields["loss"] = f"{values[metrics.LOSS]:.4f}"
         if metrics.VAL_LOSS in values:
@@ -79,7 +89,7 @@ class ProgressSink:
 
     def end(self, status: str) -> None:
         """The job ended: its bar stops there, named by the outcome."""
-        self._progress.columns[0].style = STATUS_STYLE.get(status, "bold")
+        self._state.style = STATUS_STYLE.get(status, "bold")
         self._progress.update(self._task, state=status)
         self._progress.stop_task(self._task)
 

@@ -72,7 +72,8 @@ def check_port(host: str, port: int) -> None:
             return
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
-                raise UpFailed(f"cannot listen on {host}:{port}: {exc.strerror.lower()}; check --host", 2) from None
+                reason = (exc.strerror or str(exc)).lower()
+                raise UpFailed(f"cannot listen on {host}:{port}: {reason}; check --host", 2) from None
     url = f"http://{host}:{port}"
     if muonforge_answers(url):
         raise UpFailed(f"a muonforge server already answers at {url}; use it, or pass another --port", 2)
@@ -170,7 +171,8 @@ class Signals:
     HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
-        self.count, self.name = 0, None
+        self.count = 0
+        self.name: str | None = None  # of the first signal
 
     def __enter__(self) -> Signals:
         self._saved = {sig: signal.signal(sig, self._handle) for sig in self.HANDLED}

@@ -41,7 +41,7 @@ def assign_owners(costs: Sequence[int | float], world_size: int) -> list[int]:
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    loads = [0] * world_size
+    loads: list[float] = [0] * world_size  # ints stay exact sums of int costs
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):  # sorted() is stable: ties keep order
         rank = min(range(world_size), key=loads.__getitem__)  # min() returns the first minimum
@@ -65,7 +65,9 @@ def all_gather_from_owners(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if len(layout) != world or len(local) != len(layout[rank]):
         raise ValueError("layout must list every rank's tensors and local must match this rank's")
-    out: list[list[Tensor]] = [list(local) if r == rank else [None] * len(ts) for r, ts in enumerate(layout)]
+    # Another rank's slots are replaced by their received views below, bar a kind whose tensors have
+    # no elements at all: their templates stand for them (there are no values to receive).
+    out = [list(local) if r == rank else list(ts) for r, ts in enumerate(layout)]
     kinds = dict.fromkeys((t.dtype, t.device) for ts in layout for t in ts)  # first-seen order: same on all ranks
     for dtype, device in kinds:
         picked = [[i for i, t in enumerate(ts) if (t.dtype, t.device) == (dtype, device)] for ts in layout]

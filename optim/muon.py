@@ -52,6 +52,14 @@ def matrix_shape(shape: Sequence[int], experts: bool) -> tuple[int, int, int]:
     return 1, shape[0], math.prod(shape[1:])
 
 
+def _grad(p: Tensor) -> Tensor:
+    """The gradient of a parameter the step works on (it keeps only the parameters that have one)."""
+    grad = p.grad
+    if grad is None:
+        raise RuntimeError("a parameter without a gradient reached the optimizer step")
+    return grad
+
+
 def as_matrices(t: Tensor, experts: bool) -> Tensor:
     """View a Muon parameter (or its gradient) as its batch of matrices (:func:`matrix_shape`)."""
     if experts:
@@ -255,9 +263,9 @@ class Muon(torch.optim.Optimizer):
             by_device[p.grad.device].append(p)
         finite: dict[Tensor, bool] = {}
         for group in by_device.values():
-            norms = torch._foreach_norm([p.grad for p in group])
+            norms = torch._foreach_norm([_grad(p) for p in group])
             for p, ok in zip(group, torch.stack([n.float() for n in norms]).isfinite().tolist()):
-                finite[p] = ok or bool(p.grad.isfinite().all())
+                finite[p] = ok or bool(_grad(p).isfinite().all())
         return finite
 
     def _muon_step(
@@ -274,11 +282,11 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
-        torch._foreach_lerp_(bufs, [p.grad for p in params], 1.0 - beta)  # EMA momentum; p.grad is only read
+        torch._foreach_lerp_(bufs, [_grad(p) for p in params], 1.0 - beta)  # EMA momentum; p.grad is only read
 
         buckets: dict[tuple, list[Entry]] = defaultdict(list)  # same shape -> one batch
         for p in params if update is None else update:
-            g, buf = p.grad, self.state[p]["momentum_buffer"]
+            g, buf = _grad(p), self.state[p]["momentum_buffer"]
             g3, buf3 = as_matrices(g, group["experts"]), as_matrices(buf, group["experts"])
             rows, cols = g3.shape[-2:]
             entry = Entry(p, g3, buf3, update_scale(rows, cols, group["adjust_lr"]))
@@ -344,7 +352,7 @@ class Muon(torch.optim.Optimizer):
             steps.append(state["step"])
         adamw_update(
             params,
-            [p.grad for p in params],
+            [_grad(p) for p in params],
             exp_avgs,
             exp_avg_sqs,
             steps,

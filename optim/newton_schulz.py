@@ -101,13 +101,14 @@ def resolve_coefficients(coefficients: str | Sequence, steps: int) -> Schedule:
             raise ValueError(f"ns_coefficients is not a sequence of (a, b, c): {coefficients!r}") from None
     if not rows or any(len(r) != 3 or not all(math.isfinite(v) for v in r) for r in rows):
         raise ValueError(f"ns_coefficients must be finite (a, b, c) triples, got {coefficients!r}")
-    if len(rows) == 1:
-        return Schedule((rows[0],) * steps)
-    if len(rows) != steps:
+    triples = [(a, b, c) for a, b, c in rows]
+    if len(triples) == 1:
+        return Schedule((triples[0],) * steps)
+    if len(triples) != steps:
         raise ValueError(
-            f"ns_coefficients has {len(rows)} triples but ns_steps is {steps}: give one triple or one per step"
+            f"ns_coefficients has {len(triples)} triples but ns_steps is {steps}: give one triple or one per step"
         )
-    return Schedule(tuple(rows))
+    return Schedule(tuple(triples))
 
 
 def choose_method(m: int, n: int, method: str = "auto", dtype: torch.dtype = torch.float32) -> str:
@@ -209,7 +210,8 @@ def _carve(
     than the working precision and free once converted) the form's matrices go into X's own
     memory as far as they fit (standard form in bf16: A and P always, the next iterate too from
     n >= 2m)."""
-    mats = _form_shapes(*X.shape, form, work_dtype)
+    B, r, c = X.shape
+    mats = _form_shapes(B, r, c, form, work_dtype)
     norm_dtype = normalizing_dtype(X.dtype, work_dtype)
     if in_place and X.dtype == norm_dtype:
         X = normalize(X, factor)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 ROLES = ("muon", "experts", "adamw")
+
+
+@runtime_checkable
+class DeclaresRoles(Protocol):
+    """A module that names the role of its own parameters (an MoE layer's expert weights)."""
+
+    def muon_param_roles(self) -> dict[str, str]: ...
+
 
 # Modules whose weights are gains or lookup tables, never hidden linear maps.
 _ADAMW_MODULES = (
@@ -35,14 +43,14 @@ def split_params(model: nn.Module, output_head: nn.Module | None = None) -> list
     head = output_head if output_head is not None else _find_output_head(model)
     roles: dict[Tensor, str] = {}
     for module in model.modules():
-        declared = module.muon_param_roles() if hasattr(module, "muon_param_roles") else {}
+        declared = module.muon_param_roles() if isinstance(module, DeclaresRoles) else {}
         for name, p in module.named_parameters(recurse=False):
             role = declared.get(name) or _role(module, name, head)
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r} for parameter {name!r} of {type(module).__name__}")
             previous = roles.get(p)
             roles[p] = "adamw" if "adamw" in (previous, role) else role  # a tie to an embedding keeps AdamW
-    groups = [
+    groups: list[dict[str, Any]] = [
         {"params": [p for p, r in roles.items() if r == "muon"], "use_muon": True},
         {"params": [p for p, r in roles.items() if r == "experts"], "use_muon": True, "experts": True},
         {"params": [p for p, r in roles.items() if r == "adamw"], "use_muon": False},

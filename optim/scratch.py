@@ -7,6 +7,7 @@ buffer has grown.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -46,10 +47,11 @@ class Scratch:
         return sum(t.numel() * t.element_size() for t in self._flat.values())
 
 
-def fit(flat: Tensor, shapes: list[tuple[int, ...]]) -> tuple[list[Tensor], list[tuple[int, ...]]]:
+def fit(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> tuple[list[Tensor], Sequence[tuple[int, ...]]]:
     """Views of ``flat`` for the leading ``shapes`` that fit in it one after another (each started
     at a multiple of SCRATCH_ALIGN elements), and the shapes that did not fit."""
-    views, offset = [], 0
+    views: list[Tensor] = []
+    offset = 0
     for i, shape in enumerate(shapes):
         size = math.prod(shape)
         if offset + size > flat.numel():

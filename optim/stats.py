@@ -34,23 +34,25 @@ class PhaseTimer:
         self._cuda = device.type == "cuda"
         self._seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._start: float | torch.cuda.Event | None = None
+        self._start_event: torch.cuda.Event | None = None  # on CUDA
+        self._start_s = 0.0  # elsewhere
 
     def __enter__(self) -> PhaseTimer:
         if self._cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
         else:
-            self._start = time.perf_counter()
+            self._start_s = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._cuda:
+        if self._start_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((self._start, end))
+            self._events.append((self._start_event, end))
+            self._start_event = None
         else:
-            self._seconds += time.perf_counter() - self._start
+            self._seconds += time.perf_counter() - self._start_s
 
     def elapsed_ms(self) -> float:
         if self._events:

@@ -115,6 +115,8 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                     node=node,
                 )
                 result = run_job(request)
+                if result is None:  # only a node other than 0 leaves the outcome to another
+                    raise RuntimeError("node 0's run ended without its outcome")
             finally:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
@@ -169,7 +171,7 @@ def rung_check(settings: Settings, job_id: str, rungs: lifecycle.Rungs) -> RungC
     resumed attempt gets the stored decision, a promoted one goes on."""
     sweep_id, asha, metric = rungs.sweep_id, rungs.asha, rungs.metric
 
-    def decide(step: int, value: float) -> tuple[str, str] | None:
+    def decide(step: int, value: float) -> tuple[JobStatus, str] | None:
         def record():
             with transaction(settings) as session:
                 decision = record_rung(session, sweep_id, job_id, step, value)
@@ -240,24 +242,25 @@ def _release(settings: Settings, job_id: str, attempt: int, cause: str) -> str:
     return status
 
 
-def _cancel_flag(settings: Settings, job_id: str, lease: Lease):
+def _cancel_flag(settings: Settings, job_id: str, lease: Lease) -> Callable[[], bool]:
     """should_cancel for the trainer: the job's cancel flag, read at most every cancel_poll_seconds,
     or a lost lease (LeaseLost, also once the attempt stalled and let its lease lapse); every call
     is a pulse of the lease."""
-    state = {"at": 0.0, "cancel": False}
+    read_at, cancel = 0.0, False
 
     def should_cancel() -> bool:
+        nonlocal read_at, cancel
         lease.pulse()  # asked before every step: the trainer is making progress
         lease.check()
         now = time.monotonic()
-        if now - state["at"] >= settings.cancel_poll_seconds:
-            state["at"] = now
+        if now - read_at >= settings.cancel_poll_seconds:
+            read_at = now
             try:
                 with transaction(settings) as session:
-                    state["cancel"] = lifecycle.cancel_requested(session, job_id)
+                    cancel = lifecycle.cancel_requested(session, job_id)
             except Exception as exc:  # an outage: train on; the lease decides whether this attempt lives
                 if not is_transient(exc):
                     raise
-        return state["cancel"]
+        return cancel
 
     return should_cancel

@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 from functools import partial
 
+from app.db.models import JobNode
 from app.db.session import retrying, transaction
 from app.services import leases
 from app.settings import Settings
@@ -67,9 +68,9 @@ def _meet(settings: Settings, job_id: str, attempt: int, lease: Lease, nnodes: i
         lease.check()
         gang = retrying(partial(_gang, settings, job_id, attempt), f"job {job_id}: its nodes", patience)
         held = sum(n.owner is not None for n in gang.nodes)
-        if held == nnodes and gang.nodes[0].rendezvous:
-            first = gang.nodes[0]
-            return Meeting(first.rendezvous, first.run_id, first.report, first.token)
+        meeting = _published(gang.nodes[0])
+        if held == nnodes and meeting is not None:
+            return meeting
         if mine is not None and gang.cancel:
             raise GangBroken("the job was cancelled before every node joined")
         if mine is not None and time.monotonic() > deadline:
@@ -80,6 +81,13 @@ def _meet(settings: Settings, job_id: str, attempt: int, lease: Lease, nnodes: i
 def _publish(settings: Settings, job_id: str, attempt: int, mine: Meeting) -> bool:
     with transaction(settings) as session:
         return leases.publish_meeting(session, job_id, attempt, mine.rendezvous, mine.run_id, mine.report, mine.token)
+
+
+def _published(first: JobNode) -> Meeting | None:
+    """Where node 0 is met, once it has published it (its four fields together)."""
+    if first.rendezvous is None or first.run_id is None or first.report is None or first.token is None:
+        return None
+    return Meeting(first.rendezvous, first.run_id, first.report, first.token)
 
 
 def _gang(settings: Settings, job_id: str, attempt: int) -> leases.Gang:

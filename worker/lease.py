@@ -43,8 +43,10 @@ class Lease:
     def __init__(
         self, settings: Settings, job_id: str, attempt: int, node: int = 0, owner: str | None = None, nnodes: int = 1
     ) -> None:
+        if node and owner is None:
+            raise ValueError("a node other than node 0 renews its slot, and needs the slot's owner")
         self.settings, self.job_id, self.attempt = settings, job_id, attempt
-        self.node, self.owner, self.nnodes = node, owner, nnodes
+        self.node, self.owner, self.nnodes = node, owner or "", nnodes  # node 0 owns no slot
         self.lost = threading.Event()
         self.stalled = threading.Event()
         self.lost_nodes: list[int] = []

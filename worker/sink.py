@@ -107,7 +107,12 @@ class JobSink:
             return
         repo.delete_checkpoints(self.job_id, steps)
         paths = [self.settings.artifact_dir / rows[s].path for s in steps]
-        on_commit(session, lambda: [p.unlink(missing_ok=True) for p in paths])
+
+        def unlink() -> None:
+            for path in paths:
+                path.unlink(missing_ok=True)
+
+        on_commit(session, unlink)
 
     def adopt_checkpoints(self, directory: Path) -> None:
         """Settle the checkpoint files in ``directory`` that no attempt recorded (an attempt that

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import time
 from datetime import UTC, datetime
+from typing import ClassVar
 
-from sqlalchemy import JSON, DateTime, MetaData, String, TypeDecorator
+from sqlalchemy import JSON, DateTime, MetaData, String, Table, TypeDecorator
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -54,6 +55,8 @@ class UTCDateTime(TypeDecorator):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
+    # Every model maps a Table (DeclarativeBase says FromClause, which also allows a mapped SELECT).
+    __table__: ClassVar[Table]
 
 
 class Timestamped:

@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.asyncio
+from redis.typing import EncodableT, FieldT
 
 from app.settings import Settings
 from contract.status import is_finished
@@ -36,6 +37,12 @@ FEED_BLOCK_MS = 5000  # a feed with no subscriber left stops within this
 # paused (SIGSTOP, a full disk) must never block a request, a stream or a worker's sink for long.
 REDIS_TIMEOUT = 2.0
 MAX_CONNECTIONS = 1000  # Redis connections an API process may open (one per followed job, plus a few)
+
+
+# A stream's entries as this module's clients read them (RESP2, replies left undecoded): (id,
+# {field: value}) in bytes. redis-py annotates its replies with every protocol's and decoding's
+# shapes at once, so the readers below cast them to this one.
+RawEntries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
 def stream_key(job_id: str) -> str:
@@ -70,7 +77,11 @@ class RedisBus:
         """Append committed job events ({job_id, seq, step, kind, payload}) in one round trip."""
         pipe = self._client.pipeline(transaction=False)
         for e in events:
-            fields = {"kind": e["kind"], "seq": e["seq"], "step": -1 if e["step"] is None else e["step"]}
+            fields: dict[FieldT, EncodableT] = {
+                "kind": e["kind"],
+                "seq": e["seq"],
+                "step": -1 if e["step"] is None else e["step"],
+            }
             key = stream_key(e["job_id"])
             pipe.xadd(key, fields | {"data": json.dumps(e["payload"])}, maxlen=self.maxlen, approximate=True)
             pipe.expire(key, STREAM_TTL_SECONDS)
@@ -208,7 +219,8 @@ class LiveReader:
 
     async def read(self, job_id: str, after: str, block_ms: int, count: int = READ_COUNT) -> list[Entry]:
         """Entries after ``after`` ("0-0": from the start), waiting up to ``block_ms`` for one."""
-        reply = await self._client.xread({stream_key(job_id): after}, count=count, block=block_ms)
+        answer = await self._client.xread({stream_key(job_id): after}, count=count, block=block_ms)
+        reply = cast(list[tuple[bytes, RawEntries]], answer)  # [(the stream's key, its entries)]
         return [decode_entry(entry_id, fields) for entry_id, fields in reply[0][1]] if reply else []
 
     async def ping(self) -> bool:
@@ -217,7 +229,7 @@ class LiveReader:
     async def holds(self, job_id: str, entry_id: str) -> bool:
         """Whether nothing after ``entry_id`` has been trimmed from the stream (its first entry is
         not after it): reading after it then misses nothing."""
-        first = await self._client.xrange(stream_key(job_id), "-", "+", count=1)
+        first = cast(RawEntries, await self._client.xrange(stream_key(job_id), "-", "+", count=1))
         return bool(first) and stream_id_key(first[0][0].decode()) <= stream_id_key(entry_id)
 
     @asynccontextmanager
@@ -235,7 +247,7 @@ class LiveReader:
         else:
             feed.subscribers.add(sub)  # no await since reading feed.position: nothing slips between
             if stream_id_key(feed.position) > stream_id_key(after):  # what the feed has read past ``after``
-                reply = await self._client.xrange(stream_key(job_id), f"({after}", feed.position)
+                reply = cast(RawEntries, await self._client.xrange(stream_key(job_id), f"({after}", feed.position))
                 sub.backlog.extend(decode_entry(entry_id, fields) for entry_id, fields in reply)
         try:
             yield sub

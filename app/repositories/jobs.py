@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Job
+from app.repositories.statements import changed_rows
 from contract.status import FINISHED, INITIAL, RULES, RUNNING, IllegalTransition, JobStatus, check_transition
 
 
@@ -68,7 +69,8 @@ class JobRepository:
         if not keys:
             return {}
         query = select(Job).where(tuple_(Job.tenant_id, Job.idempotency_key).in_(list(keys)))
-        return {(job.tenant_id, job.idempotency_key): job for job in self.session.scalars(query)}
+        jobs = self.session.scalars(query)
+        return {(job.tenant_id, job.idempotency_key): job for job in jobs if job.idempotency_key is not None}
 
     def count_unfinished_using(self, tenant_id: str, dataset_id: str) -> int:
         """The tenant's unfinished jobs (queued, running, or a trial paused at a rung) that train
@@ -169,7 +171,7 @@ class JobRepository:
         """The attempt's steps completed and summary so far (fenced); False once it no longer
         holds the job."""
         stmt = update(Job).where(Job.id == job_id, Job.status.in_(RUNNING), Job.attempt == attempt)
-        return self.session.execute(stmt.values(progress_step=step, summary=summary)).rowcount == 1
+        return changed_rows(self.session, stmt.values(progress_step=step, summary=summary)) == 1
 
     def forget_dataset(self, tenant_id: str, dataset_id: str) -> None:
         """Unlink the tenant's finished jobs from a dataset about to be deleted (their spec still

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Job, JobNode
+from app.repositories.statements import changed_rows
 from contract.status import RUNNING, JobStatus
 
 
@@ -27,7 +28,7 @@ class LeaseRepository:
         """Renew the lease; False means this attempt no longer owns the job and must stop."""
         now = utcnow()
         stmt = update(Job).where(Job.id == job_id, Job.status.in_(RUNNING), Job.attempt == attempt)
-        return self.session.execute(stmt.values(lease_expires_at=now + lease, heartbeat_at=now)).rowcount == 1
+        return changed_rows(self.session, stmt.values(lease_expires_at=now + lease, heartbeat_at=now)) == 1
 
     def expired_leases(self, now: datetime) -> Sequence[Job]:
         query = select(Job).where(Job.status.in_(RUNNING), Job.lease_expires_at < now)
@@ -65,7 +66,7 @@ class LeaseRepository:
         """Node 0 says where the others meet it."""
         stmt = update(JobNode).where(JobNode.job_id == job_id, JobNode.node == 0, JobNode.attempt == attempt)
         values = {"rendezvous": rendezvous, "run_id": run_id, "report": report, "token": token}
-        return self.session.execute(stmt.values(**values)).rowcount == 1
+        return changed_rows(self.session, stmt.values(**values)) == 1
 
     def nodes(self, job_id: str, attempt: int) -> list[JobNode]:
         query = select(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt)
@@ -78,7 +79,7 @@ class LeaseRepository:
         stmt = update(JobNode).where(
             JobNode.job_id == job_id, JobNode.node == node, JobNode.attempt == attempt, JobNode.owner == owner, live
         )
-        return self.session.execute(stmt.values(lease_expires_at=utcnow() + lease)).rowcount == 1
+        return changed_rows(self.session, stmt.values(lease_expires_at=utcnow() + lease)) == 1
 
     def leave_node(self, job_id: str, attempt: int, node: int, owner: str) -> None:
         """A node that cannot go on lets its slot's lease lapse now (node 0 then gives the job back)."""

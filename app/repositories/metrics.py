@@ -69,7 +69,10 @@ class MetricRepository:
         if connection.dialect.name != "postgresql":
             self.session.execute(insert(MetricChunk.__table__), list(rows))
             return
-        cursor = connection.connection.driver_connection.cursor()
+        driver = connection.connection.driver_connection
+        if driver is None:  # only an invalidated connection has none
+            raise RuntimeError("the database connection was invalidated")
+        cursor = driver.cursor()
         columns = ", ".join(f'"{c}"' for c in CHUNK_COLUMNS)
         with cursor.copy(f"COPY metric_chunks ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
             copy.set_types(COPY_TYPES)

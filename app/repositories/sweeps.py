@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
 from app.db.models import Job, Sweep, SweepRung, SweepTrial
+from app.repositories.statements import changed_rows
 from contract.status import ACTIVE, FINISHED, JobStatus, SweepStatus
 
 
@@ -122,7 +123,7 @@ class SweepRepository:
     def finish(self, sweep_id: str, status: str) -> bool:
         """running -> ``status`` (completed, cancelled); whether it changed."""
         stmt = update(Sweep).where(Sweep.id == sweep_id, Sweep.status == SweepStatus.RUNNING)
-        return self.session.execute(stmt.values(status=status, finished_at=utcnow())).rowcount == 1
+        return changed_rows(self.session, stmt.values(status=status, finished_at=utcnow())) == 1
 
     def mark_promoted(self, rung_id: int) -> None:
         self.session.execute(update(SweepRung).where(SweepRung.id == rung_id).values(promoted_at=utcnow()))

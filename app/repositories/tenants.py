@@ -136,7 +136,7 @@ class DatasetRepository:
     def bytes_used(self, tenant_id: str) -> int:
         """The bytes of the tenant's stored datasets."""
         query = select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant_id == tenant_id)
-        return self.session.scalar(query)
+        return self.session.execute(query).scalar_one()
 
     def existing_ids(self, dataset_ids: Collection[str]) -> set[str]:
         """Those of ``dataset_ids`` that name a stored dataset."""

@@ -16,6 +16,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from app.db.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
+from app.repositories.statements import changed_rows
 from contract.webhooks import DeliveryStatus
 
 
@@ -73,7 +74,7 @@ class WebhookRepository:
         """Delete up to ``limit`` deliveries that ended (delivered or failed) before ``before``,
         with their attempts (the foreign key cascades); returns how many."""
         oldest = select(WebhookDelivery.id).where(WebhookDelivery.finished_at < before).limit(limit)
-        return self.session.execute(delete(WebhookDelivery).where(WebhookDelivery.id.in_(oldest))).rowcount
+        return changed_rows(self.session, delete(WebhookDelivery).where(WebhookDelivery.id.in_(oldest)))
 
     def deliveries_page(self, endpoint_id: str, limit: int, after: str | None) -> list[WebhookDelivery]:
         """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
@@ -127,7 +128,7 @@ class WebhookRepository:
             WebhookDelivery.attempts == attempt,
             WebhookDelivery.status == DeliveryStatus.PENDING,
         )
-        if self.session.execute(stmt.values(last_error=error, **values)).rowcount != 1:
+        if changed_rows(self.session, stmt.values(last_error=error, **values)) != 1:
             return False
         row = {"delivery_id": delivery_id, "number": attempt, "at": at, "duration_ms": duration_ms,
                "status_code": status_code, "error": error}  # fmt: skip

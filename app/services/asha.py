@@ -30,7 +30,7 @@ from contract.status import JobStatus
 def waits_at_rungs(asha: dict[str, Any] | None) -> bool:
     """Whether a sweep's ASHA is the promote form (trials wait at rungs; else they stop there).
     Sweeps stored before the promote form existed have no ``stop_once``: they stop."""
-    return bool(asha) and not asha.get("stop_once", True)
+    return asha is not None and not asha.get("stop_once", True)
 
 
 def record_rung(session: Session, sweep_id: str, job_id: str, rung: int, value: float) -> SweepRung:
@@ -50,7 +50,7 @@ def record_rung(session: Session, sweep_id: str, job_id: str, rung: int, value: 
     return repo.add_rung(sweep_id, job_id, rung, len(recorded), value, go_on)
 
 
-def rung_outcome(decision: SweepRung, metric: str, asha: dict[str, Any]) -> tuple[str, str] | None:
+def rung_outcome(decision: SweepRung, metric: str, asha: dict[str, Any]) -> tuple[JobStatus, str] | None:
     """None if the trial goes on past the rung (at once, or promoted), else the status its
     attempt ends with (``stopped_early``, or ``paused`` to wait for a promotion) and why."""
     if decision.go_on or decision.promoted_at is not None:
@@ -81,7 +81,7 @@ def promotion_candidates(session: Session, sweep: Sweep, at_least_one: bool = Fa
     rung's top floor(n / reduction_factor) (at least 1 with ``at_least_one``), highest rung
     first, best first."""
     paused, rows = waiting(session, sweep)
-    if not paused:
+    if not paused or sweep.asha is None:  # only ASHA pauses trials
         return []
     eta, chosen = sweep.asha["reduction_factor"], []
     for rung in sorted({r.rung for r in rows}, reverse=True):
@@ -97,7 +97,7 @@ def promote(session: Session, sweep: Sweep, chosen: list[SweepRung], room: int, 
     Returns how many it promoted."""
     repo, jobs = SweepRepository(session), JobRepository(session)
     locked = jobs.lock_paused([r.job_id for r in chosen])
-    cap = job_cap(session.get(Tenant, sweep.tenant_id).job_cap, settings.tenant_job_cap)
+    cap = job_cap(session.get_one(Tenant, sweep.tenant_id).job_cap, settings.tenant_job_cap)
     tasks, promoted = [], 0
     for row in chosen:
         if promoted == room:

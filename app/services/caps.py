@@ -48,12 +48,12 @@ def check_caps(spec: JobSpec, vocab: int, corpus_bytes: int, settings: Settings)
         )
     series = series_per_step(spec)
     if series > settings.max_series_per_step:
-        finest = {}  # the switched-on per-unit families, by their series per step
+        finest: dict[str, int] = {}  # the switched-on per-unit families, by their series per step
         if model.arch != "mlp" and telemetry.per_head:
             finest["telemetry.per_head"] = model.n_layer * model.n_head
         if model.arch == "moe" and telemetry.per_expert:
             finest["telemetry.per_expert"] = model.n_layer * moe_experts(model)
-        fine = max(finest, key=finest.get) if finest else None  # the larger; per_head on a tie
+        fine = max(finest, key=finest.__getitem__) if finest else None  # the larger; per_head on a tie
         advice = f": set {fine} to false" if fine else ""
         raise ValidationFailed(
             f"the run would report {series:,} telemetry series per step; this server's cap is "

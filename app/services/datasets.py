@@ -116,7 +116,8 @@ def write_upload(stream: BinaryIO, tmp: Path, limit: int, quota: int, used: int)
     many plus one chunk's) whatever the file holds.
     """
     room = max(quota - used, 0)
-    digest, decoder, chars, size = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")(), set(), 0
+    digest, decoder, size = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")(), 0
+    chars: set[str] | None = set()
     try:
         with tmp.open("wb") as out:
             while chunk := stream.read(CHUNK):

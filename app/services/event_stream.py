@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from fastapi.sse import ServerSentEvent
@@ -42,7 +43,12 @@ POLL_SECONDS = 0.5  # embedded mode, and after the bus lost its place
 RECHECK_SECONDS = 15.0  # the database is read again when the bus brought nothing for this long
 MIN_KEY_CHECK_SECONDS = 1.0  # an open stream's key checks, at most this often (auth_cache_seconds may be 0)
 READ_AHEAD = 256  # events read before they are sent, at most (one database page is up to 500 steps)
-NOTHING = object()  # no event before the next key check
+
+
+class Wait(Enum):
+    """What a wait for the next event brings when no event came before the next key check."""
+
+    NOTHING = "nothing"
 
 
 @dataclass
@@ -122,25 +128,26 @@ def page_of(session: Session, job: Job | None, cursor: Cursor) -> Page:
     full_steps, more_events = len(steps) == PAGE_STEPS, len(events) == PAGE_EVENTS
     page = Page(more=full_steps or more_events, mark=mark)
     pending = [(e.seq, e.kind, e.payload, step_of(e.kind, e.payload, e.step)) for e in events]
+    found: list[ServerSentEvent | None] = []  # None: delivered already
     i, stopped = 0, False
     for step, values in steps:  # job events in seq order, each before the steps after it
         while i < len(pending) and pending[i][3] <= step:
-            page.events.append(cursor.job_event(*pending[i][:3]))
+            found.append(cursor.job_event(*pending[i][:3]))
             i += 1
         if more_events and i == len(pending):  # events not read yet may come before this step
             stopped = True
             break
-        page.events.append(cursor.metrics(step, values))
+        found.append(cursor.metrics(step, values))
     if not full_steps and not stopped:
-        page.events += [cursor.job_event(*p[:3]) for p in pending[i:]]
+        found += [cursor.job_event(*p[:3]) for p in pending[i:]]
     page.done = not page.more and is_finished(status) and cursor.seq >= last_seq
-    page.events = [e for e in page.events if e is not None]
+    page.events = [e for e in found if e is not None]
     return page
 
 
 def step_of(kind: str, payload: dict[str, Any], step: int | None) -> float:
     """Where a job event goes among the telemetry steps: a final status after all of them."""
-    if kind == "status" and is_finished(payload.get("status")):
+    if kind == "status" and is_finished(payload.get("status", "")):
         return float("inf")
     return -1 if step is None else step
 
@@ -152,7 +159,7 @@ async def follow(
     cursor: Cursor,
     first: Page | None = None,
     in_thread: Callable[..., Awaitable[Page]] = run_in_threadpool,
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncGenerator[ServerSentEvent, None]:
     """The job's events after ``cursor``, then ``done`` once it has finished.
 
     ``first``: the first page, read already; ``in_thread`` runs each later page's reads in the
@@ -246,14 +253,15 @@ async def while_key_valid(
     check_at = loop.time() + every
     try:
         while True:
+            item: ServerSentEvent | Exception | Wait | None
             try:
                 item = ahead.get_nowait()  # most events: no wait, no timer
             except asyncio.QueueEmpty:
                 try:
                     item = await asyncio.wait_for(ahead.get(), max(0.0, check_at - loop.time()))
                 except TimeoutError:
-                    item = NOTHING
-            if item is not NOTHING:
+                    item = Wait.NOTHING
+            if item is not Wait.NOTHING:
                 if item is None:
                     return
                 if isinstance(item, Exception):

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from sqlalchemy.orm import Session
 
@@ -60,13 +60,11 @@ SENDER_BATCH, SENDER_LINGER = 500, 0.05  # tasks per pipeline; a task waits at m
 # -- stage 1: prepare ----------------------------------------------------------------------------
 @dataclass
 class Submission:
-    """A validated submission: the job it replays (a known Idempotency-Key with the same body),
-    or the new job's row."""
+    """A validated submission of a new job: its row, to insert."""
 
     digest: str  # request_hash of the validated spec
-    row: dict[str, Any] | None = None
-    existing: Job | None = None
-    cap: int = 0  # the tenant's job cap, checked again, exactly, where the row is inserted
+    row: dict[str, Any]  # the jobs table's columns
+    cap: int  # the tenant's job cap, checked again, exactly, where the row is inserted
 
 
 def request_hash(spec: dict[str, Any]) -> str:
@@ -79,6 +77,18 @@ def queue_for(spec: JobSpec) -> str:
     return "default" if spec.train.device == "auto" else spec.train.device
 
 
+@overload
+def prepare_submission(
+    session: Session,
+    tenant: TenantRef,
+    spec: JobSpec,
+    idempotency_key: None,
+    settings: Settings,
+    admission: Admission | None = None,
+) -> Submission: ...
+
+
+@overload
 def prepare_submission(
     session: Session,
     tenant: TenantRef,
@@ -86,7 +96,17 @@ def prepare_submission(
     idempotency_key: str | None,
     settings: Settings,
     admission: Admission | None = None,
-) -> Submission:
+) -> Submission | Job: ...
+
+
+def prepare_submission(
+    session: Session,
+    tenant: TenantRef,
+    spec: JobSpec,
+    idempotency_key: str | None,
+    settings: Settings,
+    admission: Admission | None = None,
+) -> Submission | Job:
     """Everything a submission needs before its insert: the replay of a known Idempotency-Key,
     the dataset, the resource caps, the warm start's checkpoint and the tenant's job cap.
     ``admission`` (the API process's) spares most submissions the read of the tenant's active
@@ -96,7 +116,7 @@ def prepare_submission(
     if idempotency_key:
         existing = repo.by_idempotency_key(tenant.id, idempotency_key)
         if existing is not None:
-            return Submission(digest, existing=replay(existing, digest))
+            return replay(existing, digest)
     cap = job_cap(tenant.job_cap, settings.tenant_job_cap)
     if cap <= 0:
         raise TenantSuspended("this tenant is suspended: it may not start jobs (ask the service's operators)")
@@ -113,7 +133,7 @@ def prepare_submission(
         parent_job_id=spec.init_from.job_id if spec.init_from else None,
         parent_step=spec.init_from.step if spec.init_from else None,
     )  # fmt: skip
-    return Submission(digest, row=row, cap=cap)
+    return Submission(digest, row, cap)
 
 
 def no_dataset(dataset_id: str) -> ValidationFailed:
@@ -369,6 +389,6 @@ class Intake:
         """The job of a submission, stored and committed, and whether it was created (False: a
         replay of its Idempotency-Key)."""
         submission = await work(prepare_submission, spec, idempotency_key, self.settings, self.admission)
-        if submission.existing is not None:
-            return submission.existing, False
+        if isinstance(submission, Job):  # a replay of its Idempotency-Key
+            return submission, False
         return await asyncio.wrap_future(self.writer.submit(submission))

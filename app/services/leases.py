@@ -60,6 +60,8 @@ def join(session: Session, job_id: str, owner: str, lease: timedelta) -> NodeCla
     if claimed is None:
         return None
     job = JobRepository(session).get(job_id)
+    if job is None:  # the slot is the job's: it is there
+        return None
     dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
     return NodeClaim(*claimed, JobSpec.model_validate(job.spec), dataset.path if dataset else None)
 

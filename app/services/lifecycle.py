@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -113,11 +114,12 @@ def pause(session: Session, bus: LiveBus, job_id: str, attempt: int, step: int, 
     """``pause``: the attempt of a sweep's trial that waits at a rung (ASHA's promote form) ends,
     the job paused with the steps completed and the run's summary; a job being cancelled
     meanwhile is cancelled instead (``finish``)."""
-    repo, values = JobRepository(session), {"attempt": attempt, "progress_step": step, "summary": summary}
-    if repo.change_status(job_id, "pause", JobStatus.PAUSED, **values) is None:
-        cancelling = [JobStatus.CANCELLING]
-        if repo.change_status(job_id, "finish", JobStatus.CANCELLED, sources=cancelling, **values) is None:
-            return None
+    change = partial(JobRepository(session).change_status, job_id, attempt=attempt, progress_step=step, summary=summary)
+    if (
+        change("pause", JobStatus.PAUSED) is None
+        and change("finish", JobStatus.CANCELLED, sources=[JobStatus.CANCELLING]) is None
+    ):
+        return None
     return record_status(session, bus, job_id)
 
 

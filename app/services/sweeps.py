@@ -165,12 +165,12 @@ def advance(session: Session, sweep_id: str, settings: Settings, skip_locked: bo
             else:
                 stop_waiting(session, sweep, settings)
         if not promoted and not repo.unfinished_jobs(sweep_id) and repo.finish(sweep_id, SweepStatus.COMPLETED):
-            payload = sweep_payload(session, repo.lock(sweep_id))
+            payload = sweep_payload(session, _locked(repo, sweep_id))  # as it finished
             webhooks.enqueue(session, sweep.tenant_id, WebhookEventType.SWEEP_COMPLETED, payload)
         return promoted
     if room <= 0:
         return promoted
-    row = session.get(Tenant, sweep.tenant_id)
+    row = session.get_one(Tenant, sweep.tenant_id)
     tenant = TenantRef(id=row.id, name=row.name, job_cap=row.job_cap)
     submissions = []
     for trial in pending:
@@ -213,6 +213,14 @@ def advance_running(settings: Settings) -> int:
 # -- reads ---------------------------------------------------------------------------------------
 def get_sweep(session: Session, tenant: TenantRef, sweep_id: str) -> Sweep:
     sweep = SweepRepository(session).get(sweep_id, tenant.id)
+    if sweep is None:
+        raise NotFound(f"no sweep {sweep_id!r}", param="sweep_id")
+    return sweep
+
+
+def _locked(repo: SweepRepository, sweep_id: str) -> Sweep:
+    """The sweep's row, locked and read as committed now (NotFound if it is gone)."""
+    sweep = repo.lock(sweep_id)
     if sweep is None:
         raise NotFound(f"no sweep {sweep_id!r}", param="sweep_id")
     return sweep
@@ -296,7 +304,7 @@ def cancel_sweep(session: Session, tenant: TenantRef, sweep_id: str, bus: LiveBu
     job's, then, by trigger, the tenant's): no job lock is waited for while holding the tenant's."""
     repo = SweepRepository(session)
     get_sweep(session, tenant, sweep_id)  # 404 for another tenant's
-    sweep = repo.lock(sweep_id)
+    sweep = _locked(repo, sweep_id)
     if sweep.status == SweepStatus.COMPLETED:
         raise Conflict(f"sweep {sweep_id} has already completed")
     if sweep.status == SweepStatus.RUNNING:
@@ -305,4 +313,4 @@ def cancel_sweep(session: Session, tenant: TenantRef, sweep_id: str, bus: LiveBu
         idle = (JobStatus.QUEUED, JobStatus.PAUSED)  # on no worker: cancelled at once
         for job in sorted(unfinished, key=lambda j: j.status in idle):  # running ones first
             lifecycle.cancel(session, bus, job)
-    return sweep_detail(session, repo.lock(sweep_id))
+    return sweep_detail(session, _locked(repo, sweep_id))

@@ -46,10 +46,12 @@ class RankChannel:
         it is another (rank 0 of a job of several nodes)."""
         self._cancel, self._closing = threading.Event(), False
         self._pulsed = 0.0
-        lead, elsewhere = rank == 0, report is not None and report[0] != address
-        self._lines = [self._connect(address, token, rank, local=True, reports=lead and not elsewhere)]
-        if lead and elsewhere:
-            self._lines.append(self._connect(*report, rank, local=False, reports=True))
+        lead = rank == 0
+        elsewhere = report if report is not None and report[0] != address else None
+        self._lines = [self._connect(address, token, rank, local=True, reports=lead and elsewhere is None)]
+        if lead and elsewhere is not None:
+            report_address, report_token = elsewhere
+            self._lines.append(self._connect(report_address, report_token, rank, local=False, reports=True))
         self._sock = self._lines[-1]  # what rank 0 reports on
 
     def _connect(self, address: str, token: str, rank: int, local: bool, reports: bool) -> socket.socket:

@@ -46,14 +46,16 @@ class Tokenizer:
     def __init__(self, kind: str, chars: str | None = None) -> None:
         if kind not in ("byte", "char"):
             raise ValueError(f"unknown tokenizer {kind!r}")
-        if kind == "char" and not chars:
-            raise ValueError("a char tokenizer needs its character set")
-        if kind == "char" and len(chars) > CHAR_VOCAB_MAX:
-            raise ValueError(
-                f"the text has {len(chars):,} distinct characters; the char tokenizer holds at most "
-                f"{CHAR_VOCAB_MAX:,}: use the byte tokenizer"
-            )
+        if kind == "char":
+            if not chars:
+                raise ValueError("a char tokenizer needs its character set")
+            if len(chars) > CHAR_VOCAB_MAX:
+                raise ValueError(
+                    f"the text has {len(chars):,} distinct characters; the char tokenizer holds at most "
+                    f"{CHAR_VOCAB_MAX:,}: use the byte tokenizer"
+                )
         self.kind, self.chars = kind, chars
+        self._alphabet = chars or ""  # a char tokenizer's characters (a byte tokenizer has none)
         if chars:  # code points sorted, and each one's id: encoding is a vectorized search
             codes = np.frombuffer(chars.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
             self._order = np.argsort(codes, kind="stable").astype(np.uint16)
@@ -65,7 +67,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return 256 if self.kind == "byte" else len(self.chars)
+        return 256 if self.kind == "byte" else len(self._alphabet)
 
     def encode(self, text: str) -> np.ndarray:
         if self.kind == "byte":
@@ -81,7 +83,7 @@ class Tokenizer:
         ids = np.asarray(ids, dtype=np.int64)
         if self.kind == "byte":
             return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-        return "".join(self.chars[i] for i in ids)
+        return "".join(self._alphabet[i] for i in ids)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "chars": self.chars}

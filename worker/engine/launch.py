@@ -198,6 +198,9 @@ class Launch:
     ) -> RunResult | None:
         """Until torchrun has exited and the ranks' lines have ended; the run's outcome (None on a
         node that does not report, once its ranks ended well)."""
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("the group was not started")
         exited_at = None
         while True:
             for key, _ in self.selector.select(POLL_SECONDS):
@@ -207,7 +210,7 @@ class Launch:
                     self._read(key.data, sink, should_cancel)
             if watch is not None and self.outcome is None:
                 watch()
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 exited_at = exited_at or time.monotonic()
                 lines = [key.data for key in self.selector.get_map().values() if key.data is not None]
                 # Every line has ended; or, after the drain, stragglers are killed, but rank 0 of
@@ -219,18 +222,18 @@ class Launch:
                 completed, summary = self.progress
                 return RunResult(JobStatus.CANCELLED, completed, summary, None, 0.0)
         finished = len(self.done) == self.nproc
-        if self.proc.returncode != 0 and finished:
+        if proc.returncode != 0 and finished:
             log.warning(
                 "torchrun exited with status %s after every rank of the node was done: a fault while the group "
                 "was torn down, not a lost rank (its output is in %s)",
-                self.proc.returncode,
+                proc.returncode,
                 self.log_path,
             )
-        if not reports and (self.proc.returncode == 0 or finished):
+        if not reports and (proc.returncode == 0 or finished):
             return None
-        return self._outcome()
+        return self._outcome(proc.returncode)
 
-    def _outcome(self) -> RunResult:
+    def _outcome(self, returncode: int | None) -> RunResult:
         record = self.outcome or {"kind": None}
         if record["kind"] == "result":
             return RunResult(**{k: v for k, v in record.items() if k != "kind"})
@@ -242,7 +245,7 @@ class Launch:
             error.code = code
             raise error
         raise RankFailed(
-            f"a process of the group exited before the run ended (torchrun's exit status {self.proc.returncode}; "
+            f"a process of the group exited before the run ended (torchrun's exit status {returncode}; "
             f"its output is in {self.log_path})"
         )
 
@@ -274,7 +277,7 @@ class Launch:
                 if peer.local:
                     self.done.add(peer.rank)
             elif peer is self.lead:
-                self._handle(record, sink, should_cancel)
+                self._handle(peer, record, sink, should_cancel)
 
     def _hello(self, peer: Peer, record: dict[str, Any]) -> None:
         if record.get("kind") != "hello" or not hmac.compare_digest(str(record.get("token")), self.token):
@@ -288,13 +291,15 @@ class Launch:
         if record["reports"]:
             self.lead = peer
 
-    def _handle(self, record: dict[str, Any], sink: TelemetrySink | None, should_cancel: Callable[[], bool]) -> None:
+    def _handle(
+        self, lead: Peer, record: dict[str, Any], sink: TelemetrySink | None, should_cancel: Callable[[], bool]
+    ) -> None:
         kind = record["kind"]
         if kind == "pulse":
             if should_cancel() and self.cancel_at is None:
                 self.cancel_at = time.monotonic()
                 with contextlib.suppress(OSError):  # rank 0 is gone: the group's end tells the rest
-                    self.lead.sock.sendall(encode({"kind": "cancel"}))
+                    lead.sock.sendall(encode({"kind": "cancel"}))
         elif kind in ("result", "error"):
             self.outcome = record
         else:
@@ -307,21 +312,26 @@ class Launch:
     def kill(self) -> None:
         """Stop every process of the group still there (SIGTERM, then SIGKILL after a grace), and
         close the sockets: a rank left behind sees its line end and exits."""
-        groups = [pid for pid in (self.proc.pid, *self.pids) if alive(pid)] if self.proc else []
+        if self.proc is not None:
+            self._stop(self.proc)
+        for key in list(self.selector.get_map().values()):
+            if isinstance(key.fileobj, socket.socket):  # the listener and the ranks' lines: all there is
+                key.fileobj.close()
+        self.selector.close()
+
+    def _stop(self, proc: subprocess.Popen) -> None:
+        """SIGTERM, then SIGKILL after a grace, to torchrun's and the ranks' process groups still there."""
+        groups = [pid for pid in (proc.pid, *self.pids) if alive(pid)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in groups:
                 signal_group(pid, sig)
             deadline = time.monotonic() + KILL_GRACE_SECONDS
             while (groups := [pid for pid in groups if alive(pid)]) and time.monotonic() < deadline:
-                self.proc.poll()  # reaps torchrun
+                proc.poll()  # reaps torchrun
                 time.sleep(0.05)
             if not groups:
                 break
-        if self.proc is not None:
-            self.proc.wait()
-        for key in list(self.selector.get_map().values()):
-            key.fileobj.close()
-        self.selector.close()
+        proc.wait()
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:

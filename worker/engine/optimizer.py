@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -29,6 +30,25 @@ def lr_factor(step: int, cfg: TrainSpec) -> float:
     raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r}")
 
 
+class MuonOptions(TypedDict):
+    """The keyword arguments a job's Muon or MuonClip is built with (beside its groups)."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    ns_coefficients: str
+    ns_method: str
+    ns_dtype: torch.dtype | None
+    adjust_lr: str
+    weight_decay: float
+    adamw_lr: float
+    adamw_betas: tuple[float, float]
+    adamw_eps: float
+    adamw_weight_decay: float
+    distributed: bool
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimizerSpec, distributed: bool = False, ns_dtype: torch.dtype | None = None
 ) -> torch.optim.Optimizer:
@@ -38,11 +58,13 @@ def build_optimizer(
     the matrices it owns; the gradients must arrive averaged, as DDP leaves them). ``ns_dtype``: the
     Newton-Schulz precision in place of ``cfg.ns_dtype``'s (a group pins rank 0's choice).
     """
+    if cfg.lr is None:  # the spec's validation sets the optimizer's default
+        raise ValueError("the optimizer spec has no lr: it was not validated")
     if cfg.name == "adamw":
         return torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps, weight_decay=cfg.weight_decay
         )
-    kwargs = dict(
+    options = MuonOptions(
         lr=cfg.lr,
         momentum=cfg.momentum,
         nesterov=cfg.nesterov,
@@ -61,7 +83,7 @@ def build_optimizer(
     groups = optim.split_params(model)
     if cfg.name == "muonclip":
         tau = {} if cfg.qk_clip_tau is None else {"qk_clip_tau": cfg.qk_clip_tau}  # else MuonClip's default
-        return optim.MuonClip(groups, model, **tau, **kwargs)
+        return optim.MuonClip(groups, model, **tau, **options)
     if cfg.name == "muon":
-        return optim.Muon(groups, **kwargs)
+        return optim.Muon(groups, **options)
     raise ValueError(f"unknown optimizer {cfg.name!r}")

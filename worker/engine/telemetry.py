@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from contract import metrics
+
+from .models import LanguageModel
 
 
 @dataclass(frozen=True)
@@ -101,15 +103,16 @@ class FanOut:
 
 @torch.no_grad()
 def model_metrics(
-    model: nn.Module, logits: Tensor, per_head: bool = True, per_expert: bool = True
+    model: LanguageModel, logits: Tensor, per_head: bool = True, per_expert: bool = True
 ) -> dict[str, Tensor]:
     """Attention, output-logit and router statistics of the latest training forward, as tensors
     (the caller converts them all in one host transfer); the per-head and per-expert series when
     asked."""
     out: dict[str, Tensor] = {}
     per_layer = [layer.qk_max_logits() for layer in model.attention_layers()]
-    if per_layer and all(m is not None for m in per_layer):
-        heads = torch.stack(per_layer)  # [L, H]
+    recorded = [m for m in per_layer if m is not None]
+    if per_layer and len(recorded) == len(per_layer):
+        heads = torch.stack(recorded)  # [L, H]
         out[metrics.ATTN_MAX_LOGIT] = heads.max()
         for i, row in enumerate(heads):
             out[metrics.layer_max_logit(i)] = row.max()
@@ -118,11 +121,11 @@ def model_metrics(
     flat = logits.detach().float()
     out[metrics.LOGITS_MAX_ABS] = flat.abs().max()
     out[metrics.LOGITS_STD] = flat.std()
-    moe = model.moe_layers()
-    if moe:
-        loads = torch.stack([m.last_load for m in moe])  # [L, E]
-        out[metrics.ROUTER_AUX_LOSS] = torch.stack([m.aux_loss.detach() for m in moe]).mean()
-        out[metrics.ROUTER_ENTROPY] = torch.stack([m.last_probs_entropy for m in moe]).mean()
+    routing = [m.routing_stats() for m in model.moe_layers()]
+    if routing:
+        aux_losses, loads, entropies = (torch.stack(column) for column in zip(*routing))  # loads [L, E]
+        out[metrics.ROUTER_AUX_LOSS] = aux_losses.mean()
+        out[metrics.ROUTER_ENTROPY] = entropies.mean()
         out[metrics.ROUTER_LOAD_MAX] = loads.max() * loads.shape[1]  # 1.0 = perfectly even
         out[metrics.ROUTER_LOAD_MIN] = loads.min() * loads.shape[1]
         for i, row in enumerate(loads if per_expert else ()):
@@ -134,11 +137,11 @@ def model_metrics(
 def to_floats(values: dict[str, Tensor | float]) -> dict[str, float]:
     """Tensors to floats with one device-to-host copy."""
     out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
-    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    by_device: dict[torch.device, dict[str, Tensor]] = defaultdict(dict)
     for k, v in values.items():
         if isinstance(v, Tensor):
-            by_device[v.device].append(k)
-    for names in by_device.values():
-        stacked = torch.stack([values[k].detach().float().reshape(()) for k in names])
-        out.update(zip(names, stacked.tolist()))
+            by_device[v.device][k] = v
+    for tensors in by_device.values():
+        stacked = torch.stack([v.detach().float().reshape(()) for v in tensors.values()])
+        out.update(zip(tensors, stacked.tolist()))
     return {k: out[k] for k in values}  # keep the caller's order

@@ -256,7 +256,7 @@ class Trainer:
             values = {metrics.LOSS: batch_loss, metrics.LR: lr, metrics.GRAD_NORM: grad_norm}
             telemetry = self.job.telemetry
             values.update(model_metrics(self.model, logits, telemetry.per_head, telemetry.per_expert))
-        if clipping and self.job.optimizer.qk_clip_remeasure:
+        if isinstance(self.optimizer, optim.MuonClip) and self.job.optimizer.qk_clip_remeasure:
             self.optimizer.step(remeasure=partial(self._measure_max_logits, x))
         else:
             self.optimizer.step()

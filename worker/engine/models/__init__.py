@@ -10,17 +10,16 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from torch import nn
-
 from ..config import ModelConfig
 from .attention import CausalSelfAttention, causal_max_logits
+from .base import LanguageModel
 from .gpt import GPT
 from .mlp import MLPLanguageModel
 from .moe import MoEFeedForward, load_balancing_loss, top_k_routing
 
 
-def _architectures() -> dict[str, type[nn.Module]]:
-    found: dict[str, type[nn.Module]] = {}
+def _architectures() -> dict[str, type[LanguageModel]]:
+    found: dict[str, type[LanguageModel]] = {}
     for module in pkgutil.iter_modules(__path__):
         found |= getattr(importlib.import_module(f"{__name__}.{module.name}"), "ARCHITECTURES", {})
     return found
@@ -29,7 +28,7 @@ def _architectures() -> dict[str, type[nn.Module]]:
 ARCHITECTURES = _architectures()
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelConfig) -> LanguageModel:
     """A freshly initialised model of ``cfg.arch``."""
     if cfg.arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {cfg.arch!r}")
@@ -40,6 +39,7 @@ __all__ = [
     "ARCHITECTURES",
     "GPT",
     "CausalSelfAttention",
+    "LanguageModel",
     "MLPLanguageModel",
     "MoEFeedForward",
     "build_model",

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from .attention import CausalSelfAttention
+from .base import LanguageModel
 from .moe import MoEFeedForward
 
 
@@ -37,6 +38,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         if cfg.arch == "moe":
+            if cfg.n_experts is None or cfg.top_k is None:
+                raise ValueError("a moe model needs n_experts and top_k")
             self.ffn: nn.Module = MoEFeedForward(cfg.d_model, cfg.n_experts, cfg.top_k, hidden)
         else:
             self.ffn = FeedForward(cfg.d_model, hidden)
@@ -46,7 +49,7 @@ class Block(nn.Module):
         return x + self.ffn(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(LanguageModel):
     """Token + learned position embeddings, pre-norm blocks, final norm, head tied to the embedding."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -69,7 +72,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
     def attention_layers(self) -> list[CausalSelfAttention]:
-        return [b.attn for b in self.blocks]
+        return [b.attn for b in self.blocks if isinstance(b.attn, CausalSelfAttention)]
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]

@@ -9,12 +9,11 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..facts import MLP_CONTEXT  # each token is predicted from this many before it
-from .attention import CausalSelfAttention
+from .base import LanguageModel
 from .gpt import init_weights
-from .moe import MoEFeedForward
 
 
-class MLPLanguageModel(nn.Module):
+class MLPLanguageModel(LanguageModel):
     """Predicts each token from the embeddings of the MLP_CONTEXT tokens before it (zero-padded)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -38,15 +37,6 @@ class MLPLanguageModel(nn.Module):
         for layer in self.hidden:
             x = F.gelu(layer(x))
         return self.lm_head(self.ln_f(x))
-
-    def attention_layers(self) -> list[CausalSelfAttention]:
-        return []
-
-    def moe_layers(self) -> list[MoEFeedForward]:
-        return []
-
-    def aux_loss(self) -> Tensor | None:
-        return None
 
 
 ARCHITECTURES = {"mlp": MLPLanguageModel}

@@ -49,6 +49,12 @@ class MoEFeedForward(nn.Module):
         self.last_load: Tensor | None = None
         self.last_probs_entropy: Tensor | None = None
 
+    def routing_stats(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The latest forward's load-balancing loss (detached), expert load shares and routing entropy."""
+        if self.aux_loss is None or self.last_load is None or self.last_probs_entropy is None:
+            raise RuntimeError("a MoE layer's routing statistics are read before its first forward")
+        return self.aux_loss.detach(), self.last_load, self.last_probs_entropy
+
     def muon_param_roles(self) -> dict[str, str]:
         return {"w_in": "experts", "w_out": "experts", "router": "adamw"}
 
