@@ -186,9 +186,15 @@ def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     uvicorn.run(
-        "app.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
-        workers=args.processes, access_log=args.access_log, timeout_graceful_shutdown=args.graceful_timeout,
-    )  # fmt: skip
+        "app.main:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        workers=args.processes,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.graceful_timeout,
+    )
     return 0
 
 
@@ -209,16 +215,19 @@ def cmd_up(args: argparse.Namespace) -> int:
 def connection_options(parser: argparse.ArgumentParser, default: object) -> None:
     parser.add_argument("--url", default=default, help="the server (default: MUONFORGE_API_URL)")
     parser.add_argument("--api-key", default=default, help="the API key (default: MUONFORGE_API_KEY)")
-    parser.add_argument("--timeout", type=float, default=default, metavar="SECONDS",
-                        help="wait this long for each answer (default 30)")  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=default, metavar="SECONDS", help="wait this long for each answer (default 30)"
+    )
     parser.add_argument("--debug", action="store_true", default=default, help="tracebacks and retries on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="muonforge", description="Training as a service with Muon and MuonClip.", epilog=EXIT_STATUS,
+        prog="muonforge",
+        description="Training as a service with Muon and MuonClip.",
+        epilog=EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     connection_options(parser, None)
     common = argparse.ArgumentParser(add_help=False)
     connection_options(common, argparse.SUPPRESS)  # also after the command; unset there, the global value holds
@@ -243,8 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, default=8000)
     api.add_argument("--processes", type=int, default=1, help="API processes sharing the port (one per core)")
     api.add_argument("--no-access-log", dest="access_log", action="store_false", help="no line per request")
-    api.add_argument("--graceful-timeout", type=float, default=5.0, metavar="SECONDS",
-                     help="on SIGTERM, wait this long for requests to end, then cut them (default 5)")  # fmt: skip
+    api.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM, wait this long for requests to end, then cut them (default 5)",
+    )
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="a Celery worker")
@@ -275,16 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     listing.set_defaults(func=cmd_tenants_list)
     set_cap = tenants.add_parser(
-        "set-cap", help="set a tenant's job cap (queued plus running jobs); 0 suspends it",
+        "set-cap",
+        help="set a tenant's job cap (queued plus running jobs); 0 suspends it",
         description="Set a tenant's job cap: the queued plus running jobs it may have. API processes"
         " apply it within MUONFORGE_AUTH_CACHE_SECONDS (they keep a verified key's tenant, cap"
         " included, that long).",
-    )  # fmt: skip
+    )
     set_cap.add_argument("tenant", metavar="NAME", help="the tenant's name, as `tenants list` shows it")
     set_cap.add_argument(
-        "cap", metavar="N", help="a whole number >= 0 (0 suspends: submissions answer 403 tenant_suspended, jobs"
+        "cap",
+        metavar="N",
+        help="a whole number >= 0 (0 suspends: submissions answer 403 tenant_suspended, jobs"
         " already queued or running go on), or 'default' for the server's MUONFORGE_TENANT_JOB_CAP",
-    )  # fmt: skip
+    )
     set_cap.set_defaults(func=cmd_tenants_set_cap)
     return parser
 

@@ -81,8 +81,11 @@ class Lease:
             if self.node == 0 and idle > self.settings.stall_seconds:
                 log.error(
                     "job %s: attempt %d completed no step for %.0f s; its lease is left to lapse (the job resumes "
-                    "elsewhere)", self.job_id, self.attempt, idle,
-                )  # fmt: skip
+                    "elsewhere)",
+                    self.job_id,
+                    self.attempt,
+                    idle,
+                )
                 self.stalled.set()
                 return
             try:

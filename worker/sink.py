@@ -264,8 +264,9 @@ class JobSink:
             if len(self._unpublished) == len(reports):  # the first failure since the bus last answered
                 log.warning("job %s: live publish failed: %s; holding the steps until it answers", self.job_id, exc)
             if len(self._unpublished) > self.settings.live_stream_maxlen:
-                log.warning("job %s: live bus down for %d steps: no more metrics on it", self.job_id,
-                            len(self._unpublished))  # fmt: skip
+                log.warning(
+                    "job %s: live bus down for %d steps: no more metrics on it", self.job_id, len(self._unpublished)
+                )
                 self._unpublished = None
             return
         if (held := len(self._unpublished) - len(reports)) > 0:

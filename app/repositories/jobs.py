@@ -130,9 +130,17 @@ class JobRepository:
         return set(self.session.scalars(stmt, rows))
 
     def change_status(
-        self, job_id: str, rule: str, target: str, *, sources: Collection[str] | None = None,
-        attempt: int | None = None, now: datetime | None = None, lapsed: bool = False, **values: Any,
-    ) -> int | None:  # fmt: skip
+        self,
+        job_id: str,
+        rule: str,
+        target: str,
+        *,
+        sources: Collection[str] | None = None,
+        attempt: int | None = None,
+        now: datetime | None = None,
+        lapsed: bool = False,
+        **values: Any,
+    ) -> int | None:
         """Move the job to ``target`` by the rule named ``rule`` if its status is one of
         ``sources`` (the rule's, unless narrowed), its attempt is ``attempt`` (a worker's fencing
         token) and, with ``lapsed``, its lease lapsed before ``now``; ``values`` are the other

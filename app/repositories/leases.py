@@ -91,7 +91,10 @@ class LeaseRepository:
     def lost_nodes(self, job_id: str, attempt: int, now: datetime) -> list[int]:
         """The held slots of the attempt (node 0's aside: the job's lease is its) whose lease lapsed."""
         query = select(JobNode.node).where(
-            JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.node > 0, JobNode.owner.is_not(None),
+            JobNode.job_id == job_id,
+            JobNode.attempt == attempt,
+            JobNode.node > 0,
+            JobNode.owner.is_not(None),
             JobNode.lease_expires_at < now,
-        )  # fmt: skip
+        )
         return list(self.session.scalars(query.order_by(JobNode.node)))

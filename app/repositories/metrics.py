@@ -11,11 +11,21 @@ from sqlalchemy.orm import Session
 
 from app.db.models import Job, MetricChunk, MetricSeries
 
-CHUNK_COLUMNS = (
-    "job_id", "name", "first_step", "last_step", "n", "steps", "values",
-    "min_step", "min_value", "max_step", "max_value", "last_value",
-)  # fmt: skip
-COPY_TYPES = ("text", "text", "int4", "int4", "int4", "bytea", "bytea", "int4", "float8", "int4", "float8", "float8")
+# The metric_chunks columns a COPY writes, with their Postgres types (COPY's binary format needs them).
+CHUNK_COLUMNS = {
+    "job_id": "text",
+    "name": "text",
+    "first_step": "int4",
+    "last_step": "int4",
+    "n": "int4",
+    "steps": "bytea",
+    "values": "bytea",
+    "min_step": "int4",
+    "min_value": "float8",
+    "max_step": "int4",
+    "max_value": "float8",
+    "last_value": "float8",
+}
 
 # Per series and bucket of ``width`` steps (a chunk belongs to the bucket of its first step), the
 # chunks holding the bucket's smallest value, its largest value and its last point: a window over
@@ -75,7 +85,7 @@ class MetricRepository:
         cursor = driver.cursor()
         columns = ", ".join(f'"{c}"' for c in CHUNK_COLUMNS)
         with cursor.copy(f"COPY metric_chunks ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
-            copy.set_types(COPY_TYPES)
+            copy.set_types(list(CHUNK_COLUMNS.values()))
             for row in rows:
                 copy.write_row([row[c] for c in CHUNK_COLUMNS])
 
@@ -89,9 +99,13 @@ class MetricRepository:
         excluded = stmt.excluded
         stmt = stmt.on_conflict_do_update(
             index_elements=["job_id", "name"],
-            set_={"points": MetricSeries.points + excluded.points, "last_step": excluded.last_step,
-                  "tail_step": excluded.tail_step, "tail_points": excluded.tail_points},
-        )  # fmt: skip
+            set_={
+                "points": MetricSeries.points + excluded.points,
+                "last_step": excluded.last_step,
+                "tail_step": excluded.tail_step,
+                "tail_points": excluded.tail_points,
+            },
+        )
         self.session.execute(stmt, list(rows))
 
     def set_mark(self, job_id: str, mark: str) -> None:
@@ -122,10 +136,14 @@ class MetricRepository:
         """Per series, the chunks overlapping [lo, hi] and their points (name, chunks, points)."""
         query = (
             select(MetricChunk.name, func.count().label("chunks"), func.sum(MetricChunk.n).label("points"))
-            .where(MetricChunk.job_id == job_id, MetricChunk.name.in_(names), MetricChunk.last_step >= lo,
-                   MetricChunk.first_step <= hi)
+            .where(
+                MetricChunk.job_id == job_id,
+                MetricChunk.name.in_(names),
+                MetricChunk.last_step >= lo,
+                MetricChunk.first_step <= hi,
+            )
             .group_by(MetricChunk.name)
-        )  # fmt: skip
+        )
         return list(self.session.execute(query))
 
     def bucket_summaries(self, job_id: str, names: Sequence[str], lo: int, hi: int, width: int) -> list[Any]:

@@ -130,9 +130,14 @@ class SweepRepository:
 
     def add_rung(self, sweep_id: str, job_id: str, rung: int, position: int, value: float, go_on: bool) -> SweepRung:
         row = SweepRung(
-            sweep_id=sweep_id, job_id=job_id, rung=rung, position=position, value=value, go_on=go_on,
+            sweep_id=sweep_id,
+            job_id=job_id,
+            rung=rung,
+            position=position,
+            value=value,
+            go_on=go_on,
             created_at=utcnow(),
-        )  # fmt: skip
+        )
         self.session.add(row)
         self.session.flush()
         return row

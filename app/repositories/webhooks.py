@@ -96,14 +96,19 @@ class WebhookRepository:
         """Up to ``limit`` deliveries due by ``now`` (the longest waiting first), each claimed for
         one attempt until ``lease_until``."""
         due = (
-            select(WebhookDelivery.id, WebhookDelivery.body, WebhookDelivery.created_at, WebhookEndpoint.url,
-                   WebhookEndpoint.secret)
+            select(
+                WebhookDelivery.id,
+                WebhookDelivery.body,
+                WebhookDelivery.created_at,
+                WebhookEndpoint.url,
+                WebhookEndpoint.secret,
+            )
             .join(WebhookEndpoint, WebhookEndpoint.id == WebhookDelivery.endpoint_id)
             .where(WebhookDelivery.next_attempt_at <= now)
             .order_by(WebhookDelivery.next_attempt_at)
             .limit(limit)
             .with_for_update(skip_locked=True, of=WebhookDelivery)
-        )  # fmt: skip
+        )
         rows = {row.id: row for row in self.session.execute(due)}
         if not rows:
             return []
@@ -117,9 +122,15 @@ class WebhookRepository:
         return [Claimed(delivery_id, attempt, *rows[delivery_id][1:]) for delivery_id, attempt in claimed]
 
     def record_attempt(
-        self, delivery_id: str, attempt: int, at: datetime, duration_ms: int, status_code: int | None,
-        error: str | None, **values: Any,
-    ) -> bool:  # fmt: skip
+        self,
+        delivery_id: str,
+        attempt: int,
+        at: datetime,
+        duration_ms: int,
+        status_code: int | None,
+        error: str | None,
+        **values: Any,
+    ) -> bool:
         """Log attempt number ``attempt`` and set the delivery's ``values`` (status, next try,
         ...), if that attempt is still the latest of a pending delivery (False otherwise: the
         endpoint was deleted, or the lease passed and another attempt took over)."""
@@ -130,7 +141,13 @@ class WebhookRepository:
         )
         if changed_rows(self.session, stmt.values(last_error=error, **values)) != 1:
             return False
-        row = {"delivery_id": delivery_id, "number": attempt, "at": at, "duration_ms": duration_ms,
-               "status_code": status_code, "error": error}  # fmt: skip
+        row = {
+            "delivery_id": delivery_id,
+            "number": attempt,
+            "at": at,
+            "duration_ms": duration_ms,
+            "status_code": status_code,
+            "error": error,
+        }
         self.session.execute(insert(WebhookAttempt.__table__), row)
         return True

@@ -126,13 +126,28 @@ def prepare_submission(
         raise cap_reached(cap)
     now = utcnow()
     row = dict(
-        id=new_id("job"), created_at=now, tenant_id=tenant.id, name=spec.name, status=INITIAL, spec=spec.stored(),
-        queue=queue_for(spec), dataset_id=spec.data.dataset_id, idempotency_key=idempotency_key,
-        request_hash=digest, max_restarts=spec.train.max_restarts, total_steps=spec.train.steps, summary={},
-        enqueued_at=now, attempt=0, progress_step=0, cancel_requested=False, event_seq=1, sweep_id=None,
+        id=new_id("job"),
+        created_at=now,
+        tenant_id=tenant.id,
+        name=spec.name,
+        status=INITIAL,
+        spec=spec.stored(),
+        queue=queue_for(spec),
+        dataset_id=spec.data.dataset_id,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+        max_restarts=spec.train.max_restarts,
+        total_steps=spec.train.steps,
+        summary={},
+        enqueued_at=now,
+        attempt=0,
+        progress_step=0,
+        cancel_requested=False,
+        event_seq=1,
+        sweep_id=None,
         parent_job_id=spec.init_from.job_id if spec.init_from else None,
         parent_step=spec.init_from.step if spec.init_from else None,
-    )  # fmt: skip
+    )
     return Submission(digest, row, cap)
 
 

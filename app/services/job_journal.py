@@ -43,9 +43,15 @@ def record_status(session: Session, bus: LiveBus, job_id: str) -> Job:
 
 
 def record_checkpoint(
-    session: Session, bus: LiveBus, job_id: str, attempt: int, step: int, path: str, nbytes: int,
+    session: Session,
+    bus: LiveBus,
+    job_id: str,
+    attempt: int,
+    step: int,
+    path: str,
+    nbytes: int,
     metrics: dict[str, float],
-) -> None:  # fmt: skip
+) -> None:
     """Record a checkpoint file (``path`` relative to the artifact dir) written after ``step``
     steps, with every metric's latest value, and its ``checkpoint`` event."""
     CheckpointRepository(session).add_checkpoint(job_id, attempt, step, path, nbytes, metrics)

@@ -53,9 +53,14 @@ def cancel_job(session: Session, tenant: TenantRef, job_id: str, bus: LiveBus) -
 
 
 def metric_history(
-    session: Session, tenant: TenantRef, job_id: str, names: str | None, max_points: int, from_step: int | None,
+    session: Session,
+    tenant: TenantRef,
+    job_id: str,
+    names: str | None,
+    max_points: int,
+    from_step: int | None,
     to_step: int | None,
-) -> schemas.MetricHistory:  # fmt: skip
+) -> schemas.MetricHistory:
     get_job(session, tenant, job_id)  # 404 for another tenant's job (a from_step after to_step: no points)
     wanted = [n for n in names.split(",") if n.strip()] if names else None
     series = history(session, job_id, [n.strip() for n in wanted] if wanted else None, max_points, from_step, to_step)

@@ -91,17 +91,27 @@ def claim(session: Session, bus: LiveBus, job_id: str, owner: str, lease: timede
     dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
     sweep = SweepRepository(session).get(job.sweep_id, job.tenant_id) if job.sweep_id else None
     return Claim(
-        attempt=attempt, spec=JobSpec.model_validate(job.spec), dataset_path=dataset.path if dataset else None,
-        char_vocab=dataset.char_vocab if dataset else None, corpus_bytes=dataset.bytes if dataset else 0,
-        progress=job.progress_step, summary=dict(job.summary or {}),
+        attempt=attempt,
+        spec=JobSpec.model_validate(job.spec),
+        dataset_path=dataset.path if dataset else None,
+        char_vocab=dataset.char_vocab if dataset else None,
+        corpus_bytes=dataset.bytes if dataset else 0,
+        progress=job.progress_step,
+        summary=dict(job.summary or {}),
         rungs=Rungs(sweep.id, dict(sweep.asha), sweep.metric) if sweep is not None and sweep.asha else None,
-    )  # fmt: skip
+    )
 
 
 def finish(
-    session: Session, bus: LiveBus, job_id: str, attempt: int, status: str, step: int, summary: dict[str, Any],
+    session: Session,
+    bus: LiveBus,
+    job_id: str,
+    attempt: int,
+    status: str,
+    step: int,
+    summary: dict[str, Any],
     error: dict[str, Any] | None = None,
-) -> Job | None:  # fmt: skip
+) -> Job | None:
     """``finish``: the attempt's outcome (a final status), with the steps completed, the run's
     summary and, for a failure, its error."""
     changed = JobRepository(session).change_status(

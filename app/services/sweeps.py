@@ -129,10 +129,17 @@ def create_sweep(
             raise
         trials.append({"number": number, "params": params, "spec": job_spec.stored()})
     sweep = Sweep(
-        tenant_id=tenant.id, name=spec.name, status=SweepStatus.RUNNING, request=request, metric=spec.metric,
-        mode=spec.mode, max_concurrent=spec.max_concurrent, asha=spec.asha.model_dump() if spec.asha else None,
-        idempotency_key=idempotency_key, request_hash=digest,
-    )  # fmt: skip
+        tenant_id=tenant.id,
+        name=spec.name,
+        status=SweepStatus.RUNNING,
+        request=request,
+        metric=spec.metric,
+        mode=spec.mode,
+        max_concurrent=spec.max_concurrent,
+        asha=spec.asha.model_dump() if spec.asha else None,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+    )
     repo.add(sweep, trials)
     advance(session, sweep.id, settings)
     return sweep_detail(session, sweep), True
@@ -274,10 +281,15 @@ def trial_view(trial: SweepTrial, job: Job | None, metric: str, rungs: list[sche
     status = job.status if job is not None else TrialStatus.NOT_STARTED if trial.error else TrialStatus.PENDING
     value = (job.summary or {}).get(metric) if job is not None else None
     return schemas.SweepTrial(
-        number=trial.number, params=trial.params, job_id=trial.job_id, status=status,
-        metric=value if isinstance(value, int | float) else None, step=job.progress_step if job else 0,
-        rungs=rungs, error=trial.error,
-    )  # fmt: skip
+        number=trial.number,
+        params=trial.params,
+        job_id=trial.job_id,
+        status=status,
+        metric=value if isinstance(value, int | float) else None,
+        step=job.progress_step if job else 0,
+        rungs=rungs,
+        error=trial.error,
+    )
 
 
 def summary(sweep: Sweep, trials: list[schemas.SweepTrial]) -> schemas.Sweep:
@@ -287,11 +299,17 @@ def summary(sweep: Sweep, trials: list[schemas.SweepTrial]) -> schemas.Sweep:
     succeeded = {str(t.number): t.metric for t in trials if t.status == JobStatus.SUCCEEDED}
     best = search.best(succeeded, sweep.mode)
     return schemas.Sweep(
-        id=sweep.id, name=sweep.name, status=sweep.status, spec=sweep.request, metric=sweep.metric, mode=sweep.mode,
-        created_at=sweep.created_at, finished_at=sweep.finished_at,
+        id=sweep.id,
+        name=sweep.name,
+        status=sweep.status,
+        spec=sweep.request,
+        metric=sweep.metric,
+        mode=sweep.mode,
+        created_at=sweep.created_at,
+        finished_at=sweep.finished_at,
         counts=schemas.SweepCounts(total=len(trials), by_status=counts),
         best=trials[int(best)] if best is not None else None,
-    )  # fmt: skip
+    )
 
 
 # -- cancel --------------------------------------------------------------------------------------
