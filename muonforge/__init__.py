@@ -3,7 +3,8 @@
 ``from muonforge import Client, AsyncClient``.
 """
 
-from muonforge.client import FINISHED, STATUSES, AsyncClient, Client, Event, Retry
+from muonforge.async_client import AsyncClient
+from muonforge.client import FINISHED, STATUSES, Client, Event, Retry
 from muonforge.errors import (
     ApiError,
     ConfigError,

@@ -1,0 +1,219 @@
+"""The asynchronous Python client: ``from muonforge import AsyncClient``, Client's twin on asyncio.
+
+Its methods are Client's (muonforge.client), awaited; its lists and events are async iterators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import httpx
+
+from contract.export import EXPORT_FILE
+from muonforge import api
+from muonforge.api import FINISHED, Call, Event, SseParser
+from muonforge.client import DEFAULT_RETRY, PAGE_SIZE, ClientBase, Json
+from muonforge.retry import Retry
+from muonforge.transfer import Download, Progress, open_upload, write_export_config
+
+
+class AsyncClient(ClientBase):
+    """Client's twin on httpx.AsyncClient: the same methods, awaited; ``list_jobs``,
+    ``list_datasets``, ``list_webhooks``, ``webhook_deliveries`` and ``events`` are async iterators."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        *,
+        retry: Retry = DEFAULT_RETRY,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        super().__init__(url, api_key, timeout, retry)
+        self._sleep = sleep
+        self._http = httpx.AsyncClient(**self._http_options)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- jobs -------------------------------------------------------------------------------------
+    async def create_job(self, spec: Json, idempotency_key: str | None = None) -> Json:
+        return await self._call(api.create_job(spec, idempotency_key))
+
+    async def get_job(self, job_id: str) -> Json:
+        return await self._call(api.get_job(job_id))
+
+    def list_jobs(self, status: str | None = None, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.jobs_page(status, page_size, after))
+
+    async def list_jobs_page(self, status: str | None = None, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.jobs_page(status, limit, after))
+
+    async def cancel_job(self, job_id: str) -> Json:
+        return await self._call(api.cancel_job(job_id))
+
+    async def wait(self, job_id: str, poll: float = 1.0, on_update: Callable[[Json], None] | None = None) -> Json:
+        while True:
+            job = await self.get_job(job_id)
+            if on_update:
+                on_update(job)
+            if job["status"] in FINISHED:
+                return job
+            await self._sleep(poll)
+
+    async def events(
+        self, job_id: str, last_event_id: str | None = None, reconnect: bool = True
+    ) -> AsyncIterator[Event]:
+        parser = SseParser(last_event_id)
+        attempts = self._attempts(api.job_events(job_id, last_event_id), reconnect)
+        while True:
+            try:
+                async with self._http.stream(**api.job_events(job_id, parser.last_event_id).request()) as response:
+                    if not response.is_success:
+                        await response.aread()
+                        delay = attempts.after_response(response)
+                    else:
+                        parser.connect()
+                        async for line in response.aiter_lines():
+                            if (event := parser.feed(line)) is not None:
+                                attempts.reset()
+                                yield event
+                                if event.event == "done":
+                                    return
+                        delay = attempts.after_error(httpx.ReadError("the stream ended before its done event"))
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+            await self._sleep(delay)
+
+    async def metrics(
+        self,
+        job_id: str,
+        names: Iterable[str] | None = None,
+        max_points: int = 1000,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> dict[str, list[list[float]]]:
+        return await self._call(api.job_metrics(job_id, names, max_points, from_step, to_step))
+
+    async def checkpoints(self, job_id: str) -> list[Json]:
+        return [c async for c in self._each(lambda after: api.checkpoints_page(job_id, after))]
+
+    async def download_checkpoint(
+        self, job_id: str, step: int, path: str | Path, progress: Progress | None = None, format: str = "pt"
+    ) -> Path:
+        async def save(response: httpx.Response) -> Path:
+            with Download(path, response.headers, progress) as out:
+                async for chunk in response.aiter_bytes():
+                    out.write(chunk)
+            return out.path
+
+        return await self._run(api.checkpoint_file(job_id, step, format), save)
+
+    async def export_checkpoint(
+        self, job_id: str, step: int, directory: str | Path, progress: Progress | None = None
+    ) -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        weights = await self.download_checkpoint(job_id, step, Path(directory) / EXPORT_FILE, progress, "safetensors")
+        return write_export_config(weights).parent
+
+    # -- datasets ---------------------------------------------------------------------------------
+    async def upload_dataset(
+        self, file: str | Path | BinaryIO, name: str | None = None, progress: Progress | None = None
+    ) -> Json:
+        with open_upload(file, progress) as (filename, reader):
+            return await self._call(api.upload_dataset(filename, reader, name or filename))
+
+    def list_datasets(self, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.datasets_page(page_size, after))
+
+    async def list_datasets_page(self, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.datasets_page(limit, after))
+
+    async def get_dataset(self, dataset_id: str) -> Json:
+        return await self._call(api.get_dataset(dataset_id))
+
+    async def delete_dataset(self, dataset_id: str) -> None:
+        await self._call(api.delete_dataset(dataset_id))
+
+    # -- webhooks ---------------------------------------------------------------------------------
+    async def create_webhook(self, url: str, events: Iterable[str]) -> Json:
+        return await self._call(api.create_webhook(url, events))
+
+    def list_webhooks(self, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.webhooks_page(page_size, after))
+
+    async def get_webhook(self, webhook_id: str) -> Json:
+        return await self._call(api.get_webhook(webhook_id))
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        await self._call(api.delete_webhook(webhook_id))
+
+    def webhook_deliveries(self, webhook_id: str, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.deliveries_page(webhook_id, page_size, after))
+
+    async def webhook_deliveries_page(self, webhook_id: str, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.deliveries_page(webhook_id, limit, after))
+
+    # -- sweeps -----------------------------------------------------------------------------------
+    async def create_sweep(self, spec: Json, idempotency_key: str | None = None) -> Json:
+        return await self._call(api.create_sweep(spec, idempotency_key))
+
+    async def get_sweep(self, sweep_id: str) -> Json:
+        return await self._call(api.get_sweep(sweep_id))
+
+    def list_sweeps(self, status: str | None = None, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.sweeps_page(status, page_size, after))
+
+    async def list_sweeps_page(self, status: str | None = None, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.sweeps_page(status, limit, after))
+
+    async def cancel_sweep(self, sweep_id: str) -> Json:
+        return await self._call(api.cancel_sweep(sweep_id))
+
+    # -- health -----------------------------------------------------------------------------------
+    async def healthz(self) -> Json:
+        return await self._call(api.healthz())
+
+    async def readyz(self) -> Json:
+        return await self._call(api.readyz())
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    async def _call(self, call: Call) -> Any:
+        async def read(response: httpx.Response) -> Any:
+            await response.aread()
+            return call.result(response.json() if response.content else None)  # 204: no body
+
+        return await self._run(call, read)
+
+    async def _run(self, call: Call, consume: Callable[[httpx.Response], Awaitable[Any]]) -> Any:
+        attempts = self._attempts(call)
+        while True:
+            try:
+                async with self._http.stream(**call.request()) as response:
+                    if response.is_success or response.status_code in call.answers:
+                        return await consume(response)
+                    await response.aread()
+                    delay = attempts.after_response(response)
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+            await self._sleep(delay)
+
+    async def _each(self, page: Callable[[str | None], Call]) -> AsyncIterator[Json]:
+        after = None
+        while True:
+            body = await self._call(page(after))
+            for item in body["data"]:
+                yield item
+            if not body["has_more"]:
+                return
+            after = body["next_after"]
