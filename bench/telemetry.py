@@ -47,8 +47,9 @@ from app.db.session import transaction
 from app.messaging.live_bus import live_bus
 from app.services import lifecycle
 from app.services.auth import authenticate
-from app.services.intake import insert_submissions, prepare_submission
+from app.services.intake import insert_submissions
 from app.services.metric_history import store_metrics
+from app.services.submission import prepare_submission
 from app.settings import Settings
 from contract.spec import JobSpec
 from worker.engine.telemetry import Report

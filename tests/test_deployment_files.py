@@ -111,7 +111,7 @@ def test_a_cpu_worker_always_runs_and_the_gpu_worker_is_a_profile():
     by_default = {name: s for name, s in found.items() if "profiles" not in s}
     assert "worker" not in by_default and found["worker"]["profiles"] == ["gpu"]
     assert "reservations" not in by_default["worker-cpu"]["deploy"]["resources"]
-    # Jobs go to "default" (device: auto), "cpu" or "cuda" (app.services.intake.queue_for).
+    # Jobs go to "default" (device: auto), "cpu" or "cuda" (app.services.submission.queue_for).
     assert queues(found["worker-cpu"]) == {"default", "cpu"}, "device: cpu and auto jobs run without a GPU"
     assert queues(found["worker"]) == {"default", "cuda"}
     assert queues(services(SECRETS | {"CPU_WORKER_QUEUES": "cpu"})["worker-cpu"]) == {"cpu"}

@@ -34,7 +34,8 @@ from app.schemas.sweep import SweepSpec
 from app.services import lifecycle, search, webhooks
 from app.services.asha import promote, promotion_candidates, stop_waiting, waits_at_rungs
 from app.services.auth import TenantRef
-from app.services.intake import check_spec, insert_submissions, prepare_submission, request_hash
+from app.services.intake import insert_submissions
+from app.services.submission import check_spec, prepare_submission, request_hash
 from app.services.tenants import job_cap
 from app.settings import Settings
 from contract.spec import JobSpec

@@ -23,9 +23,10 @@ from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services import lifecycle
 from app.services.auth import authenticate, create_api_key
 from app.services.datasets import delete_dataset
-from app.services.intake import insert_submissions, prepare_submission
+from app.services.intake import insert_submissions
 from app.services.jobs import cancel_job
 from app.services.reaper import release
+from app.services.submission import prepare_submission
 from app.settings import Settings
 from contract.spec import JobSpec
 from contract.status import ACTIVE, JobStatus

@@ -20,7 +20,8 @@ from app.errors import StorageQuotaExceeded
 from app.repositories.tenants import DatasetRepository
 from app.services.auth import authenticate
 from app.services.datasets import CHUNK, ORPHAN_AGE_SECONDS, sweep_orphans, write_upload
-from app.services.intake import insert_submissions, prepare_submission
+from app.services.intake import insert_submissions
+from app.services.submission import prepare_submission
 from contract.spec import JobSpec
 from tests.service.conftest import new_key, tiny_spec, wait_for
 from worker.engine.facts import CHAR_VOCAB_MAX

@@ -22,7 +22,8 @@ from app.repositories.tenants import TenantRepository
 from app.services import lifecycle
 from app.services.admission import Admission
 from app.services.auth import KeyCache, authenticate, hash_key
-from app.services.intake import JobWriter, TaskPublisher, insert_submissions, prepare_submission
+from app.services.intake import JobWriter, TaskPublisher, insert_submissions
+from app.services.submission import prepare_submission
 from contract.spec import JobSpec
 from tests.service.conftest import new_key, tiny_spec, wait_for
 

@@ -20,7 +20,8 @@ from app.repositories.job_events import JobEventRepository
 from app.repositories.jobs import JobRepository
 from app.services import lifecycle
 from app.services.auth import TenantRef, authenticate, create_api_key
-from app.services.intake import insert_submissions, prepare_submission
+from app.services.intake import insert_submissions
+from app.services.submission import prepare_submission
 from app.settings import Settings
 from contract.spec import JobSpec
 from contract.status import ALLOWED, FINISHED, TRANSITIONS, IllegalTransition, JobStatus

@@ -20,9 +20,10 @@ from app.messaging.live_bus import NoBus, live_bus, stream_key
 from app.repositories.job_events import JobEventRepository
 from app.services import lifecycle
 from app.services.auth import authenticate
-from app.services.intake import insert_submissions, prepare_submission
+from app.services.intake import insert_submissions
 from app.services.job_journal import record_sample
 from app.services.metric_history import history, store_metrics, unpack
+from app.services.submission import prepare_submission
 from contract.metrics import SUMMARY
 from contract.spec import JobSpec
 from muonforge.api import SseParser

@@ -12,7 +12,8 @@ from app.db.session import transaction
 from app.errors import ValidationFailed
 from app.repositories.checkpoints import CheckpointRepository
 from app.services.auth import authenticate
-from app.services.intake import insert_submissions, prepare_submission
+from app.services.intake import insert_submissions
+from app.services.submission import prepare_submission
 from contract.spec import JobSpec
 from muonforge.client import Client
 from tests.service.conftest import new_key, tiny_spec, wait_for
