@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 NPM    ?= npm
 WEB    := app/web
 
-.PHONY: install web run train test lint bench
+.PHONY: install web run train test test-fast lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: install
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+## test-fast: the unit and in-process tests alone, no process of the service, no browser, no long
+## training (markers system, browser, slow): a couple of minutes, no Postgres-free promise
+test-fast: install
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not system and not browser and not slow"
 
 lint: install
 	$(VENV)/bin/ruff check contract optim app worker muonforge migrations tests bench

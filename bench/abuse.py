@@ -1,4 +1,4 @@
-"""What abuse costs the API, on a throwaway deployment (bench/stack.py): one API process, real
+"""What abuse costs the API, on a throwaway deployment (tests/support/stack.py): one API process, real
 Postgres and Redis.
 
 1. body: a 1 GB body declared without a key (and one streamed with chunked encoding): the time

@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 import httpx
 import psycopg
 from faults import RedisServer, TcpProxy
-from stack import FINISHED, PG_ADMIN, Stack, check_job, free_port, job_spec, pick_victim, task_outcomes
+from stack import FINISHED, PG_ADMIN, Stack, chaos_spec, check_job, free_port, pick_victim, task_outcomes
 
 from muonforge import AsyncClient, Client, MuonforgeError, Retry
 
@@ -186,7 +186,7 @@ class Chaos:
             self.stack.start_api(port=self.stack.api_port)
         if submit:
             for _ in range(self.args.in_flight - self.unfinished()):
-                job = self.client.create_job(job_spec(self.args.steps, len(self.jobs)))
+                job = self.client.create_job(chaos_spec(self.args.steps, len(self.jobs)))
                 self.jobs[job["id"]] = self.args.steps
                 self.followers.follow(job["id"])
 

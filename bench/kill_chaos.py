@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import psycopg
-from stack import FINISHED, Stack, check_job, job_spec, pick_victim, task_outcomes
+from stack import FINISHED, Stack, chaos_spec, check_job, pick_victim, task_outcomes
 
 REDIS = "redis://127.0.0.1:6379/12"
 
@@ -133,7 +133,7 @@ def run(stack: Stack, args: argparse.Namespace) -> bool:
         start = time.monotonic()
         jobs = {}
         for i in range(args.jobs):
-            response = http.post("/v1/jobs", json=job_spec(args.steps, i))
+            response = http.post("/v1/jobs", json=chaos_spec(args.steps, i))
             response.raise_for_status()
             jobs[response.json()["id"]] = args.steps
         print(f"submitted {len(jobs)} jobs of {args.steps} steps to {args.workers} workers", flush=True)

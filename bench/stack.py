@@ -1,12 +1,6 @@
-"""What the service benchmarks share: a throwaway deployment on this machine's Postgres and Redis
-(a fresh database, migrations, API keys, API and worker processes, all stopped at the end) and
-CPU accounting per process group, with the time the hypervisor stole from the machine.
-
-    with Stack("api_load", "redis://127.0.0.1:6379/14", {"MUONFORGE_TENANT_JOB_CAP": "10000000"}) as stack:
-        key = stack.api_key("load")
-        url = stack.start_api(processes=1)
-        ...
-"""
+"""What the service benchmarks share beyond tests/support (the throwaway deployment, ports, job
+specs): jobs under faults, and CPU accounting per process group with the time the hypervisor
+stole from the machine."""
 
 from __future__ import annotations
 
@@ -14,181 +8,30 @@ import json
 import os
 import random
 import re
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import psycopg
-import redis
 
 ROOT = Path(__file__).resolve().parents[1]
-PG_ADMIN = os.environ.get("MUONFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+sys.path.insert(0, str(ROOT))  # the benchmarks run as scripts: tests.support from this checkout
 
+from contract.status import FINISHED as FINISHED_STATUSES  # noqa: E402
+from tests.support.net import free_port  # noqa: E402
+from tests.support.services import PG_ADMIN  # noqa: E402
+from tests.support.specs import chaos_spec  # noqa: E402
+from tests.support.stack import Stack  # noqa: E402
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Stack:
-    """A fresh Postgres database (dropped on exit), a flushed Redis database, an artifact
-    directory, and every process started through it (stopped on exit). Logs and artifacts are
-    kept when the block raises or ``keep`` is set, and deleted otherwise."""
-
-    def __init__(
-        self, label: str, redis_url: str, settings: dict[str, str] | None = None, db_port: int | None = None
-    ) -> None:
-        """``db_port``: where the processes started here reach Postgres (a proxy in front of it);
-        ``db_url`` (the bench's own connections) goes to the server directly."""
-        self.name = f"muonforge_{label}_{secrets.token_hex(3)}"
-        self.db_url = PG_ADMIN.rsplit("/", 1)[0] + f"/{self.name}"
-        via = urlsplit(self.db_url)
-        if db_port is not None:
-            via = via._replace(netloc=f"{via.username or 'postgres'}@127.0.0.1:{db_port}")
-        self.redis_url = redis_url
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"{label}_"))
-        self.logs = self.tmp / "logs"
-        self.logs.mkdir()
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
-        self.env.update(
-            MUONFORGE_DATABASE_URL=urlunsplit(via).replace("postgresql://", "postgresql+psycopg://"),
-            MUONFORGE_REDIS_URL=redis_url, MUONFORGE_ARTIFACT_DIR=str(self.tmp / "artifacts"), OMP_NUM_THREADS="1",
-            **(settings or {}),
-        )  # fmt: skip
-        self.procs: list[subprocess.Popen] = []
-        self.workers: dict[int, subprocess.Popen] = {}  # pid -> live worker
-        self.api: subprocess.Popen | None = None
-        self.api_port: int | None = None
-        self.keep = False
-
-    def __enter__(self) -> Stack:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{self.name}"')
-        redis.Redis.from_url(self.redis_url).flushdb()
-        self.muonforge("migrate")
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        self.close()
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
-        if exc_type is None and not self.keep:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        else:
-            print(f"logs and artifacts kept in {self.tmp}", file=sys.stderr)
-
-    def muonforge(self, *args: str) -> str:
-        """Run a muonforge command to completion; returns its standard output."""
-        cmd = [sys.executable, "-m", "muonforge.cli", *args]
-        return subprocess.run(cmd, env=self.env, cwd=ROOT, check=True, capture_output=True, text=True).stdout
-
-    def api_key(self, tenant: str) -> str:
-        return self.muonforge("keys", "create", "--tenant", tenant).strip().splitlines()[-1]
-
-    def _start(self, args: list[str], log_name: str, cpus: set[int] | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "muonforge.cli", *args]
-        pin = None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
-        with (self.logs / log_name).open("ab") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
-        self.procs.append(proc)
-        return proc
-
-    def start_api(self, processes: int = 1, port: int | None = None, cpus: set[int] | None = None) -> str:
-        """`muonforge api` (no access log) on ``port`` (else a free one), on the CPUs ``cpus`` alone
-        if given (its threads and processes inherit them); returns its URL once /readyz answers 200."""
-        port = self.api_port = port or free_port()
-        args = ["api", "--port", str(port), "--processes", str(processes), "--no-access-log"]
-        self.api = self._start(args, "api.log", cpus)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.api.poll() is not None:
-                raise RuntimeError(f"the API exited with {self.api.returncode}; see {self.logs / 'api.log'}")
-            try:
-                with urllib.request.urlopen(f"{url}/readyz", timeout=1) as response:
-                    if response.status == 200:
-                        return url
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("the API did not become ready")
-
-    def start_worker(self, queues: str = "default,cpu") -> int:
-        """A `muonforge worker` (solo pool, one job at a time); returns its pid."""
-        proc = self._start(["worker", "--queues", queues], f"worker-{len(self.procs)}.log")
-        self.workers[proc.pid] = proc
-        return proc.pid
-
-    def wait_workers_ready(self, count: int, timeout: float = 120.0) -> None:
-        """Until ``count`` worker logs say " ready." (Celery is consuming)."""
-        deadline = time.monotonic() + timeout
-        while sum(b" ready." in p.read_bytes() for p in self.logs.glob("worker-*.log")) < count:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workers did not start; see {self.logs}")
-            time.sleep(0.2)
-
-    def kill_api(self) -> None:
-        """SIGKILL the API (one process: ``start_api(processes=1)``); start it again with
-        ``start_api(port=stack.api_port)``."""
-        assert self.api is not None, "start_api() first"
-        self.api.send_signal(signal.SIGKILL)
-        self.api.wait(timeout=10)
-
-    def crashed_workers(self) -> list[int]:
-        """Workers that exited without being killed (forgotten here; the caller replaces them)."""
-        dead = [pid for pid, proc in self.workers.items() if proc.poll() is not None]
-        for pid in dead:
-            del self.workers[pid]
-        return dead
-
-    def kill_worker(self, pid: int) -> None:
-        """SIGKILL: no cleanup, the worker's lease just stops being renewed."""
-        proc = self.workers.pop(pid)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def close(self) -> None:
-        """SIGTERM everything still running, then SIGKILL what has not exited after 20 s."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+__all__ = ["FINISHED", "PG_ADMIN", "ROOT", "Stack", "chaos_spec", "free_port"]
 
 
 # -- jobs under faults (bench/kill_chaos.py, bench/chaos.py) --------------------------------------
-FINISHED = ("succeeded", "failed", "cancelled")
+FINISHED = sorted(str(s) for s in FINISHED_STATUSES)  # as stored
 STATUS_SEQUENCE = re.compile(r"queued( running queued)* running succeeded")
-
-
-def job_spec(steps: int, index: int) -> dict:
-    """A tiny GPT on the builtin synthetic task: about 1 s per 100 steps on one CPU thread,
-    checkpoints and evals every steps / 4. max_restarts is the cap (10) so that a job that is
-    interrupted often does not end worker_lost."""
-    every = steps // 4
-    train = {"steps": steps, "batch_size": 4, "eval_every": every, "checkpoint_every": every, "max_restarts": 10}
-    return {
-        "name": f"chaos-{index}",
-        "model": {"arch": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "seq_len": 16},
-        "data": {"builtin": "synthetic"},
-        "train": train | {"seed": index},
-    }
 
 
 def pick_victim(

@@ -1,4 +1,4 @@
-"""What ASHA saves on a learning-rate sweep, on a throwaway deployment (bench/stack.py): one API
+"""What ASHA saves on a learning-rate sweep, on a throwaway deployment (tests/support/stack.py): one API
 process, W workers, real Postgres and Redis.
 
 Two sweeps of the same 16 trials, submitted through the API with the Python client, one after

@@ -1,4 +1,4 @@
-"""Webhook delivery latency on a throwaway deployment (bench/stack.py): one API process (its
+"""Webhook delivery latency on a throwaway deployment (tests/support/stack.py): one API process (its
 delivery thread sends), real Postgres and Redis, a receiver on loopback.
 
 The latency of a delivery is the time from the commit of the job's final status (its row's

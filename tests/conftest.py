@@ -1,6 +1,17 @@
+"""What every test process shares: one torch thread, hypothesis profiles, a foreground SIGINT and
+the service fixtures (tests/support/fixtures.py)."""
+
 import os
 import signal
+from pathlib import Path
 
+# One intra-op (OpenMP) thread per test process and per process a test starts, set before torch is
+# first imported: the tests' matrices are tiny and the test processes share the machine's cores,
+# where OpenMP threads spin at barriers while a core is taken. With two test processes on two
+# cores, the optimizer and engine tests took 4.8x longer at two threads each than at one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
 from hypothesis import settings
 
 # CI runs a fixed, reproducible set of examples; elsewhere hypothesis explores freely.
@@ -11,8 +22,28 @@ settings.register_profile("thorough", max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
+# A test that uses one of these fixtures runs the service's processes: it is a system test.
+PROCESS_FIXTURES = frozenset({"api_url", "worker", "start_worker", "shared_worker"})
+BROWSER_TESTS = Path(__file__).parent / "browser"
+
+
+def pytest_collection_modifyitems(items):
+    """Mark what `make test-fast` leaves out: ``browser`` (every test under tests/browser) and
+    ``system`` (those too, and every test that uses a fixture in PROCESS_FIXTURES; modules whose
+    tests start processes otherwise say so with a module-level ``pytestmark``)."""
+    for item in items:
+        if BROWSER_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.browser)
+            item.add_marker(pytest.mark.system)
+        elif PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.system)
+
+
 def pytest_configure(config):
     """A shell ignores SIGINT for the commands it starts in the background, and a child inherits
     that: the Ctrl-C tests' commands would then never see their Ctrl-C. Run as if in the foreground."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+pytest_plugins = ("tests.support.fixtures",)

@@ -15,7 +15,7 @@ import pytest
 from app.db.session import open_session
 from app.settings import Settings
 from muonforge.cli import build_parser
-from tests.compose import ROOT, SECRETS, MissingVariable, load_compose, raw_compose, required_variables
+from tests.support.compose import ROOT, SECRETS, MissingVariable, load_compose, raw_compose, required_variables
 
 APP_SERVICES = ("migrate", "api", "worker-cpu", "worker")  # the image's own commands
 NOT_SETTINGS = {"FORWARDED_ALLOW_IPS"}  # uvicorn's: whose X-Forwarded-* headers to trust

@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 from contract.export import CONFIG_FILE, EXPORT_KEY
 from muonforge import extras
 from muonforge.cli import main
-from tests.http_stub import closed_port_url
+from tests.support.net import closed_port_url
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

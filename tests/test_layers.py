@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.http_stub import closed_port_url
+from tests.support.net import closed_port_url
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = sys.stdlib_module_names

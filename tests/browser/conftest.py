@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.web.pages import NODE_MODULES
-from tests.service.conftest import ROOT, Worker, api_url, database_url, new_key, redis_url, settings, unavailable  # noqa: F401 (fixtures)
+from tests.support.api import key_of
+from tests.support.services import ROOT, unavailable
 
 CHROMIUM = os.environ.get("MUONFORGE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("MUONFORGE_TEST_ARTIFACTS", ROOT / "tests" / "browser" / "artifacts"))
@@ -49,13 +50,6 @@ def chromium():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
         yield browser
         browser.close()
-
-
-@pytest.fixture(scope="module")
-def worker(settings, tmp_path_factory) -> Iterator[Worker]:  # noqa: F811
-    w = Worker(settings, tmp_path_factory.mktemp("worker") / "worker.log")
-    yield w
-    w.stop()
 
 
 class Browser:
@@ -95,7 +89,7 @@ class Browser:
 
 
 @pytest.fixture
-def browser(chromium, api_url) -> Iterator[Browser]:  # noqa: F811
+def browser(chromium, api_url) -> Iterator[Browser]:
     b = Browser(chromium, api_url)
     yield b
     b.close()
@@ -110,5 +104,6 @@ def screenshot(page, name: str) -> Path:
 
 
 @pytest.fixture
-def key(settings) -> str:  # noqa: F811
-    return new_key(settings)
+def key(auth) -> str:
+    """The API key of the test's tenant (the one the shared worker settles after the test)."""
+    return key_of(auth)

@@ -11,7 +11,7 @@ import httpx
 from muonforge.client import Client
 from tests.browser.conftest import Browser, screenshot
 from tests.browser.test_pages import DRAWN, submit
-from tests.service.conftest import Worker, running_api
+from tests.support.services import Worker, running_api
 
 
 def test_status_and_curves_update_live_without_a_reload(browser, api_url, key, settings, tmp_path):

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from tests.browser.conftest import screenshot
-from tests.service.conftest import new_key, wait_for
+from tests.support.api import new_key
+from tests.support.net import wait_for
 
 DRAWN = """() => Object.fromEntries(MF.shown.charts.flatMap((c) => c.spec.series.map((s, i) =>
     [s.name, c.plot ? c.plot.data[1 + 2 * i].filter((v) => v !== null).length : 0])))"""

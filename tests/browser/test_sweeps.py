@@ -9,7 +9,7 @@ import re
 import httpx
 
 from tests.browser.conftest import screenshot
-from tests.service.conftest import wait_for
+from tests.support.net import wait_for
 
 SWEEP = {
     "name": "lr-and-optimizer",

@@ -8,7 +8,6 @@ import asyncio
 import inspect
 import json
 import os
-import socket
 from datetime import UTC, datetime
 from email.utils import format_datetime
 
@@ -25,7 +24,8 @@ from muonforge.errors import (
     ValidationError,
 )
 from muonforge.retry import Repeat, retry_after_seconds, retry_delay
-from tests.http_stub import DROP, Reply, StubServer, scripted
+from tests.support.http_stub import DROP, Reply, StubServer, scripted
+from tests.support.net import closed_port_url
 
 JOB = {"id": "job_1", "status": "queued"}
 DATASET = {"id": "ds_1", "name": "corpus.txt", "bytes": 3, "sha256": "x", "created_at": "2025-01-01T00:00:00Z"}
@@ -121,9 +121,7 @@ def test_answers_a_repeat_cannot_change_are_raised_at_once(call, status, body, k
 
 
 def test_a_refused_connection_is_retried_then_reported_with_the_url(call):
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    url = closed_port_url()
     result, sleeps = call(url, "healthz", retry=Retry(max_retries=2))
     assert isinstance(result, ConnectionFailed) and result.url == url
     assert str(result) == f"cannot reach the server at {url}: connection refused"

@@ -1,20 +1,22 @@
 """Every failure a person meets with the client commands, in a real pseudo-terminal: the exact
 line shown, the exit status, no traceback (unless asked for); the progress bar of `submit
 --follow` to each end of a job; Ctrl-C while following. The server is a local HTTP server that
-answers as each test scripts it (tests/http_stub.py)."""
+answers as each test scripts it (tests/support/http_stub.py)."""
 
 from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
 
 import pytest
 
-from tests.cli.terminal import assert_one_error, environment, finish, run, spawn
-from tests.http_stub import Reply, Request, StubServer, scripted
+from tests.support.http_stub import Reply, Request, StubServer, scripted
+from tests.support.net import closed_port_url
+from tests.support.terminal import assert_one_error, environment, finish, run, spawn
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 KEY = "mf_test_key"
 
@@ -40,12 +42,6 @@ def spec(tmp_path):
     path = tmp_path / "spec.json"
     path.write_text(json.dumps({"model": {"arch": "gpt"}, "data": {"builtin": "synthetic"}}))
     return path
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 # -- cannot reach or authenticate: 3 ---------------------------------------------------------------

@@ -10,6 +10,8 @@ import yaml
 
 from muonforge.cli import SpecError, load_spec
 
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 

@@ -14,9 +14,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.cli.terminal import assert_one_error, environment, finish, run, spawn
-from tests.http_stub import Reply, StubServer, scripted
+from tests.support.http_stub import Reply, StubServer, scripted
+from tests.support.net import free_port
+from tests.support.terminal import assert_one_error, environment, finish, run, spawn
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 EMBEDDED = "muonforge: embedded (SQLite and a local broker under ./var)"
 LONG_JOB = {
@@ -24,12 +28,6 @@ LONG_JOB = {
     "data": {"builtin": "synthetic"},
     "train": {"steps": 100_000, "batch_size": 4, "eval_every": 100_000, "checkpoint_every": 100_000},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:

@@ -14,6 +14,8 @@ from worker.engine.data import synthetic_task
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
+
 
 def spec(nproc: int, init_from: dict | None = None, **train) -> dict:
     return JobSpec.model_validate(

@@ -12,6 +12,8 @@ from worker.engine.launch import Launch, RankFailed
 from worker.engine.outcome import RunResult
 from worker.engine.request import RunRequest
 
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
+
 ABORTED = 134  # the exit status of a process that aborted (SIGABRT), as a gloo teardown fault can
 
 # One stand-in rank: argv = rank, whether it says done, whether it reports a result, exit status.

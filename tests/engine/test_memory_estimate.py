@@ -15,6 +15,8 @@ import pytest
 from contract.spec import JobSpec
 from worker.engine.facts import SYNTHETIC_VOCAB, peak_memory_bytes
 
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
+
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = {
     "attention scores": ({"arch": "gpt", "n_layer": 1, "n_head": 16, "d_model": 64, "seq_len": 1024}, 4),

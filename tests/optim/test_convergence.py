@@ -51,18 +51,8 @@ def train(make_optimizer, train_batches, val_batches) -> float:
         return sum(model(x, y)[1].item() for x, y in val_batches) / len(val_batches)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matrices: one intra-op thread is nearly as fast as two on a quiet machine and 5-7x faster
-    on a loaded one (OpenMP workers spin at barriers when a core is taken)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-def test_muon_beats_adamw_at_equal_steps(one_thread):
+def test_muon_beats_adamw_at_equal_steps():
     data = CharData(SEQ_LEN)
     train_batches = data.batches("train", STEPS, BATCH, seed=1)
     val_batches = data.batches("val", VAL_BATCHES, VAL_BATCH, seed=2)

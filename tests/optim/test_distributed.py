@@ -8,9 +8,7 @@ ones: seeded per step and parameter, the same on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -24,6 +22,9 @@ from torch import nn
 
 import optim
 from tests.optim.tiny_models import CausalSelfAttention
+from tests.support.net import free_port
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 # Muon matrices of several shapes (two alike, so a rank batches them; a conv kernel), an experts
 # group [E, out, in] and an AdamW group: the split over 2 and 4 ranks is uneven in count and shape.
@@ -63,26 +64,13 @@ def set_grads(ps: list[nn.Parameter], step: int) -> None:
             p.grad[0, 0] = float("nan")
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Tiny matrices gain nothing from threads, and on a busy machine a thread pool waiting for a
-    descheduled thread turns milliseconds into seconds; the ranks run on one thread each too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def train(opt: optim.Muon, ps: list[nn.Parameter], steps: range) -> list[dict[str, float]]:
     """Step over the given steps; each step's statistics (but its wall time)."""
     stats = []
-    with one_thread():
-        for step in steps:
-            set_grads(ps, step)
-            opt.step()
-            stats.append({k: v for k, v in opt.last_step_stats().items() if k != "ns_time_ms"})
+    for step in steps:
+        set_grads(ps, step)
+        opt.step()
+        stats.append({k: v for k, v in opt.last_step_stats().items() if k != "ns_time_ms"})
     return stats
 
 
@@ -209,14 +197,13 @@ def clip_run(maxima: list[list[float]], **kwargs) -> tuple[list[torch.Tensor], l
     ps = list(attn.parameters())
     opt = optim.MuonClip(ps, attn, qk_clip_tau=100.0, lr=0.02, ns_dtype=torch.float32, **kwargs)
     clipped = []
-    with one_thread():
-        for step in range(CLIP_STEPS):
-            for i, p in enumerate(ps):
-                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
-            for s in maxima:
-                attn.record(torch.tensor(s))
-            opt.step()
-            clipped.append(opt.last_step_stats()["qk_clip/heads_clipped"])
+    for step in range(CLIP_STEPS):
+        for i, p in enumerate(ps):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        for s in maxima:
+            attn.record(torch.tensor(s))
+        opt.step()
+        clipped.append(opt.last_step_stats()["qk_clip/heads_clipped"])
     return snapshot(ps), clipped
 
 
@@ -243,12 +230,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, jobs: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world: int, out_dir: Path, jobs: dict) -> list[dict]:
     """Run _worker on `world` gloo ranks; every rank's results, or a failure naming what went wrong.
 
@@ -258,7 +239,7 @@ def spawn(world: int, out_dir: Path, jobs: dict) -> list[dict]:
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch._dynamo", __name__])
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, str(out_dir), jobs)) for r in range(world)]
     for p in procs:
         p.start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 
 import optim
 from tests.optim.tiny_models import LAYOUTS, CausalSelfAttention, TinyGPT
+from tests.support.net import free_port
 
 TAU = 100.0
 S_TARGET = 250.0
@@ -348,15 +348,9 @@ def test_all_reduced_maxima_live_on_the_weights_device(monkeypatch):
     assert seen == [torch.device("meta")]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_distributed_max_all_reduce_two_gloo_ranks(tmp_path):
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_dist_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()

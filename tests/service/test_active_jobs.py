@@ -30,7 +30,8 @@ from app.services.submission import prepare_submission
 from app.settings import Settings
 from contract.spec import JobSpec
 from contract.status import ACTIVE, JobStatus
-from tests.service.conftest import PG_ADMIN, _create_database, _drop_database, tiny_spec
+from tests.support.services import PG_ADMIN, create_database, drop_database
+from tests.support.specs import tiny_spec
 
 LEASE = timedelta(minutes=10)  # no other test's reaper sees these leases expire
 
@@ -224,9 +225,9 @@ def database(dialect: str, tmp_path):
     """(settings, drop) for a new, empty database."""
     if dialect == "sqlite":
         return sqlite_settings(tmp_path), lambda: None
-    name = _create_database()
+    name = create_database()
     base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    return Settings(database_url=f"{base}/{name}"), lambda: _drop_database(name)
+    return Settings(database_url=f"{base}/{name}"), lambda: drop_database(name)
 
 
 TRIGGERS = {"postgresql": "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal",

@@ -12,7 +12,11 @@ from sqlalchemy import update
 from app.db.models import Tenant
 from app.db.session import transaction
 from app.services.auth import authenticate
-from tests.service.conftest import new_key, running_api, tiny_spec
+from tests.support.api import new_key
+from tests.support.services import running_api
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 
 def key_with_cap(settings, cap: int) -> str:

@@ -9,7 +9,6 @@ import json
 import os
 import pty
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,31 +18,16 @@ from safetensors.torch import load_file
 
 from muonforge import Client
 from tests.engine.test_export import logits
-from tests.service.conftest import ROOT, Worker, new_key, tiny_spec, wait_for
 from tests.service.test_client import stored_checkpoint
 from tests.service.test_export import checkpoint_logits, exported_logits
+from tests.support.api import new_key
+from tests.support.cli import client_env, command, muonforge
+from tests.support.net import closed_port_url, wait_for
+from tests.support.services import ROOT, Worker
+from tests.support.specs import tiny_spec
 from worker.engine.export import model_from_config
 
-
-def muonforge(*args, url: str, key: str | None, cwd=ROOT) -> subprocess.CompletedProcess:
-    """``muonforge ARGS`` with MUONFORGE_API_URL and MUONFORGE_API_KEY set (unset: key None)."""
-    env = client_env(url, key)
-    return subprocess.run(command(*args), env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
-def command(*args) -> list[str]:
-    return [sys.executable, "-m", "muonforge.cli", *map(str, args)]
-
-
-def client_env(url: str, key: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MUONFORGE_")}
-    return env | {"MUONFORGE_API_URL": url} | ({"MUONFORGE_API_KEY": key} if key else {})
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

@@ -14,8 +14,12 @@ from app.db.session import transaction
 from app.repositories.checkpoints import CheckpointRepository
 from muonforge import AsyncClient, Client
 from muonforge.errors import Conflict, NotFound, Unauthorized, ValidationError
-from tests.http_stub import DROP, Reply, StubServer
-from tests.service.conftest import Worker, new_key, tiny_spec
+from tests.support.api import new_key
+from tests.support.http_stub import DROP, Reply, StubServer
+from tests.support.services import Worker
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 
 async def done(value):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,11 @@ from alembic import command
 from app.db.migrate import alembic_config, downgrade, upgrade
 from app.settings import Settings
 from muonforge.client import Client
-from tests.service.conftest import PG_ADMIN, ROOT, _create_database, _drop_database, service_env, tiny_spec
+from tests.support.net import free_port
+from tests.support.services import PG_ADMIN, ROOT, create_database, drop_database, service_env
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 
 def tables(name: str) -> set[str]:
@@ -29,7 +32,7 @@ def tables(name: str) -> set[str]:
 
 
 def test_migrations_upgrade_and_downgrade_cleanly():
-    name = _create_database()
+    name = create_database()
     try:
         base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
         s = Settings(database_url=f"{base}/{name}")
@@ -63,7 +66,7 @@ def test_migrations_upgrade_and_downgrade_cleanly():
         upgrade(s)
         assert tables(name) == expected
     finally:
-        _drop_database(name)
+        drop_database(name)
 
 
 def test_keys_create_prints_a_working_key_alone_on_the_last_line(settings, client):
@@ -74,12 +77,6 @@ def test_keys_create_prints_a_working_key_alone_on_the_last_line(settings, clien
     key = out.stdout.strip().splitlines()[-1]
     assert key.startswith("mf_") and " " not in key
     assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -23,7 +23,9 @@ from app.services.datasets import CHUNK, ORPHAN_AGE_SECONDS, sweep_orphans, writ
 from app.services.intake import insert_submissions
 from app.services.submission import prepare_submission
 from contract.spec import JobSpec
-from tests.service.conftest import new_key, tiny_spec, wait_for
+from tests.support.api import new_key
+from tests.support.net import wait_for
+from tests.support.specs import tiny_spec
 from worker.engine.facts import CHAR_VOCAB_MAX
 
 

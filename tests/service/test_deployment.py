@@ -14,8 +14,11 @@ import httpx
 import pytest
 import redis
 
-from tests.compose import SECRETS, load_compose
-from tests.service.conftest import PG_ADMIN, ROOT, _create_database, _drop_database, free_port, unavailable, wait_for
+from tests.support.compose import SECRETS, load_compose
+from tests.support.net import free_port, wait_for
+from tests.support.services import PG_ADMIN, ROOT, create_database, drop_database, unavailable
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 
 def local(command: list[str]) -> list[str]:
@@ -57,7 +60,7 @@ def test_the_compose_services_run_as_processes(tmp_path):
     server = shutil.which("redis-server")
     if server is None or shutil.which("redis-cli") is None:
         unavailable("needs redis-server and redis-cli to run the compose file's Redis")
-    database, stack = _create_database(), Stack(tmp_path)
+    database, stack = create_database(), Stack(tmp_path)
     try:
         # Redis, with the password from .env.
         redis_port = free_port()
@@ -137,7 +140,7 @@ def test_the_compose_services_run_as_processes(tmp_path):
         assert wait_for(finished, timeout=120)["status"] == "succeeded"
     finally:
         stack.stop()
-        _drop_database(database)
+        drop_database(database)
 
 
 def ping(port: int, password: str) -> bool:

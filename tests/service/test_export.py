@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from tests.engine.test_export import logits
-from tests.service.conftest import new_key, tiny_spec, wait_for
-from tests.service.test_worker import job
+from tests.support.api import job, new_key
+from tests.support.net import wait_for
+from tests.support.specs import tiny_spec
 from worker.engine.config import ModelConfig
 from worker.engine.export import load_safetensors
 from worker.engine.models import build_model
@@ -29,8 +30,7 @@ def exported_logits(path: Path) -> torch.Tensor:
     return logits(model, config["vocab_size"], config["seq_len"])
 
 
-def test_the_exported_safetensors_reload_to_the_same_logits(client, settings, auth, start_worker, tmp_path):
-    start_worker()
+def test_the_exported_safetensors_reload_to_the_same_logits(client, settings, auth, worker, tmp_path):
     created = client.post("/v1/jobs", json=tiny_spec(steps=20), headers=auth).json()
     wait_for(lambda: job(client, auth, created["id"])["status"] == "succeeded", timeout=120)
     base = f"/v1/jobs/{created['id']}/checkpoints"

@@ -25,7 +25,9 @@ from app.services.auth import KeyCache, authenticate, hash_key
 from app.services.intake import JobWriter, TaskPublisher, insert_submissions
 from app.services.submission import prepare_submission
 from contract.spec import JobSpec
-from tests.service.conftest import new_key, tiny_spec, wait_for
+from tests.support.api import new_key
+from tests.support.net import wait_for
+from tests.support.specs import tiny_spec
 
 QUEUE = "intake-test"  # no worker listens here
 

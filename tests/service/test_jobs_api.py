@@ -11,7 +11,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app.errors import install_error_handlers
-from tests.service.conftest import new_key, tiny_spec
+from tests.support.api import new_key
+from tests.support.specs import tiny_spec
 
 
 def cancel_all(client, auth):

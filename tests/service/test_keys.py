@@ -22,7 +22,11 @@ from app.db.models import ApiKey
 from app.db.session import transaction
 from app.services.auth import authenticate, hash_key
 from app.services.event_stream import while_key_valid
-from tests.service.conftest import ROOT, running_api, service_env, tiny_spec, wait_for
+from tests.support.net import wait_for
+from tests.support.services import ROOT, running_api, service_env
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 CACHE_SECONDS = 1
 HINT = "; `muonforge keys list` shows the ids and prefixes"

@@ -25,7 +25,7 @@ from app.services.submission import prepare_submission
 from app.settings import Settings
 from contract.spec import JobSpec
 from contract.status import ALLOWED, FINISHED, TRANSITIONS, IllegalTransition, JobStatus
-from tests.service.conftest import tiny_spec
+from tests.support.specs import tiny_spec
 
 S = JobStatus
 LEASE = timedelta(minutes=10)  # no reaper sees these leases lapse

@@ -10,7 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import new_key, running_api, tiny_spec
+from tests.support.api import new_key
+from tests.support.services import running_api
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 UPLOAD_LIMIT = 100_000
 

@@ -15,19 +15,18 @@ import pytest
 from app.db.base import utcnow
 from app.db.session import transaction
 from app.messaging.live_bus import NoBus
-from app.repositories.job_events import JobEventRepository
 from app.repositories.leases import LeaseRepository
 from app.services import lifecycle
 from app.services.reaper import release_attempt
 from muonforge.client import Client
-from tests.service.conftest import tiny_spec, wait_for
+from tests.support.api import events, job
+from tests.support.net import wait_for
+from tests.support.specs import group_spec
 from worker.engine.launch import Meeting
 from worker.gang import this_node
 from worker.lease import GangBroken, Lease
 
-
-def group_spec(steps: int, nnodes: int = 1, **train) -> dict:
-    return tiny_spec(steps=steps, **train) | {"resources": {"nproc": 2 // nnodes, "nnodes": nnodes}}
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 
 def follow(api_url, auth, job_id, until):
@@ -36,15 +35,6 @@ def follow(api_url, auth, job_id, until):
         streamed = pool.submit(lambda: list(follower.events(job_id)))
         value = until()
         return value, streamed.result(timeout=60)
-
-
-def job(client, auth, job_id):
-    return client.get(f"/v1/jobs/{job_id}", headers=auth).json()
-
-
-def events(settings, job_id):
-    with transaction(settings) as session:
-        return [(e.kind, e.payload) for e in JobEventRepository(session).events(job_id)]
 
 
 def descendants(pid: int) -> dict[int, str]:

@@ -14,12 +14,18 @@ import time
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
+import pytest
 import redis
 
 from app.db.session import transaction
 from app.repositories.jobs import JobRepository
 from bench.faults import TcpProxy
-from tests.service.conftest import Worker, free_port, new_key, running_api, tiny_spec, unavailable, wait_for
+from tests.support.api import new_key
+from tests.support.net import free_port, wait_for
+from tests.support.services import Worker, running_api, unavailable
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 STEPS = 300
 

@@ -13,7 +13,12 @@ import httpx
 import pytest
 
 from app.services.quotas import RefusalPacer, TenantThreads
-from tests.service.conftest import new_key, running_api, tiny_spec, wait_for
+from tests.support.api import new_key
+from tests.support.net import wait_for
+from tests.support.services import running_api
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.service.conftest import ROOT, new_key
+from tests.support.api import new_key
+from tests.support.services import ROOT
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 EXAMPLES = int(os.environ.get("MUONFORGE_TEST_FUZZ_EXAMPLES", "8"))
 SEED = os.environ.get("MUONFORGE_TEST_FUZZ_SEED", "1")  # fixed: a failure here is reproducible

@@ -20,9 +20,12 @@ from app.db.session import transaction
 from app.repositories.tenants import TenantRepository
 from app.services import search
 from contract.status import ACTIVE
-from tests.http_stub import Reply, StubServer, scripted
-from tests.service.conftest import new_key, running_api, tiny_spec, wait_for
-from tests.service.test_cli_client import muonforge
+from tests.support.api import key_of, new_key
+from tests.support.cli import muonforge
+from tests.support.http_stub import Reply, StubServer, scripted
+from tests.support.net import wait_for
+from tests.support.services import running_api
+from tests.support.specs import tiny_spec
 
 OK = Reply(200, b"")
 BAD_FIRST = [1e-2, 1e-7, 2e-7, 3e-7, 4e-7, 1e-3]  # adamw lrs: 1e-2 and 1e-3 learn in 10 steps, 1e-7 does not
@@ -144,9 +147,7 @@ def test_a_repeated_idempotency_key_answers_with_the_sweep_it_created(client, au
         assert client.post(f"/v1/sweeps/{sweep_id}/cancel", headers=headers).status_code == 200
 
 
-def test_asha_stops_the_trials_behind_at_the_first_rung_and_the_sweep_completes_once(
-    client, auth, settings, start_worker
-):
+def test_asha_stops_the_trials_behind_at_the_first_rung_and_the_sweep_completes_once(client, auth, settings, worker):
     with StubServer(scripted(OK)) as receiver:
         hook = client.post("/v1/webhooks", json={"url": receiver.url, "events": ["sweep.completed"]}, headers=auth)
         assert hook.status_code == 201, hook.text
@@ -156,7 +157,6 @@ def test_asha_stops_the_trials_behind_at_the_first_rung_and_the_sweep_completes_
         assert sweep["status"] == "running" and [t["params"]["optimizer.lr"] for t in sweep["trials"]] == BAD_FIRST
         assert [t["status"] for t in sweep["trials"]] == ["queued"] + ["pending"] * 5  # max_concurrent 1
         assert sweep["trials"][3]["job_id"] is None
-        start_worker()
         done = wait_for(lambda: (s := get(client, auth, sweep["id"]))["status"] == "completed" and s, timeout=240)
         wait_for(lambda: len(receiver.requests) == 1, timeout=30)
         time.sleep(2)  # several reaper passes: still once
@@ -194,14 +194,13 @@ def test_asha_stops_the_trials_behind_at_the_first_rung_and_the_sweep_completes_
 
 
 def test_the_promote_form_holds_trials_at_the_rung_and_promotes_the_best_once_eta_results_are_in(
-    client, auth, settings, start_worker
+    client, auth, settings, worker
 ):
     body = sweep_body(asha={"rungs": [10], "reduction_factor": 3})  # stop_once false: the default
     r = client.post("/v1/sweeps", json=body, headers=auth)
     assert r.status_code == 201, r.text
     sweep = r.json()
     assert sweep["spec"]["asha"]["stop_once"] is False
-    start_worker()
     first = sweep["trials"][0]["job_id"]
     # 1e-2 reaches the rung first: one result of three needed, it waits there, off the job cap.
     paused = wait_for(lambda: (j := client.get(f"/v1/jobs/{first}", headers=auth).json())["status"] == "paused" and j)
@@ -234,11 +233,10 @@ def test_the_promote_form_holds_trials_at_the_rung_and_promotes_the_best_once_et
     assert done["counts"] == {"total": 6, "by_status": {"succeeded": 2, "stopped_early": 4}}
 
 
-def test_a_paused_trial_is_cancelled_at_once(client, auth, start_worker):
+def test_a_paused_trial_is_cancelled_at_once(client, auth, worker):
     body = sweep_body(asha={"rungs": [10], "reduction_factor": 3}, max_concurrent=1)
     sweep = client.post("/v1/sweeps", json=body, headers=auth).json()
     first = sweep["trials"][0]["job_id"]
-    start_worker()
     wait_for(lambda: client.get(f"/v1/jobs/{first}", headers=auth).json()["status"] == "paused")
     r = client.post(f"/v1/jobs/{first}/cancel", headers=auth)
     assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
@@ -314,12 +312,11 @@ def test_sweeps_are_listed_newest_first_in_pages_and_are_the_tenants_own(client,
     assert client.get("/v1/sweeps", headers=other).json()["data"] == []
 
 
-def test_the_cli_submits_a_sweep_file_follows_it_and_lists_and_shows_sweeps(settings, api_url, start_worker, tmp_path):
-    key = new_key(settings)
+def test_the_cli_submits_a_sweep_file_follows_it_and_lists_and_shows_sweeps(api_url, auth, worker, tmp_path):
+    key = key_of(auth)
     body = sweep_body(space={"optimizer.lr": {"values": [1e-2, 1e-7, 1e-3]}}, name="cli-sweep")
     spec = tmp_path / "sweep.yaml"
     spec.write_text(yaml.safe_dump(body))
-    start_worker()
     followed = muonforge("sweep", spec, "--follow", "--interval", "0.5", url=api_url, key=key)
     assert followed.returncode == 0, followed.stderr
     sweep_id = followed.stdout.splitlines()[0]

@@ -28,7 +28,9 @@ from contract.metrics import SUMMARY
 from contract.spec import JobSpec
 from muonforge.api import SseParser
 from muonforge.client import ApiError, Client
-from tests.service.conftest import new_key, tiny_spec, wait_for
+from tests.support.api import new_key
+from tests.support.net import wait_for
+from tests.support.specs import tiny_spec
 from worker.engine.telemetry import Report
 from worker.sink import JobSink
 
@@ -141,8 +143,7 @@ def test_a_small_range_returns_every_point_and_edges_are_cut_exactly(settings, s
     assert [12_345, 40.0] in coarse
 
 
-def test_follow_a_running_job_drop_the_connection_and_resume_exactly(api_url, settings, auth, start_worker):
-    start_worker()
+def test_follow_a_running_job_drop_the_connection_and_resume_exactly(api_url, settings, auth, worker):
     key = auth["Authorization"].split()[1]
     spec = tiny_spec(steps=1500, eval_every=100, checkpoint_every=500)
     spec["model"] = {"arch": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32}
@@ -171,10 +172,9 @@ def test_follow_a_running_job_drop_the_connection_and_resume_exactly(api_url, se
     assert [e.data["step"] for e in received if e.event == "checkpoint"] == [500, 1000, 1500]
 
 
-def test_a_new_stream_resumes_after_an_id_given_as_a_query_parameter(api_url, settings, auth, start_worker):
+def test_a_new_stream_resumes_after_an_id_given_as_a_query_parameter(api_url, settings, auth, worker):
     """What a browser does when it opens a new EventSource after a refused one: it cannot set
     Last-Event-ID, so it passes the id in the query; from_step may be ahead (it polled meanwhile)."""
-    start_worker()
     with Client(api_url, auth["Authorization"].split()[1]) as client:
         job = client.create_job(tiny_spec(steps=40))
         replay = list(client.events(job["id"]))  # the finished job's whole history
@@ -203,8 +203,7 @@ def test_a_new_stream_resumes_after_an_id_given_as_a_query_parameter(api_url, se
     assert refused.status_code == 422 and refused.json()["error"]["param"] == "last_event_id"
 
 
-def test_checkpoints_carry_their_metrics_and_history_matches_the_stream(api_url, settings, auth, start_worker):
-    start_worker()
+def test_checkpoints_carry_their_metrics_and_history_matches_the_stream(api_url, settings, auth, worker):
     key = auth["Authorization"].split()[1]
     with Client(api_url, key) as client:
         job = client.create_job(tiny_spec(steps=40, keep_checkpoints=4))  # eval, checkpoint every 10
@@ -233,8 +232,7 @@ def test_a_sample_holding_a_nul_character_is_stored(settings):
         assert event.payload == {"step": 0, "prompt": "def f(\ufffd", "text": "\ufffdx = 1\ufffd"}
 
 
-def test_another_tenant_cannot_stream_read_history_or_download(api_url, settings, auth, start_worker):
-    start_worker()
+def test_another_tenant_cannot_stream_read_history_or_download(api_url, settings, auth, worker):
     owner = Client(api_url, auth["Authorization"].split()[1])
     job = owner.create_job(tiny_spec(steps=20))
     list(owner.events(job["id"]))
@@ -280,7 +278,7 @@ def scrape(api_url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_a_client_that_goes_away_releases_its_stream_and_the_feed(api_url, settings, auth):
+def test_a_client_that_goes_away_releases_its_stream_and_the_feed(api_url, settings, auth, no_worker):
     """A queued job (no worker here) streams nothing but its status: the stream stays open on the
     live feed until the client disconnects; then the server lets go of both."""
     key = auth["Authorization"].split()[1]

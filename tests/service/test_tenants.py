@@ -17,7 +17,12 @@ from app.db.session import transaction
 from app.main import create_app
 from app.services.auth import revoke_api_key
 from app.services.tenants import set_job_cap
-from tests.service.conftest import ROOT, new_key, service_env, tiny_spec, unavailable, wait_for
+from tests.support.api import new_key
+from tests.support.net import wait_for
+from tests.support.services import ROOT, service_env, unavailable
+from tests.support.specs import tiny_spec
+
+pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 HINT = "; `muonforge tenants list` shows the tenants"
 COLUMNS = ["name", "id", "job cap", "queued+running", "dataset bytes", "active keys"]

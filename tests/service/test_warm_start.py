@@ -16,8 +16,9 @@ from app.services.intake import insert_submissions
 from app.services.submission import prepare_submission
 from contract.spec import JobSpec
 from muonforge.client import Client
-from tests.service.conftest import new_key, tiny_spec, wait_for
-from tests.service.test_worker import events, job
+from tests.support.api import events, job, new_key
+from tests.support.net import wait_for
+from tests.support.specs import tiny_spec
 from worker.sink import JobSink
 
 
@@ -96,8 +97,7 @@ def test_another_model_vocabulary_or_optimizer_is_refused_naming_the_field(clien
         client.post(f"/v1/jobs/{listed['id']}/cancel", headers=auth)
 
 
-def test_warm_start_resumes_the_loss_curve_where_the_parent_left_it(client, settings, auth, api_url, start_worker):
-    start_worker()
+def test_warm_start_resumes_the_loss_curve_where_the_parent_left_it(client, settings, auth, api_url, worker):
     parent = client.post("/v1/jobs", json=tiny_spec(steps=60, eval_every=20, checkpoint_every=20), headers=auth).json()
     wait_for(lambda: job(client, auth, parent["id"])["status"] == "succeeded", timeout=180)
     r = client.post("/v1/jobs", json=tiny_spec(steps=5) | {"init_from": {"job_id": parent["id"]}}, headers=auth)
@@ -116,8 +116,7 @@ def test_warm_start_resumes_the_loss_curve_where_the_parent_left_it(client, sett
 
 
 @pytest.mark.slow
-def test_the_retention_policy_keeps_a_checkpoint_that_a_job_starts_from(client, settings, auth, start_worker):
-    start_worker()
+def test_the_retention_policy_keeps_a_checkpoint_that_a_job_starts_from(client, settings, auth, worker):
     spec = tiny_spec(steps=5000, checkpoint_every=10, keep_checkpoints=1) | {"telemetry": {"sample_tokens": 0}}
     parent = client.post("/v1/jobs", json=spec, headers=auth).json()["id"]
 

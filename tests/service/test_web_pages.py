@@ -14,7 +14,9 @@ from app.api.deps import SESSION_COOKIE
 from app.web.pages import EXAMPLES, NODE_MODULES
 from muonforge.api import SseParser
 from muonforge.client import Client
-from tests.service.conftest import ROOT, new_key, tiny_spec
+from tests.support.api import new_key
+from tests.support.services import ROOT
+from tests.support.specs import tiny_spec
 
 PAGES = ["/", "/jobs/job_nothing", "/compare?jobs=a,b", "/new"]
 
@@ -99,8 +101,7 @@ def test_the_new_job_page_offers_the_examples_as_presets(browser, settings):
     assert [p["spec"] for p in presets] == [yaml.safe_load(e.read_text()) for e in examples]
 
 
-def test_events_from_a_step_skip_the_telemetry_before_it(api_url, settings, auth, start_worker):
-    start_worker()
+def test_events_from_a_step_skip_the_telemetry_before_it(api_url, settings, auth, worker):
     with Client(api_url, auth["Authorization"].split()[1]) as client:
         job = client.create_job(tiny_spec(steps=20))
         everything = list(client.events(job["id"]))

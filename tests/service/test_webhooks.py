@@ -26,9 +26,11 @@ from app.services.webhook_destinations import AllowList, NotAllowed, Unresolved,
 from app.settings import Settings
 from contract.webhooks import DeliveryStatus
 from muonforge import Client
-from tests.http_stub import Reply, StubServer, scripted
-from tests.service.conftest import new_key, tiny_spec, wait_for
-from tests.service.test_cli_client import muonforge
+from tests.support.api import new_key
+from tests.support.cli import muonforge
+from tests.support.http_stub import Reply, StubServer, scripted
+from tests.support.net import wait_for
+from tests.support.specs import tiny_spec
 
 OK = Reply(200, b"")
 
@@ -75,14 +77,11 @@ def cancelled_job(client, auth) -> dict:
     return client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth).json()
 
 
-def test_a_job_run_by_a_worker_is_delivered_once_signed_and_not_to_an_endpoint_that_did_not_ask(
-    client, auth, start_worker
-):
+def test_a_job_run_by_a_worker_is_delivered_once_signed_and_not_to_an_endpoint_that_did_not_ask(client, auth, worker):
     with StubServer(scripted(OK)) as receiver, StubServer(scripted(OK)) as failures_only:
         hook = create(client, auth, f"{receiver.url}/hooks/muonforge", ["job.succeeded"])
         other = create(client, auth, f"{failures_only.url}/hook", ["job.failed"])
         assert hook["secret"].startswith("whsec_") and len(base64.b64decode(hook["secret"][6:])) == 32
-        start_worker()
         job = client.post("/v1/jobs", json=tiny_spec(steps=4), headers=auth).json()
         wait_for(lambda: client.get(f"/v1/jobs/{job['id']}", headers=auth).json()["status"] == "succeeded", 120)
         delivery = finished_delivery(client, auth, hook["id"])

@@ -13,28 +13,19 @@ import torch
 from app.db.session import transaction
 from app.messaging.broker import send_train_tasks
 from app.messaging.live_bus import NoBus
-from app.repositories.job_events import JobEventRepository
 from app.repositories.jobs import JobRepository
 from app.services import lifecycle
 from muonforge.client import Client
-from tests.service.conftest import new_key, tiny_spec, wait_for
+from tests.support.api import events, job, new_key
+from tests.support.net import wait_for
+from tests.support.specs import tiny_spec
 from worker.engine.checkpoints import save_checkpoint
 from worker.engine.run import checkpoint_dir
 from worker.lease import Lease
 from worker.sink import JobSink
 
 
-def job(client, auth, job_id):
-    return client.get(f"/v1/jobs/{job_id}", headers=auth).json()
-
-
-def events(settings, job_id):
-    with transaction(settings) as session:
-        return [(e.kind, e.payload) for e in JobEventRepository(session).events(job_id)]
-
-
-def test_submit_run_succeed_with_summary(client, settings, auth, start_worker):
-    start_worker()
+def test_submit_run_succeed_with_summary(client, settings, auth, worker):
     created = client.post("/v1/jobs", json=tiny_spec(steps=30), headers=auth).json()
     done = wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=120)
     assert done["progress"] == {"step": 30, "total_steps": 30} and done["attempt"] == 1
@@ -57,8 +48,7 @@ def test_submit_run_succeed_with_summary(client, settings, auth, start_worker):
         assert client.get(path, headers=other).status_code == 404
 
 
-def test_a_job_that_stops_early_succeeds_with_where_and_why(client, settings, auth, start_worker):
-    start_worker()
+def test_a_job_that_stops_early_succeeds_with_where_and_why(client, settings, auth, worker):
     # No evaluation betters the first by 10 nats: two more evaluations end the run at step 8 of 40.
     spec = tiny_spec(steps=40, eval_every=4, early_stop={"patience": 2, "min_delta": 10.0})
     created = client.post("/v1/jobs", json=spec, headers=auth).json()
@@ -72,8 +62,7 @@ def test_a_job_that_stops_early_succeeds_with_where_and_why(client, settings, au
     assert ("log", {"level": "info", "message": f"stopped early at step 8: {reason}"}) in history
 
 
-def test_cancel_while_running(client, settings, auth, start_worker):
-    start_worker()
+def test_cancel_while_running(client, settings, auth, worker):
     created = client.post("/v1/jobs", json=tiny_spec(steps=100_000, checkpoint_every=100_000), headers=auth).json()
     wait_for(lambda: job(client, auth, created["id"])["progress"]["step"] > 5, timeout=120)
     r = client.post(f"/v1/jobs/{created['id']}/cancel", headers=auth)
@@ -93,8 +82,7 @@ def test_a_second_delivery_does_not_run_the_job_twice(client, settings, auth, st
     assert statuses.count("running") == 1
 
 
-def test_a_job_whose_corpus_is_gone_fails_with_the_reason(client, settings, auth, start_worker):
-    start_worker()
+def test_a_job_whose_corpus_is_gone_fails_with_the_reason(client, settings, auth, worker):
     ds = client.post("/v1/datasets", files={"file": ("c.txt", b"some text " * 200)}, headers=auth).json()
     for path in (settings.artifact_dir / "datasets").rglob(f"{ds['id']}.txt"):
         path.unlink()

@@ -4,7 +4,6 @@ clients' retry tests (503s, 429s, answers lost on the way back) and a webhook re
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,13 +27,6 @@ class Reply:
 
 
 DROP = "drop"  # close the connection without answering
-
-
-def closed_port_url() -> str:
-    """A loopback URL where nothing listens (a port just bound and released): connections are refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 class StubServer:

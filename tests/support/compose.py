@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 # A .env for the tests: one value per secret the file requires.
 SECRETS = {"POSTGRES_PASSWORD": "pg-secret", "REDIS_PASSWORD": "redis-secret", "METRICS_TOKEN": "metrics-secret"}
