@@ -82,6 +82,11 @@ def join_group(cuda: bool) -> Group:
     return Group(rank, world, local, device)
 
 
-def leave_group() -> None:
+def leave_group(together: bool = False) -> None:
+    """Leave the group. ``together``: first wait until every rank is here, each having said it is
+    done, so that no rank tears down before the others have reported: gloo's teardown can abort a
+    process, and torchrun then stops the others, rank 0 perhaps before its outcome is out."""
     if dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()

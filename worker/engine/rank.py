@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if lead:
             channel.result(result)
         channel.done()
+        leave_group(together=True)
         return 0
     except TrainingError as exc:
         # Every rank raises it at the same step (the decisions are collective): rank 0 reports it
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if lead:
             channel.error(exc.code, str(exc))
         channel.done()
+        leave_group(together=True)
         return 0
     except torch.OutOfMemoryError as exc:
         if lead:
