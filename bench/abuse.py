@@ -173,13 +173,16 @@ async def stream_attack(url: str, attacker: str, victim: str, attempts: int, nic
         outcome = await asyncio.to_thread(out.get, True, 600)
         proc.join(timeout=60)
     return {
-        "attempts": attempts, **outcome,
-        "victim_idle_p50_ms": round(p(idle, 50), 1), "victim_idle_p99_ms": round(p(idle, 99), 1),
-        "victim_attacked_p50_ms": round(p(busy, 50), 1), "victim_attacked_p99_ms": round(p(busy, 99), 1),
+        "attempts": attempts,
+        **outcome,
+        "victim_idle_p50_ms": round(p(idle, 50), 1),
+        "victim_idle_p99_ms": round(p(idle, 99), 1),
+        "victim_attacked_p50_ms": round(p(busy, 50), 1),
+        "victim_attacked_p99_ms": round(p(busy, 99), 1),
         "victim_p99_ratio": round(p(busy, 99) / p(idle, 99), 2),
         "victim_window_s": [round(starts[0] - attack_start, 2), round(starts[-1] + busy[-1] - attack_start, 2)],
         "victim_worst_ms_at_s": [[round(busy[i] * 1000, 1), round(starts[i] - attack_start, 2)] for i in worst],
-    }  # fmt: skip
+    }
 
 
 def memory_attack(url: str, pid: int, key: str, n: int = 20) -> dict:
@@ -200,9 +203,13 @@ def memory_attack(url: str, pid: int, key: str, n: int = 20) -> dict:
         message = r.json()["error"]["message"]
         queued = c.get("/v1/jobs", params={"limit": 100}).json()["data"]
     return {
-        "submissions": n, "answers": codes, "max_ms": round(max(times), 1), "jobs_stored": len(queued),
-        "rss_growth_mb": round(rss_mb(pid) - before, 2), "message": message,
-    }  # fmt: skip
+        "submissions": n,
+        "answers": codes,
+        "max_ms": round(max(times), 1),
+        "jobs_stored": len(queued),
+        "rss_growth_mb": round(rss_mb(pid) - before, 2),
+        "message": message,
+    }
 
 
 async def cap_attack(url: str, key: str, n: int) -> dict:
@@ -247,16 +254,18 @@ def main() -> int:
     result["targets"] = {
         "body_ms": [worst["ms"], TARGETS["body_ms"], worst["ms"] < TARGETS["body_ms"]],
         "body_rss_mb": [
-            max(b["rss_growth_mb"] for b in result["body"]), TARGETS["body_rss_mb"],
+            max(b["rss_growth_mb"] for b in result["body"]),
+            TARGETS["body_rss_mb"],
             max(b["rss_growth_mb"] for b in result["body"]) < TARGETS["body_rss_mb"],
         ],
         "victim_p99_ratio": [
-            result["streams"]["victim_p99_ratio"], TARGETS["victim_p99_ratio"],
+            result["streams"]["victim_p99_ratio"],
+            TARGETS["victim_p99_ratio"],
             result["streams"]["victim_p99_ratio"] < TARGETS["victim_p99_ratio"],
         ],
         "admitted": [result["cap"]["admitted"], TARGETS["admitted"], result["cap"]["admitted"] == TARGETS["admitted"]],
         "memory_spec_refused": [memory["answers"], {422: memory["submissions"]}, refused_all],
-    }  # fmt: skip
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -114,10 +114,16 @@ def run_phase(label: str, coro_factory, api_pid: int) -> dict:
     cpu = meter.stop()
     ms = [x * 1e3 for x in load.latencies]
     return {
-        "label": label, "requests": len(ms), "accepted": load.accepted, "errors": load.errors,
-        "throughput_per_s": len(ms) / wall, "p50_ms": statistics.median(ms), "p99_ms": percentile(ms, 0.99),
-        "max_ms": max(ms), "cpu_cores": cpu,
-    }  # fmt: skip
+        "label": label,
+        "requests": len(ms),
+        "accepted": load.accepted,
+        "errors": load.errors,
+        "throughput_per_s": len(ms) / wall,
+        "p50_ms": statistics.median(ms),
+        "p99_ms": percentile(ms, 0.99),
+        "max_ms": max(ms),
+        "cpu_cores": cpu,
+    }
 
 
 def check_jobs(stack: Stack, accepted: int) -> dict:
@@ -163,19 +169,27 @@ def main() -> None:
         api_pid = stack.api.pid
         warmup, _ = uvloop.run(closed_loop(url, key, 8, 3.0))  # connections, caches, every API process
         results = [
-            run_phase(f"open loop {args.rate:.0f}/s x {seconds:.0f} s", lambda: open_loop(url, key, args.rate, seconds),
-                      api_pid),
-            run_phase(f"closed loop, {args.clients} clients x {seconds:.0f} s",
-                      lambda: closed_loop(url, key, args.clients, seconds), api_pid),
-        ]  # fmt: skip
+            run_phase(
+                f"open loop {args.rate:.0f}/s x {seconds:.0f} s",
+                lambda: open_loop(url, key, args.rate, seconds),
+                api_pid,
+            ),
+            run_phase(
+                f"closed loop, {args.clients} clients x {seconds:.0f} s",
+                lambda: closed_loop(url, key, args.clients, seconds),
+                api_pid,
+            ),
+        ]
         integrity = check_jobs(stack, warmup.accepted + sum(r["accepted"] for r in results))
 
     print(f"API: {args.api_processes} process(es); spec {SPEC['model']}")
     print(f"{'phase':<34}{'requests':>9}{'errors':>8}{'req/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}")
     for r in results:
         errors = sum(r["errors"].values())
-        print(f"{r['label']:<34}{r['requests']:>9}{errors:>8}{r['throughput_per_s']:>8.1f}"
-              f"{r['p50_ms']:>8.1f}{r['p99_ms']:>8.1f}{r['max_ms']:>8.1f}")  # fmt: skip
+        print(
+            f"{r['label']:<34}{r['requests']:>9}{errors:>8}{r['throughput_per_s']:>8.1f}"
+            f"{r['p50_ms']:>8.1f}{r['p99_ms']:>8.1f}{r['max_ms']:>8.1f}"
+        )
     print("\nCPU (cores) per phase; CPU ms per request = cores x 1000 / req/s")
     names = list(results[0]["cpu_cores"])
     print(f"{'phase':<34}" + "".join(f"{n:>16}" for n in names))
@@ -184,15 +198,22 @@ def main() -> None:
     for r in results:
         per = {n: 1000 * r["cpu_cores"][n] / r["throughput_per_s"] for n in ("api", "postgres", "load generator")}
         print(f"{r['label']:<34} ms per request: " + ", ".join(f"{n} {v:.2f}" for n, v in per.items()))
-    print(f"\njobs: {integrity['accepted']} accepted (incl. warm-up), {integrity['stored']} stored, "
-          f"{integrity['messages']} task messages for {integrity['distinct_tasks']} distinct jobs")  # fmt: skip
+    print(
+        f"\njobs: {integrity['accepted']} accepted (incl. warm-up), {integrity['stored']} stored, "
+        f"{integrity['messages']} task messages for {integrity['distinct_tasks']} distinct jobs"
+    )
     target = results[0]
     met = target["p99_ms"] < TARGET_P99_MS and not target["errors"]
-    print(f"target (open loop p99 < {TARGET_P99_MS:g} ms, zero errors): {'met' if met else 'NOT met'}; "
-          f"stolen CPU during it {target['cpu_cores']['stolen']:.2f} cores")  # fmt: skip
+    print(
+        f"target (open loop p99 < {TARGET_P99_MS:g} ms, zero errors): {'met' if met else 'NOT met'}; "
+        f"stolen CPU during it {target['cpu_cores']['stolen']:.2f} cores"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "phases": results,
-                                         "jobs": integrity}, indent=2))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {"settings": vars(args) | {"json": str(args.json)}, "phases": results, "jobs": integrity}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

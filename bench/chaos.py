@@ -57,8 +57,14 @@ STEP_BITS = 32  # an event id is seq << 32 | next step (app/services/event_strea
 # The clients wait through a 30 s outage: 120 retries, at most 2 s apart, counted afresh at every event.
 PATIENT = Retry(max_retries=120, backoff=0.25, max_backoff=2.0, max_wait=60.0)
 WEIGHTS = {"worker_kill": 35, "api_kill": 25, "redis_kill": 10, "redis_pause": 10, "pg_restart": 20}
-KIND_OF = {"worker_kill": "worker", "api_kill": "api", "redis_kill": "redis", "redis_pause": "redis",
-           "pg_restart": "postgres", "pg_outage": "postgres"}  # fmt: skip
+KIND_OF = {
+    "worker_kill": "worker",
+    "api_kill": "api",
+    "redis_kill": "redis",
+    "redis_pause": "redis",
+    "pg_restart": "postgres",
+    "pg_outage": "postgres",
+}
 
 
 def plan(rng: random.Random, faults: int):
@@ -250,9 +256,12 @@ class Chaos:
             self.idle(self.rng.uniform(*self.args.gap), submit=True)
             fault = self.inject(next(names))
             self.faults.append(fault)
-            print(f"  {fault.at:6.1f} s  {len(self.faults):3d} {fault.name:<11} {fault.seconds:5.1f} s  "
-                  f"running {fault.running}, followed {fault.followed}, jobs {len(self.jobs)}"
-                  f"{'  ' + fault.detail if fault.detail else ''}", flush=True)  # fmt: skip
+            print(
+                f"  {fault.at:6.1f} s  {len(self.faults):3d} {fault.name:<11} {fault.seconds:5.1f} s  "
+                f"running {fault.running}, followed {fault.followed}, jobs {len(self.jobs)}"
+                f"{'  ' + fault.detail if fault.detail else ''}",
+                flush=True,
+            )
         deadline = time.monotonic() + self.args.grace
         while self.unfinished() and time.monotonic() < deadline:
             self.tick(submit=False)
@@ -329,8 +338,10 @@ def stream_problems(received: list[tuple[str, str | None, int | None]], steps: l
     if got != steps:
         missing, repeated = sorted(set(steps) - set(got)), len(got) - len(set(got))
         order = "" if missing or repeated else ", out of order"
-        problems.append(f"metrics steps: {len(missing)} missing {missing[:5]}, {repeated} repeated, "
-                        f"{len(set(got) - set(steps))} not stored{order}")  # fmt: skip
+        problems.append(
+            f"metrics steps: {len(missing)} missing {missing[:5]}, {repeated} repeated, "
+            f"{len(set(got) - set(steps))} not stored{order}"
+        )
     got_seqs = [int(i) >> STEP_BITS for e, i, _ in received if e not in ("metrics", "done")]
     if got_seqs != seqs:
         missing = sorted(set(seqs) - set(got_seqs))
@@ -349,37 +360,53 @@ def report(chaos: Chaos, result: Result, wall: float) -> dict:
     seconds = {n: [f.seconds for f in chaos.faults if f.name == n] for n in by_name}
     span = {n: f"{min(v):.1f}-{max(v):.1f} s" for n, v in seconds.items()}
     outcomes = task_outcomes(chaos.stack.logs)
-    print(f"\njobs {len(chaos.jobs)} x {args.steps} steps, {args.workers} workers, {args.in_flight} unfinished at "
-          f"a time, seed {args.seed}; wall {wall:.0f} s")  # fmt: skip
+    print(
+        f"\njobs {len(chaos.jobs)} x {args.steps} steps, {args.workers} workers, {args.in_flight} unfinished at "
+        f"a time, seed {args.seed}; wall {wall:.0f} s"
+    )
     print(f"faults {len(chaos.faults)}: " + ", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())))
-    print(f"  worker kill {by_name['worker_kill']} ({hold} holding a job's lease), API kill {by_name['api_kill']} "
-          f"(restart {span.get('api_kill', '-')}), Redis kill {by_name['redis_kill']} "
-          f"(down {span.get('redis_kill', '-')}), "
-          f"Redis pause {by_name['redis_pause']} ({span.get('redis_pause', '-')}), Postgres restart "
-          f"{by_name['pg_restart']} ({span.get('pg_restart', '-')}), Postgres outage {by_name['pg_outage']} "
-          f"({span.get('pg_outage', '-')})")  # fmt: skip
+    print(
+        f"  worker kill {by_name['worker_kill']} ({hold} holding a job's lease), API kill {by_name['api_kill']} "
+        f"(restart {span.get('api_kill', '-')}), Redis kill {by_name['redis_kill']} "
+        f"(down {span.get('redis_kill', '-')}), "
+        f"Redis pause {by_name['redis_pause']} ({span.get('redis_pause', '-')}), Postgres restart "
+        f"{by_name['pg_restart']} ({span.get('pg_restart', '-')}), Postgres outage {by_name['pg_outage']} "
+        f"({span.get('pg_outage', '-')})"
+    )
     api = [f for f in chaos.faults if f.name == "api_kill"]
     if api:
-        print(f"  streams open at an API kill: median {statistics.median(f.followed for f in api):g}, "
-              f"max {max(f.followed for f in api)}; jobs running at a fault: median "
-              f"{statistics.median(f.running for f in chaos.faults):g}")  # fmt: skip
-    print(f"attempts {c['attempts']} ({c['interrupted']} jobs interrupted, max {c['max_attempts']}), resumes from a "
-          f"checkpoint {c['resumes']}; tasks that found their lease lost {outcomes['lease_lost']}, deliveries "
-          f"skipped {outcomes['skipped']}; client retries and reconnects {chaos.followers.retries}; events "
-          f"streamed {c['events_received']}; loss points stored {c['points']}")  # fmt: skip
+        print(
+            f"  streams open at an API kill: median {statistics.median(f.followed for f in api):g}, "
+            f"max {max(f.followed for f in api)}; jobs running at a fault: median "
+            f"{statistics.median(f.running for f in chaos.faults):g}"
+        )
+    print(
+        f"attempts {c['attempts']} ({c['interrupted']} jobs interrupted, max {c['max_attempts']}), resumes from a "
+        f"checkpoint {c['resumes']}; tasks that found their lease lost {outcomes['lease_lost']}, deliveries "
+        f"skipped {outcomes['skipped']}; client retries and reconnects {chaos.followers.retries}; events "
+        f"streamed {c['events_received']}; loss points stored {c['points']}"
+    )
     rows = [
         ("jobs", len(chaos.jobs), f">= {args.jobs}", len(chaos.jobs) >= args.jobs),
-        ("faults", len(chaos.faults), f">= {args.faults}, all four kinds",
-         len(chaos.faults) >= args.faults and len(by_kind) == 4),
+        (
+            "faults",
+            len(chaos.faults),
+            f">= {args.faults}, all four kinds",
+            len(chaos.faults) >= args.faults and len(by_kind) == 4,
+        ),
         ("lost jobs (not succeeded)", c["lost"], "0", c["lost"] == 0),
         ("jobs run twice", c["run_twice"], "0", c["run_twice"] == 0),
         ("jobs failed for infrastructure", c["failed"], "0", c["failed"] == 0),
-        ("loss points lost / stored twice", f"{c['points_lost']} / {c['points_twice']}", "0 / 0",
-         c["points_lost"] == c["points_twice"] == 0),
+        (
+            "loss points lost / stored twice",
+            f"{c['points_lost']} / {c['points_twice']}",
+            "0 / 0",
+            c["points_lost"] == c["points_twice"] == 0,
+        ),
         ("jobs with a stream gap", c["stream_gaps"], "0", c["stream_gaps"] == 0),
         ("streamed loss values unlike stored", c["values_unlike"], "0", c["values_unlike"] == 0),
         ("jobs failing another invariant", c["other"], "0", c["other"] == 0),
-    ]  # fmt: skip
+    ]
     print(f"\n{'check':<34} {'result':>10}  {'target':<24} met")
     for name, value, target, met in rows:
         print(f"{name:<34} {value!s:>10}  {target:<24} {'yes' if met else 'NO'}")
@@ -391,12 +418,19 @@ def report(chaos: Chaos, result: Result, wall: float) -> dict:
     ok = all(met for *_, met in rows) and not failures
     print(f"targets {'met' if ok else 'NOT met'}")
     return {
-        "ok": ok, "seed": args.seed, "workers": args.workers, "steps": args.steps, "wall_s": round(wall, 1),
-        "faults": dict(sorted(by_name.items())), "fault_seconds": span, "counts": c, "task_outcomes": outcomes,
+        "ok": ok,
+        "seed": args.seed,
+        "workers": args.workers,
+        "steps": args.steps,
+        "wall_s": round(wall, 1),
+        "faults": dict(sorted(by_name.items())),
+        "fault_seconds": span,
+        "counts": c,
+        "task_outcomes": outcomes,
         "client_retries": chaos.followers.retries,
         "targets": {name: [value, target, met] for name, value, target, met in rows},
         "failures": [str(f) for f in failures],
-    }  # fmt: skip
+    }
 
 
 def main() -> int:
@@ -418,10 +452,14 @@ def main() -> int:
         args.jobs, args.faults, args.steps, args.outage, args.in_flight = 6, 12, 400, 10.0, 3
 
     settings = {
-        "MUONFORGE_LEASE_SECONDS": "3", "MUONFORGE_HEARTBEAT_SECONDS": "0.5", "MUONFORGE_REAPER_SECONDS": "0.5",
-        "MUONFORGE_REQUEUE_AFTER_SECONDS": "20", "MUONFORGE_TENANT_JOB_CAP": "100000",
-        "MUONFORGE_TENANT_RATE_PER_SECOND": "0", "MUONFORGE_TENANT_STREAM_CAP": "100000",
-    }  # fmt: skip
+        "MUONFORGE_LEASE_SECONDS": "3",
+        "MUONFORGE_HEARTBEAT_SECONDS": "0.5",
+        "MUONFORGE_REAPER_SECONDS": "0.5",
+        "MUONFORGE_REQUEUE_AFTER_SECONDS": "20",
+        "MUONFORGE_TENANT_JOB_CAP": "100000",
+        "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
+        "MUONFORGE_TENANT_STREAM_CAP": "100000",
+    }
     pg = urlsplit(PG_ADMIN)
     proxy = TcpProxy((pg.hostname or "127.0.0.1", pg.port or 5432))
     redis_port = free_port()

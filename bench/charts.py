@@ -27,9 +27,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 UPLOT = ROOT / "app" / "web" / "node_modules" / "uplot" / "dist"
 CHROMIUM = "/usr/bin/chromium"
-LAUNCH_ARGS = ["--headless=new", "--no-sandbox", "--disable-background-networking", "--enable-unsafe-swiftshader",
-               "--disable-component-update", "--disable-sync", "--no-first-run", "--js-flags=--expose-gc",
-               "--enable-precise-memory-info"]  # fmt: skip
+LAUNCH_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-background-networking",
+    "--enable-unsafe-swiftshader",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--js-flags=--expose-gc",
+    "--enable-precise-memory-info",
+]
 
 # The page: the same series for every contender, then one chart, one zoom, one heap reading.
 PAGE = """<!doctype html><html><head><meta charset="utf-8">
@@ -142,16 +150,18 @@ def main() -> None:
         for lib in contenders:
             rows = results[f"{lib}/{s}"]
             row = {
-                "series": s, "library": {"uplot": "uPlot", "scatter": "plotly scatter",
-                                         "scattergl": "plotly scattergl"}[lib],
+                "series": s,
+                "library": {"uplot": "uPlot", "scatter": "plotly scatter", "scattergl": "plotly scattergl"}[lib],
                 "draw_ms": statistics.median(r["draw_ms"] for r in rows),
                 "zoom_ms": statistics.median(r["zoom_ms"] for r in rows),
                 "heap_mb": statistics.median(r["heap_mb"] for r in rows),
-            }  # fmt: skip
+            }
             row["draw_ratio"] = row["draw_ms"] / base
             table.append(row)
-            print(f"{s:>6}  {row['library']:<18}{row['draw_ms']:>9.0f}{row['zoom_ms']:>9.0f}"
-                  f"{row['heap_mb']:>9.1f}{row['draw_ratio']:>13.1f}x")  # fmt: skip
+            print(
+                f"{s:>6}  {row['library']:<18}{row['draw_ms']:>9.0f}{row['zoom_ms']:>9.0f}"
+                f"{row['heap_mb']:>9.1f}{row['draw_ratio']:>13.1f}x"
+            )
     if args.json:
         args.json.write_text(json.dumps({"chromium": version, "points": args.points, "rows": table}, indent=2))
 

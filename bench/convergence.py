@@ -115,11 +115,13 @@ IDLE_FACTOR = 0.3
 
 GPT = {"arch": "gpt", "n_head": 4, "seq_len": 64}
 CONFIGS = {
-    "small": Config({**GPT, "n_layer": 2, "d_model": 128}, 400, 25, 0.7,
-                    {"adamw": 0.45, "muon": 0.51, "muonclip": 0.52}),
-    "large": Config({**GPT, "n_layer": 4, "d_model": 256}, 1500, 50, 0.6,
-                    {"adamw": 3.05, "muon": 3.55, "muonclip": 3.6}),
-}  # fmt: skip
+    "small": Config(
+        {**GPT, "n_layer": 2, "d_model": 128}, 400, 25, 0.7, {"adamw": 0.45, "muon": 0.51, "muonclip": 0.52}
+    ),
+    "large": Config(
+        {**GPT, "n_layer": 4, "d_model": 256}, 1500, 50, 0.6, {"adamw": 3.05, "muon": 3.55, "muonclip": 3.6}
+    ),
+}
 BATCH_SIZE = 32
 EVAL_BATCHES = 16  # 16 x 32 x 64 = 32,768 validation tokens per evaluation (engine default: 8)
 WARMUP_FRACTION = 0.05
@@ -276,22 +278,47 @@ def optimizer_section(contender: str, lr: float, adamw_lr: float, tau: float = C
     return clip
 
 
-def make_spec(model: dict, optimizer: dict, steps: int, seed: int, eval_every: int, schedule: str = "constant",
-              warmup: int = 0, telemetry_every: int = 1) -> dict[str, Any]:  # fmt: skip
+def make_spec(
+    model: dict,
+    optimizer: dict,
+    steps: int,
+    seed: int,
+    eval_every: int,
+    schedule: str = "constant",
+    warmup: int = 0,
+    telemetry_every: int = 1,
+) -> dict[str, Any]:
     """A validated JobSpec dict: char-level DATA, DEVICE, no checkpoints, no samples."""
-    return JobSpec.model_validate({
-        "name": f"bench-convergence-{optimizer['name']}",
-        "model": model,
-        "data": DATA,
-        "optimizer": optimizer,
-        "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": eval_every, "lr_schedule": schedule,
-                  "warmup_steps": warmup, "checkpoint_every": steps + 1, "seed": seed, "device": DEVICE["type"]},
-        "telemetry": {"every": telemetry_every, "sample_tokens": 0},
-    }).model_dump()  # fmt: skip
+    return JobSpec.model_validate(
+        {
+            "name": f"bench-convergence-{optimizer['name']}",
+            "model": model,
+            "data": DATA,
+            "optimizer": optimizer,
+            "train": {
+                "steps": steps,
+                "batch_size": BATCH_SIZE,
+                "eval_every": eval_every,
+                "lr_schedule": schedule,
+                "warmup_steps": warmup,
+                "checkpoint_every": steps + 1,
+                "seed": seed,
+                "device": DEVICE["type"],
+            },
+            "telemetry": {"every": telemetry_every, "sample_tokens": 0},
+        }
+    ).model_dump()
 
 
-def train(contender: str, lr: float, spec: dict[str, Any], data: TokenData, eval_batches: int,
-          replay_tau: float | None = None, spread_tau: float | None = None) -> RunRecord:  # fmt: skip
+def train(
+    contender: str,
+    lr: float,
+    spec: dict[str, Any],
+    data: TokenData,
+    eval_batches: int,
+    replay_tau: float | None = None,
+    spread_tau: float | None = None,
+) -> RunRecord:
     """Train one spec through the engine's Trainer and collect its telemetry (``eval_batches`` is
     an engine setting the JobSpec does not expose, so it is set on the built config)."""
     job = job_config(spec)
@@ -303,13 +330,20 @@ def train(contender: str, lr: float, spec: dict[str, Any], data: TokenData, eval
         raise RuntimeError(f"{contender} seed {job.train.seed}: run ended {result.status}")
     seq_len = job.model.seq_len
     return RunRecord(
-        contender=contender, seed=job.train.seed, lr=lr, schedule=job.train.lr_schedule, optimizer=spec["optimizer"],
-        val_loss=sink.series["val_loss"], clock=trainer.clock, attn_max_logit=sink.series["attn_max_logit"],
-        heads_clipped=sink.series.get("qk_clip/heads_clipped", []), tokens_per_s=result.tokens_per_s,
+        contender=contender,
+        seed=job.train.seed,
+        lr=lr,
+        schedule=job.train.lr_schedule,
+        optimizer=spec["optimizer"],
+        val_loss=sink.series["val_loss"],
+        clock=trainer.clock,
+        attn_max_logit=sink.series["attn_max_logit"],
+        heads_clipped=sink.series.get("qk_clip/heads_clipped", []),
+        tokens_per_s=result.tokens_per_s,
         wall_s=result.wall_s,
         replay=None if replay_tau is None else {"heads": trainer.heads, "next_heads": trainer.next_heads},
         spread=None if spread_tau is None else batch_spread(trainer.model, data, job.train.seed, seq_len, spread_tau),
-    )  # fmt: skip
+    )
 
 
 def head_maxima(model: torch.nn.Module, x: torch.Tensor) -> list[float]:
@@ -332,12 +366,19 @@ def batch_spread(model: torch.nn.Module, data: TokenData, seed: int, seq_len: in
     consecutive ones: the batch-to-batch spread no clip on the batch just seen can remove."""
     out = {}
     for label, batch_size in (("train_batch", BATCH_SIZE), ("large_batch", SPREAD["large_batch"])):
-        per_head = [head_maxima(model, data.batch("train", SPREAD_OFFSET + i, batch_size, seq_len, seed)[0])
-                    for i in range(SPREAD["batches"])]  # fmt: skip
+        per_head = [
+            head_maxima(model, data.batch("train", SPREAD_OFFSET + i, batch_size, seq_len, seed)[0])
+            for i in range(SPREAD["batches"])
+        ]
         maxima = [max(h) for h in per_head]
         ideal = [proto.ideal_clip(a, b, tau) for a, b in itertools.pairwise(per_head)]
-        out[label] = {"batch_size": batch_size, "maxima": maxima, **proto.spread(maxima), "ideal_max": max(ideal),
-                      "ideal_over_1.05": sum(v > HOLD_MEDIAN for v in ideal) / len(ideal)}  # fmt: skip
+        out[label] = {
+            "batch_size": batch_size,
+            "maxima": maxima,
+            **proto.spread(maxima),
+            "ideal_max": max(ideal),
+            "ideal_over_1.05": sum(v > HOLD_MEDIAN for v in ideal) / len(ideal),
+        }
     return out
 
 
@@ -353,12 +394,21 @@ def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> d
     grids = contender_grids(args)
     horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
 
-    def one(stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float,
-            steps: int | None = None) -> RunRecord:  # fmt: skip
+    def one(
+        stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float, steps: int | None = None
+    ) -> RunRecord:
         steps = steps or args.steps
         warmup = max(1, round(WARMUP_FRACTION * steps))  # every run: its own warmup and schedule over its length
-        spec = make_spec(cfg.model, optimizer_section(contender, lr, adamw_lr), steps, seed, args.eval_every,
-                         schedule, warmup, telemetry_every=args.eval_every)  # fmt: skip
+        spec = make_spec(
+            cfg.model,
+            optimizer_section(contender, lr, adamw_lr),
+            steps,
+            seed,
+            args.eval_every,
+            schedule,
+            warmup,
+            telemetry_every=args.eval_every,
+        )
         try:
             rec = train(contender, lr, spec, data, args.eval_batches)
         except TrainingError as e:  # a diverged grid point loses, it does not end the benchmark
@@ -366,9 +416,11 @@ def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> d
                 raise
             print(f"  [stage 1] {contender} lr={lr:g} {schedule}: {e}", flush=True)
             return RunRecord(contender, seed, lr, schedule, spec["optimizer"], [], [(0, 0.0)], [])
-        print(f"  [stage {stage}] seed {seed} {contender:<9} lr={lr:<7g}{schedule:<7}{steps:>5} steps, final val "
-              f"{rec.final_val:.4f}  train {rec.train_seconds:6.1f} s  {rec.tokens_per_s:7.0f} tok/s",
-              flush=True)  # fmt: skip
+        print(
+            f"  [stage {stage}] seed {seed} {contender:<9} lr={lr:<7g}{schedule:<7}{steps:>5} steps, final val "
+            f"{rec.final_val:.4f}  train {rec.train_seconds:6.1f} s  {rec.tokens_per_s:7.0f} tok/s",
+            flush=True,
+        )
         if args.progress:  # every run as it ends: a run cut short keeps what it finished
             with open(args.progress, "a") as f:
                 f.write(json.dumps({"stage": stage, **asdict(rec)}) + "\n")
@@ -401,14 +453,20 @@ def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> d
     analysis = analyse_convergence(stage2, args.steps, cfg.target_wall_ratio)
     analysis["horizons"] = analyse_horizons(stage2, stage3, args.steps, cfg.target_wall_ratio)
     analysis["winners"] = {c: asdict(w) for c, w in winners.items()}
-    analysis["stage1_final_val"] = {c: {f"{r.lr:g} {r.schedule}": r.final_val for r in recs}
-                                    for c, recs in stage1.items()}  # fmt: skip
-    return {"analysis": analysis, "stage1": records_json(stage1), "runs": records_json(stage2),
-            "horizon_runs": records_json(stage3)}  # fmt: skip
+    analysis["stage1_final_val"] = {
+        c: {f"{r.lr:g} {r.schedule}": r.final_val for r in recs} for c, recs in stage1.items()
+    }
+    return {
+        "analysis": analysis,
+        "stage1": records_json(stage1),
+        "runs": records_json(stage2),
+        "horizon_runs": records_json(stage3),
+    }
 
 
-def analyse_horizons(stage2: dict[str, list[RunRecord]], stage3: dict[str, list[RunRecord]], steps: int,
-                     target_wall_ratio: float) -> dict[str, Any]:  # fmt: skip
+def analyse_horizons(
+    stage2: dict[str, list[RunRecord]], stage3: dict[str, list[RunRecord]], steps: int, target_wall_ratio: float
+) -> dict[str, Any]:
     """Per seed, Muon's steps and training seconds to tuned AdamW's final validation loss with a
     schedule that ends there (proto.horizon_ratios over the shorter runs and the full one)."""
     if not stage3:
@@ -416,12 +474,21 @@ def analyse_horizons(stage2: dict[str, list[RunRecord]], stage3: dict[str, list[
     reach = []
     for i, (adamw, full) in enumerate(zip(stage2["adamw"], stage2["muon"])):
         runs = [(r.val_loss[-1][0], r.final_val, r.train_seconds) for r in (full, *(v[i] for v in stage3.values()))]
-        reach.append({**proto.horizon_ratios(runs, adamw.final_val, steps, adamw.train_seconds),
-                      "runs": runs, "shortest": min(h for h, _, _ in runs)})  # fmt: skip
+        reach.append(
+            {
+                **proto.horizon_ratios(runs, adamw.final_val, steps, adamw.train_seconds),
+                "runs": runs,
+                "shortest": min(h for h, _, _ in runs),
+            }
+        )
     wall = proto.mean_or_none(x["wall_ratio"] for x in reach)
-    return {"horizon_steps": [int(h) for h in stage3], "reach": reach, "mean_wall_ratio": wall,
-            "mean_step_ratio": proto.mean_or_none(x["step_ratio"] for x in reach),
-            "wall_ok": wall is not None and wall <= target_wall_ratio}  # fmt: skip
+    return {
+        "horizon_steps": [int(h) for h in stage3],
+        "reach": reach,
+        "mean_wall_ratio": wall,
+        "mean_step_ratio": proto.mean_or_none(x["step_ratio"] for x in reach),
+        "wall_ok": wall is not None and wall <= target_wall_ratio,
+    }
 
 
 def analyse_convergence(runs: dict[str, list[RunRecord]], steps: int, target_wall_ratio: float) -> dict[str, Any]:
@@ -429,8 +496,9 @@ def analyse_convergence(runs: dict[str, list[RunRecord]], steps: int, target_wal
     adamw = runs["adamw"]
     out: dict[str, Any] = {"seeds": [r.seed for r in adamw], "contenders": {}}
     for name, recs in runs.items():
-        reach = [proto.ratios_against(r.val_loss, r.clock, a.final_val, steps, a.train_seconds)
-                 for r, a in zip(recs, adamw)]  # fmt: skip
+        reach = [
+            proto.ratios_against(r.val_loss, r.clock, a.final_val, steps, a.train_seconds) for r, a in zip(recs, adamw)
+        ]
         out["contenders"][name] = {
             "final_val_loss": [r.final_val for r in recs],
             "final_val": proto.spread([r.final_val for r in recs]),
@@ -459,29 +527,41 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
         print(f"  {contender:<9}" + "  ".join(f"{k} {v:.4f}" for k, v in finals.items()))
     print("winners: " + ", ".join(proto.Setting(**w).label for w in a["winners"].values()))
     print(f"\nStage 2, seeds {a['seeds']} (interleaved); ratios against tuned AdamW's final val loss, per seed")
-    print(f"{'contender':<10}{'val mean':>9}{'std':>8}{'min-max':>16}{'wall ratio':>12}{'step ratio':>12}"
-          f"{'per-seed wall':>22}{'tok/s':>8}")  # fmt: skip
+    print(
+        f"{'contender':<10}{'val mean':>9}{'std':>8}{'min-max':>16}{'wall ratio':>12}{'step ratio':>12}"
+        f"{'per-seed wall':>22}{'tok/s':>8}"
+    )
     for name, c in a["contenders"].items():
         v, per_seed = c["final_val"], " ".join(fmt(x["wall_ratio"], ".2f") for x in c["reach"])
-        print(f"{name:<10}{v['mean']:>9.4f}{v['std']:>8.4f}{v['min']:>8.4f}-{v['max']:.4f}"
-              f"{fmt(c['mean_wall_ratio']):>12}{fmt(c['mean_step_ratio']):>12}{per_seed:>22}"
-              f"{c['tokens_per_s']['mean']:>8.0f}")  # fmt: skip
+        print(
+            f"{name:<10}{v['mean']:>9.4f}{v['std']:>8.4f}{v['min']:>8.4f}-{v['max']:.4f}"
+            f"{fmt(c['mean_wall_ratio']):>12}{fmt(c['mean_step_ratio']):>12}{per_seed:>22}"
+            f"{c['tokens_per_s']['mean']:>8.0f}"
+        )
     diffs = " ".join(f"{100 * d:+.2f}%" for d in a["muonclip_vs_muon"])
     peak = a["contenders"].get("muonclip", {}).get("peak_attn_max_logit", float("nan"))
-    print(f"Muon inside its full run, wall-clock ratio <= {cfg.target_wall_ratio}: {a['wall_ok']}; "
-          f"MuonClip vs Muon final val {diffs} (within {100 * LOSS_TOLERANCE:g}%: {a['muonclip_loss_ok']}); "
-          f"MuonClip peak max logit {peak:.1f} at eval points (tau {CONVERGENCE_TAU:g})")  # fmt: skip
+    print(
+        f"Muon inside its full run, wall-clock ratio <= {cfg.target_wall_ratio}: {a['wall_ok']}; "
+        f"MuonClip vs Muon final val {diffs} (within {100 * LOSS_TOLERANCE:g}%: {a['muonclip_loss_ok']}); "
+        f"MuonClip peak max logit {peak:.1f} at eval points (tau {CONVERGENCE_TAU:g})"
+    )
     if h := a.get("horizons"):
-        print(f"\nStage 3: Muon's winner scheduled to end at {h['horizon_steps']} steps (and the full run); the "
-              f"shortest length that reaches tuned AdamW's final val loss, interpolated between lengths")  # fmt: skip
+        print(
+            f"\nStage 3: Muon's winner scheduled to end at {h['horizon_steps']} steps (and the full run); the "
+            f"shortest length that reaches tuned AdamW's final val loss, interpolated between lengths"
+        )
         for seed, r in zip(a["seeds"], h["reach"]):
             finals = "  ".join(f"{s}: {v:.4f} in {t:.1f} s" for s, v, t in sorted(r["runs"]))
             bound = " (the shortest run: an upper bound)" if r["steps"] == r["shortest"] else ""
-            print(f"  seed {seed}: target {r['target']:.4f}; steps {fmt(r['steps'], '.0f')}{bound}, wall ratio "
-                  f"{fmt(r['wall_ratio'])}, step ratio {fmt(r['step_ratio'])}  [{finals}]")  # fmt: skip
-        print(f"Muon, a schedule that ends at the target (the target's measure): wall-clock ratio "
-              f"{fmt(h['mean_wall_ratio'])}, step ratio {fmt(h['mean_step_ratio'])} (<= {cfg.target_wall_ratio}: "
-              f"{h['wall_ok']})")  # fmt: skip
+            print(
+                f"  seed {seed}: target {r['target']:.4f}; steps {fmt(r['steps'], '.0f')}{bound}, wall ratio "
+                f"{fmt(r['wall_ratio'])}, step ratio {fmt(r['step_ratio'])}  [{finals}]"
+            )
+        print(
+            f"Muon, a schedule that ends at the target (the target's measure): wall-clock ratio "
+            f"{fmt(h['mean_wall_ratio'])}, step ratio {fmt(h['mean_step_ratio'])} (<= {cfg.target_wall_ratio}: "
+            f"{h['wall_ok']})"
+        )
 
 
 # -- part 2 --------------------------------------------------------------------------------------
@@ -496,8 +576,11 @@ def run_logits(args: argparse.Namespace, data: TokenData) -> dict[str, Any]:
             replay = args.logit_tau if name in CLIPS else None
             rec = train(name, LOGIT_MUON_LR, spec, data, args.eval_batches, replay, spread_tau=args.logit_tau)
             runs[name].append(rec)
-            print(f"  [logits] seed {seed} {name:<9} final val {rec.final_val:.4f}  peak logit {rec.peak_logit:7.2f}"
-                  f"  {rec.wall_s:5.1f} s", flush=True)  # fmt: skip
+            print(
+                f"  [logits] seed {seed} {name:<9} final val {rec.final_val:.4f}  peak logit {rec.peak_logit:7.2f}"
+                f"  {rec.wall_s:5.1f} s",
+                flush=True,
+            )
     return {"analysis": analyse_logits(runs, args.logit_tau), "runs": records_json(runs)}
 
 
@@ -536,29 +619,42 @@ def analyse_logits(runs: dict[str, list[RunRecord]], tau: float) -> dict[str, An
         first, hold = clip_hold(clip, tau)
         rel = proto.rel_diff(clip.final_val, muon.final_val)
         row = {
-            "seed": muon.seed, "muon_peak_over_tau": muon.peak_logit / tau,
+            "seed": muon.seed,
+            "muon_peak_over_tau": muon.peak_logit / tau,
             "muon_steps_over_3tau": sum(v > GROWTH_FACTOR * tau for _, v in muon.attn_max_logit),
-            "first_clip_step": first, "hold": hold,
-            "muon_final_val": muon.final_val, "muonclip_final_val": clip.final_val, "val_rel_diff": rel,
-            "muonclip_spread": clip.spread, "growth_ok": muon.peak_logit > GROWTH_FACTOR * tau,
+            "first_clip_step": first,
+            "hold": hold,
+            "muon_final_val": muon.final_val,
+            "muonclip_final_val": clip.final_val,
+            "val_rel_diff": rel,
+            "muonclip_spread": clip.spread,
+            "growth_ok": muon.peak_logit > GROWTH_FACTOR * tau,
             "loss_ok": rel <= LOSS_TOLERANCE,
-        }  # fmt: skip
+        }
         row["variants"] = {}
         for name in (n for n in REMEASURE_BATCHES if runs.get(n)):
             again = runs[name][i]
             rel_again = proto.rel_diff(again.final_val, muon.final_val)
             first_again, hold_again = clip_hold(again, tau)
             row["variants"][name] = {
-                "first_clip_step": first_again, "hold": hold_again,
-                "final_val": again.final_val, "val_rel_diff": rel_again, "loss_ok": rel_again <= LOSS_TOLERANCE,
+                "first_clip_step": first_again,
+                "hold": hold_again,
+                "final_val": again.final_val,
+                "val_rel_diff": rel_again,
+                "loss_ok": rel_again <= LOSS_TOLERANCE,
                 "val_rel_diff_vs_muonclip": proto.rel_diff(again.final_val, clip.final_val),
-            }  # fmt: skip
+            }
         rows.append(row)
     medians = [r["hold"].get("median") for r in rows]
 
     def met(hold_of) -> bool:
-        return all(r["growth_ok"] and hold_of(r)["loss_ok"] and hold_of(r)["hold"]["median_ok"]
-                   and hold_of(r)["hold"]["p95_ok"] for r in rows)  # fmt: skip
+        return all(
+            r["growth_ok"]
+            and hold_of(r)["loss_ok"]
+            and hold_of(r)["hold"]["median_ok"]
+            and hold_of(r)["hold"]["p95_ok"]
+            for r in rows
+        )
 
     out = {"tau": tau, "per_seed": rows, "mean_of_medians": proto.mean_or_none(medians), "all_ok": met(lambda r: r)}
     variants = rows[0]["variants"] if rows else {}
@@ -571,30 +667,42 @@ def report_logits(a: dict[str, Any], steps: int) -> None:
     print(f"\nLogit growth: {LOGIT_MODEL}, {steps} steps, constant lr, muon lr {LOGIT_MUON_LR:g}, tau {tau:g}")
     print(f"{'seed':>4}{'muon peak/tau':>14}{'muon val':>10}{'clip val':>10}{'clip-muon':>11}{'1st clip':>9}")
     for r in rows:
-        print(f"{r['seed']:>4}{r['muon_peak_over_tau']:>14.2f}{r['muon_final_val']:>10.4f}{r['muonclip_final_val']:>10.4f}"
-              f"{100 * r['val_rel_diff']:>+10.2f}%{fmt(r['first_clip_step'], 'd'):>9}")  # fmt: skip
-    print(f"MuonClip max logit / tau per step after its first clip, against the ideal clip on the same weights and "
-          f"batches (targets: median <= {HOLD_MEDIAN}, p95 <= {HOLD_P95_FACTOR} x ideal p95)")  # fmt: skip
-    print(f"{'seed':>4}{'steps':>6}{'median':>8}{'p95':>7}{'max':>7}{'ideal med':>10}{'ideal p95':>10}"
-          f"{'p95/ideal':>10}  median/p95 ok")  # fmt: skip
+        print(
+            f"{r['seed']:>4}{r['muon_peak_over_tau']:>14.2f}{r['muon_final_val']:>10.4f}{r['muonclip_final_val']:>10.4f}"
+            f"{100 * r['val_rel_diff']:>+10.2f}%{fmt(r['first_clip_step'], 'd'):>9}"
+        )
+    print(
+        f"MuonClip max logit / tau per step after its first clip, against the ideal clip on the same weights and "
+        f"batches (targets: median <= {HOLD_MEDIAN}, p95 <= {HOLD_P95_FACTOR} x ideal p95)"
+    )
+    print(
+        f"{'seed':>4}{'steps':>6}{'median':>8}{'p95':>7}{'max':>7}{'ideal med':>10}{'ideal p95':>10}"
+        f"{'p95/ideal':>10}  median/p95 ok"
+    )
     variants = list(rows[0]["variants"]) if rows else []
     for label, hold_of in (("muonclip", lambda r: r), *((n, lambda r, n=n: r["variants"][n]) for n in variants)):
         print(label)
         for r in rows:
             h = hold_of(r)["hold"]
-            print(f"{r['seed']:>4}{h['steps']:>6}{fmt(h.get('median')):>8}{fmt(h.get('p95')):>7}{fmt(h.get('max')):>7}"
-                  f"{fmt(h.get('ideal_median')):>10}{fmt(h.get('ideal_p95')):>10}{fmt(h.get('p95_over_ideal_p95')):>10}"
-                  f"  {'y' if h['median_ok'] else 'n'}/{'y' if h['p95_ok'] else 'n'}")  # fmt: skip
+            print(
+                f"{r['seed']:>4}{h['steps']:>6}{fmt(h.get('median')):>8}{fmt(h.get('p95')):>7}{fmt(h.get('max')):>7}"
+                f"{fmt(h.get('ideal_median')):>10}{fmt(h.get('ideal_p95')):>10}{fmt(h.get('p95_over_ideal_p95')):>10}"
+                f"  {'y' if h['median_ok'] else 'n'}/{'y' if h['p95_ok'] else 'n'}"
+            )
     for r in rows:
         for name, again in r["variants"].items():
-            print(f"{r['seed']:>4} {name} final val {again['final_val']:.4f}: "
-                  f"{100 * again['val_rel_diff']:+.2f}% against Muon, {100 * again['val_rel_diff_vs_muonclip']:+.2f}% "
-                  "against MuonClip")  # fmt: skip
+            print(
+                f"{r['seed']:>4} {name} final val {again['final_val']:.4f}: "
+                f"{100 * again['val_rel_diff']:+.2f}% against Muon, {100 * again['val_rel_diff_vs_muonclip']:+.2f}% "
+                "against MuonClip"
+            )
     print("final weights on unseen batches: max logit spread (max / mean) and the ideal clip's worst reading / tau")
     for r in rows:
         for s in (r["muonclip_spread"] or {}).values():
-            print(f"{r['seed']:>4} batch {s['batch_size']:>5}: max/mean {s['max'] / s['mean']:.3f}, "
-                  f"ideal max {s['ideal_max']:.3f}, share > 1.05 {s['ideal_over_1.05']:.2f}")  # fmt: skip
+            print(
+                f"{r['seed']:>4} batch {s['batch_size']:>5}: max/mean {s['max'] / s['mean']:.3f}, "
+                f"ideal max {s['ideal_max']:.3f}, share > 1.05 {s['ideal_over_1.05']:.2f}"
+            )
     others = ", ".join(f"{name}: {ok}" for name, ok in a["variants_all_ok"].items())
     print(f"all targets met: {a['all_ok']}" + (f" ({others})" if others else ""))
 
@@ -672,13 +780,20 @@ def plot_logits(runs: dict[str, list[RunRecord]], tau: float, path: Path) -> Non
     ax.axhline(tau, color="black", lw=0.8, label=f"tau = {tau:g}")
     ax.axhline(GROWTH_FACTOR * tau, color="grey", lw=0.8, ls="--", label=f"{GROWTH_FACTOR:g} x tau")
     ax.set_yscale("log")
-    ax.set(xlabel="step", ylabel="attn_max_logit (before the step's clip)",
-           title=f"Muon lr {LOGIT_MUON_LR:g}: plain vs MuonClip tau {tau:g}")  # fmt: skip
+    ax.set(
+        xlabel="step",
+        ylabel="attn_max_logit (before the step's clip)",
+        title=f"Muon lr {LOGIT_MUON_LR:g}: plain vs MuonClip tau {tau:g}",
+    )
     zoom.axhline(HOLD_MEDIAN, color="black", lw=0.8, ls=":", label=f"{HOLD_MEDIAN:g} x tau")
     for q in (0.5, 0.95):
         zoom.axvline(q, color="grey", lw=0.6)
-    zoom.set(xlabel="quantile of the steps after the first clip (seeds pooled)", ylabel="max logit / tau",
-             ylim=(0.85, 1.35), title="Each clip against the ideal clip on its weights")  # fmt: skip
+    zoom.set(
+        xlabel="quantile of the steps after the first clip (seeds pooled)",
+        ylabel="max logit / tau",
+        ylim=(0.85, 1.35),
+        title="Each clip against the ideal clip on its weights",
+    )
     for a in (ax, zoom):
         a.grid(alpha=0.3)
         a.legend(fontsize=8, ncol=2 if a is ax else 1)
@@ -740,11 +855,21 @@ def main() -> None:
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=list(ADAMW_LRS), help="AdamW's grid")
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=list(MUON_LRS), help="Muon's and MuonClip's grid")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
-    parser.add_argument("--horizons", type=float, nargs="*", default=list(HORIZONS),
-                        help="stage 3: Muon's winner over these fractions of the steps, each with its own "
-                        "schedule (default %(default)s; none: no stage 3)")  # fmt: skip
-    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS),
-                        help="part 1's contenders (default all; AdamW and Muon are always run)")  # fmt: skip
+    parser.add_argument(
+        "--horizons",
+        type=float,
+        nargs="*",
+        default=list(HORIZONS),
+        help="stage 3: Muon's winner over these fractions of the steps, each with its own "
+        "schedule (default %(default)s; none: no stage 3)",
+    )
+    parser.add_argument(
+        "--contenders",
+        nargs="+",
+        choices=CONTENDERS,
+        default=list(CONTENDERS),
+        help="part 1's contenders (default all; AdamW and Muon are always run)",
+    )
     parser.add_argument(
         "--clips",
         nargs="*",
@@ -754,11 +879,19 @@ def main() -> None:
     )
     parser.add_argument("--plan", action="store_true", help="print the runs and an estimated time; train nothing")
     parser.add_argument("--quick", action="store_true", help="60 steps, 2 seeds, one lr per contender, no plots")
-    parser.add_argument("--img-dir", type=Path, default=None, help="where the PNGs go (default docs/img; "
-                        "a --quick run writes none unless given)")  # fmt: skip
+    parser.add_argument(
+        "--img-dir",
+        type=Path,
+        default=None,
+        help="where the PNGs go (default docs/img; a --quick run writes none unless given)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every run trains (default "
-                        "cpu; cuda: the engine's defaults there, bf16 autocast)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where every run trains (default cpu; cuda: the engine's defaults there, bf16 autocast)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="write no PNG (--replot draws them from --json)")
     parser.add_argument("--data", metavar="FILE", type=Path, help="a UTF-8 corpus instead of the builtin pysource text")
     parser.add_argument("--json", metavar="PATH", help="also write every figure and curve as JSON to PATH")
@@ -802,8 +935,7 @@ def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path
     device = torch.device(args.device)
     ns_dtype = str(optim.auto_dtype(device)).removeprefix("torch.")  # cached: what every run gets
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {where}, Newton–Schulz auto dtype {ns_dtype}; "
-          f"data {DATA}; config {args.config}")  # fmt: skip
+    print(f"torch {torch.__version__}, {where}, Newton–Schulz auto dtype {ns_dtype}; data {DATA}; config {args.config}")
     out: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     out["settings"].update(threads=torch.get_num_threads(), model=cfg.model, ns_auto_dtype=ns_dtype, where=where)
     start = time.perf_counter()

@@ -80,8 +80,9 @@ class ThreadClock:
 def rank_main(rank: int, world: int, port: int, args: dict, out_dir: str) -> None:
     """One rank: warm-up step, timed steps (after a barrier each); rank 0 saves the figures."""
     torch.set_num_threads(args["threads"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     try:
         params = make_params()
         ns_dtype = NS_DTYPES[args["ns_dtype"]]
@@ -107,9 +108,17 @@ def rank_main(rank: int, world: int, port: int, args: dict, out_dir: str) -> Non
             flops[owners.rank_of[p] if owners else 0] += optim.ns_flops(optim.matrix_shape(p.shape, False))
         if rank == 0:
             dtype = ns_dtype or optim.precision.default_dtype(params[0])
-            torch.save({"step_ms": slowest[0].tolist(), "ns_ms": slowest[1].tolist(),
-                        "ns_cpu_ms": slowest[2].tolist(), "ns_flops_per_rank": flops, "ns_dtype": str(dtype),
-                        "params": [p.detach() for p in params]}, Path(out_dir) / "rank0.pt")  # fmt: skip
+            torch.save(
+                {
+                    "step_ms": slowest[0].tolist(),
+                    "ns_ms": slowest[1].tolist(),
+                    "ns_cpu_ms": slowest[2].tolist(),
+                    "ns_flops_per_rank": flops,
+                    "ns_dtype": str(dtype),
+                    "params": [p.detach() for p in params],
+                },
+                Path(out_dir) / "rank0.pt",
+            )
         dist.barrier()  # both ranks reach the teardown together (in 1 of 16 runs a rank aborted in it without)
     finally:
         dist.destroy_process_group()
@@ -155,63 +164,98 @@ def main() -> None:
     results = {}
     for world in worlds:
         threads = 1 if args.one_thread else max(1, cores // world)
-        settings = {"rounds": args.rounds, "shard_momentum": args.shard_momentum, "ns_dtype": args.ns_dtype,
-                    "threads": threads}  # fmt: skip
+        settings = {
+            "rounds": args.rounds,
+            "shard_momentum": args.shard_momentum,
+            "ns_dtype": args.ns_dtype,
+            "threads": threads,
+        }
         results[world] = {**run_world(world, settings), "threads": settings["threads"]}
         if args.control and world > 1:
             control = run_world(world, {**settings, "duplicate": True})
             results[world]["control_ns_cpu_ms"] = control["ns_cpu_ms"]
 
     base = results[1]
-    print(f"torch {torch.__version__}, {platform.machine()} CPU, {cores} usable cores; "
-          f"gloo; torch threads per process = cores / world size (at least 1)")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {platform.machine()} CPU, {cores} usable cores; "
+        f"gloo; torch threads per process = cores / world size (at least 1)"
+    )
     print(f"load average (1 min) before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
     print(
         f"GPT-shaped set of bench/optim_step.py, fp32 parameters, shard_momentum={args.shard_momentum}, "
         f"NS dtype {base['ns_dtype'].split('.')[-1]} ({args.ns_dtype}); {args.rounds} timed steps after 1 warm-up"
     )
-    print(f"{'processes':>9}{'threads':>9}{'median ms':>11}{'min ms':>9}{'NS ms':>8}{'vs 1 process':>14}"
-          f"{'max |param diff| vs 1':>24}")  # fmt: skip
+    print(
+        f"{'processes':>9}{'threads':>9}{'median ms':>11}{'min ms':>9}{'NS ms':>8}{'vs 1 process':>14}"
+        f"{'max |param diff| vs 1':>24}"
+    )
     summary = {}
     for world, r in results.items():
         median, fastest = statistics.median(r["step_ms"]), min(r["step_ms"])
         ratio = median / statistics.median(base["step_ms"])
         diff = max(float((a - b).abs().max()) for a, b in zip(r["params"], base["params"]))
-        summary[world] = {"threads": r["threads"], "step_ms": r["step_ms"], "ns_ms": r["ns_ms"], "median_ms": median,
-                          "min_ms": fastest, "ratio_to_1": ratio, "max_param_diff": diff}  # fmt: skip
-        print(f"{world:>9}{r['threads']:>9}{median:>11.1f}{fastest:>9.1f}{statistics.median(r['ns_ms']):>8.1f}"
-              f"{ratio:>14.2f}{diff:>24.2e}")  # fmt: skip
+        summary[world] = {
+            "threads": r["threads"],
+            "step_ms": r["step_ms"],
+            "ns_ms": r["ns_ms"],
+            "median_ms": median,
+            "min_ms": fastest,
+            "ratio_to_1": ratio,
+            "max_param_diff": diff,
+        }
+        print(
+            f"{world:>9}{r['threads']:>9}{median:>11.1f}{fastest:>9.1f}{statistics.median(r['ns_ms']):>8.1f}"
+            f"{ratio:>14.2f}{diff:>24.2e}"
+        )
     print(
         "NS ms: the slowest rank's orthogonalization time per step (median); the rest of a step is momentum,"
         " the update and, above 1 process, the all-gather of the owners' parameters."
     )
-    print(f"\nNewton-Schulz work of the busiest rank against one process's (targets: 2 processes <= "
-          f"{WORK_TARGETS[2]}, 4 <= {WORK_TARGETS[4]})")  # fmt: skip
+    print(
+        f"\nNewton-Schulz work of the busiest rank against one process's (targets: 2 processes <= "
+        f"{WORK_TARGETS[2]}, 4 <= {WORK_TARGETS[4]})"
+    )
     # The thread clock counts the calling thread only: CPU time is the work at one thread per rank alone.
     timed = all(r["threads"] == 1 for r in results.values())
-    print(f"{'processes':>9}{'flops share':>13}{'NS CPU ms':>11}{'CPU share':>11}  per-rank flops (G)"
-          + ("" if timed else "  (CPU time: with --one-thread only)"))  # fmt: skip
+    print(
+        f"{'processes':>9}{'flops share':>13}{'NS CPU ms':>11}{'CPU share':>11}  per-rank flops (G)"
+        + ("" if timed else "  (CPU time: with --one-thread only)")
+    )
     base_cpu = statistics.median(base["ns_cpu_ms"])
     for world, r in results.items():
         flops = r["ns_flops_per_rank"]
         share, cpu = max(flops) / sum(flops), statistics.median(r["ns_cpu_ms"]) if timed else float("nan")
         target = WORK_TARGETS.get(world)
-        summary[world].update(flops_share=share, ns_cpu_ms=cpu, cpu_share=cpu / base_cpu, flops_per_rank=flops,
-                              work_target=target)  # fmt: skip
+        summary[world].update(
+            flops_share=share, ns_cpu_ms=cpu, cpu_share=cpu / base_cpu, flops_per_rank=flops, work_target=target
+        )
         met = target is not None and max(share, cpu / base_cpu if timed else 0.0) <= target
         verdict = "" if target is None else f"  (<= {target}: {'met' if met else 'NOT met'})"
         if timed and "control_ns_cpu_ms" in r:  # the same load, every matrix on every rank
             control = statistics.median(r["control_ns_cpu_ms"])
             summary[world].update(control_ns_cpu_ms=control, cpu_share_of_control=cpu / control)
             verdict += f"; every matrix on every rank at once: {control:.1f} ms, split / that {cpu / control:.3f}"
-        print(f"{world:>9}{share:>13.3f}{cpu:>11.1f}{cpu / base_cpu:>11.3f}  "
-              f"{', '.join(f'{f / 1e9:.2f}' for f in flops)}{verdict}")  # fmt: skip
+        print(
+            f"{world:>9}{share:>13.3f}{cpu:>11.1f}{cpu / base_cpu:>11.3f}  "
+            f"{', '.join(f'{f / 1e9:.2f}' for f in flops)}{verdict}"
+        )
     ddp = ddp_job(args.ddp_steps, cores) if args.ddp_steps else None
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cores": cores, "load_before_after": [load_before[0], os.getloadavg()[0]],
-                       "ns_dtype": base["ns_dtype"], "shard_momentum": args.shard_momentum, "rounds": args.rounds,
-                       "one_thread": args.one_thread, "worlds": summary, "ddp_job": ddp}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "cores": cores,
+                    "load_before_after": [load_before[0], os.getloadavg()[0]],
+                    "ns_dtype": base["ns_dtype"],
+                    "shard_momentum": args.shard_momentum,
+                    "rounds": args.rounds,
+                    "one_thread": args.one_thread,
+                    "worlds": summary,
+                    "ddp_job": ddp,
+                },
+                f,
+                indent=2,
+            )
 
 
 def ddp_job(steps: int, cores: int) -> dict:
@@ -224,22 +268,34 @@ def ddp_job(steps: int, cores: int) -> dict:
 
     out = {}
     for nproc in (1, 2):
-        spec = JobSpec.model_validate({
-            "model": {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 64},
-            "data": {"builtin": "pysource", "tokenizer": "char"},
-            "optimizer": {"name": "muon"},
-            "train": {
-                "steps": steps, "batch_size": 32, "eval_every": steps, "checkpoint_every": steps, "device": "cpu",
-            },
-            "telemetry": {"every": 10, "sample_tokens": 0},
-            "resources": {"nproc": nproc},
-        }).model_dump()  # fmt: skip
+        spec = JobSpec.model_validate(
+            {
+                "model": {"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "seq_len": 64},
+                "data": {"builtin": "pysource", "tokenizer": "char"},
+                "optimizer": {"name": "muon"},
+                "train": {
+                    "steps": steps,
+                    "batch_size": 32,
+                    "eval_every": steps,
+                    "checkpoint_every": steps,
+                    "device": "cpu",
+                },
+                "telemetry": {"every": 10, "sample_tokens": 0},
+                "resources": {"nproc": nproc},
+            }
+        ).model_dump()
         with tempfile.TemporaryDirectory() as tmp:
             result = run_job(RunRequest(spec, Path(tmp)))
-        out[nproc] = {"tokens_per_s": result.tokens_per_s, "wall_s": result.wall_s,
-                      "step_ms": 1e3 * result.wall_s / steps, "val_loss": result.val_loss}  # fmt: skip
-    print(f"\nA DDP job, {steps} steps of a GPT 2 x 128 (batch 32 x 64, Muon), {cores} cores: "
-          f"processes, tokens/s, ms per step (whole run, evaluation included), final val_loss")  # fmt: skip
+        out[nproc] = {
+            "tokens_per_s": result.tokens_per_s,
+            "wall_s": result.wall_s,
+            "step_ms": 1e3 * result.wall_s / steps,
+            "val_loss": result.val_loss,
+        }
+    print(
+        f"\nA DDP job, {steps} steps of a GPT 2 x 128 (batch 32 x 64, Muon), {cores} cores: "
+        f"processes, tokens/s, ms per step (whole run, evaluation included), final val_loss"
+    )
     for nproc, r in out.items():
         ratio = r["tokens_per_s"] / out[1]["tokens_per_s"]
         print(f"{nproc:>9}{r['tokens_per_s']:>10.0f}{r['step_ms']:>9.1f}{r['val_loss']:>9.4f}  ({ratio:.2f}x tokens/s)")

@@ -115,19 +115,31 @@ def med(xs: list[float]) -> float:
 
 
 def machine_facts(device: torch.device) -> dict:
-    facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device),
-             "python": platform.python_version(),
-             "float32_matmul_precision": torch.get_float32_matmul_precision()}  # fmt: skip
+    facts = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "python": platform.python_version(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         facts["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         facts["nvidia_smi"] = f"unavailable: {exc}"
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        facts |= {"name": props.name, "sm_count": props.multi_processor_count,
-                  "memory_gib": props.total_memory / 2**30, "capability": f"{props.major}.{props.minor}"}  # fmt: skip
+        facts |= {
+            "name": props.name,
+            "sm_count": props.multi_processor_count,
+            "memory_gib": props.total_memory / 2**30,
+            "capability": f"{props.major}.{props.minor}",
+        }
     n = 4096 if device.type == "cuda" else 512
     for label, dtype in DTYPES.items():
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -159,13 +171,21 @@ def ns_section(device: torch.device, iters: int) -> dict:
                     run = functools.partial(optim.orthogonalize, G, NS_STEPS, coefficients, method, dtype)
                     s = torch.linalg.svdvals(run().double())
                     lo, hi = SPEC_BANDS[coefficients]
-                    rows.append({
-                        "shape": f"{shape[0]}x{shape[1]}", "dtype": label, "coefficients": coefficients,
-                        "method": method, "auto": optim.choose_method(m, n, "auto", dtype), "low": low,
-                        "sv_min": float(s.min()), "sv_max": float(s.max()), "band": band,
-                        "in_spec_band": lo <= float(s.min()) and float(s.max()) <= hi,
-                        "median_ms": med(time_ms(run, device, iters=iters)),
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "shape": f"{shape[0]}x{shape[1]}",
+                            "dtype": label,
+                            "coefficients": coefficients,
+                            "method": method,
+                            "auto": optim.choose_method(m, n, "auto", dtype),
+                            "low": low,
+                            "sv_min": float(s.min()),
+                            "sv_max": float(s.max()),
+                            "band": band,
+                            "in_spec_band": lo <= float(s.min()) and float(s.max()) <= hi,
+                            "median_ms": med(time_ms(run, device, iters=iters)),
+                        }
+                    )
     gpt = []  # the GPT-shaped set as the optimizer sees it: one [layers, m, n] stack per shape
     stacks = [gaussian((4, *shape), SEED + 200 + i, device) for i, shape in enumerate(dict.fromkeys(LAYER_SHAPES))]
     for label, dtype in DTYPES.items():
@@ -176,8 +196,14 @@ def ns_section(device: torch.device, iters: int) -> dict:
                     for X in stacks:
                         optim.orthogonalize(X, NS_STEPS, c, mt, dt)
 
-                gpt.append({"dtype": label, "coefficients": coefficients, "method": method,
-                            "median_ms": med(time_ms(run, device, iters=iters))})  # fmt: skip
+                gpt.append(
+                    {
+                        "dtype": label,
+                        "coefficients": coefficients,
+                        "method": method,
+                        "median_ms": med(time_ms(run, device, iters=iters)),
+                    }
+                )
     return {"shapes": rows, "gpt_set": gpt}
 
 
@@ -209,8 +235,14 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], Callable[[], object]]] = {
     "AdamW": lambda ps: torch.optim.AdamW(ps).step,
     "AdamW-fused": lambda ps: torch.optim.AdamW(ps, fused=True).step,
 }
-STEP_RATIOS = [("ours", "torch.optim.Muon"), ("ours-ns-fp32", "ours"), ("ours-standard", "ours"),
-               ("ours-polar", "ours"), ("ours", "AdamW"), ("torch.optim.Muon", "AdamW")]  # fmt: skip
+STEP_RATIOS = [
+    ("ours", "torch.optim.Muon"),
+    ("ours-ns-fp32", "ours"),
+    ("ours-standard", "ours"),
+    ("ours-polar", "ours"),
+    ("ours", "AdamW"),
+    ("torch.optim.Muon", "AdamW"),
+]
 PARITY = ("ours", "ours-ns-fp32", "torch.optim.Muon")
 
 
@@ -230,8 +262,14 @@ def step_section(device: torch.device, rounds: int) -> dict:
         stats = {k: {"median_ms": med(t), "min_ms": min(t)} for k, t in times.items()}
         ratios = {f"{a}/{b}": stats[a]["median_ms"] / stats[b]["median_ms"] for a, b in STEP_RATIOS}
         n_params = sum(a * b for a, b in layer_shapes(d)) * layers
-        out[name] = {"params": n_params, "rounds": rounds, "step": stats, "ratios": ratios,
-                     "memory": step_memory(d, layers, device), "parity": step_parity(d, layers, device)}  # fmt: skip
+        out[name] = {
+            "params": n_params,
+            "rounds": rounds,
+            "step": stats,
+            "ratios": ratios,
+            "memory": step_memory(d, layers, device),
+            "parity": step_parity(d, layers, device),
+        }
     return out
 
 
@@ -516,21 +554,30 @@ def engine_section(device: torch.device, steps: int) -> dict:
         clipped = [m.get("qk_clip/heads_clipped", 0.0) for m in train]
         tokens_per_step = ENGINE_TRAIN["batch_size"] * ENGINE_MODEL["seq_len"]
         step_ms = sorted(m["step_time_ms"] for m in train)
-        runs.append({
-            "precision": precision, "autocast": "bf16" if precision == "auto" and device.type == "cuda" else None,
-            "tau": eff_tau, "steps": result.steps, "status": result.status, "wall_s": wall,
-            "tokens_per_s": result.tokens_per_s, "median_step_ms": med(step_ms),
-            "median_tokens_per_s": tokens_per_step / med(step_ms) * 1e3,
-            "final_loss": result.loss, "final_val_loss": result.val_loss, "entropy_floor": floor,
-            "attn_max_logit_reported": len(logits) == len(train),
-            "attn_max_logit_last": logits[-1] if logits else None,
-            "attn_max_logit_max": max(logits) if logits else None,
-            "steps_above_tau": sum(v > eff_tau for v in logits),
-            "first_step_above_tau": next((i for i, v in enumerate(logits) if v > eff_tau), None),
-            "max_logit_last_50_max": max(logits[-50:]) if logits else None,
-            "steps_with_clip": sum(c > 0 for c in clipped),
-            "heads_clipped_total": sum(clipped),
-        })  # fmt: skip
+        runs.append(
+            {
+                "precision": precision,
+                "autocast": "bf16" if precision == "auto" and device.type == "cuda" else None,
+                "tau": eff_tau,
+                "steps": result.steps,
+                "status": result.status,
+                "wall_s": wall,
+                "tokens_per_s": result.tokens_per_s,
+                "median_step_ms": med(step_ms),
+                "median_tokens_per_s": tokens_per_step / med(step_ms) * 1e3,
+                "final_loss": result.loss,
+                "final_val_loss": result.val_loss,
+                "entropy_floor": floor,
+                "attn_max_logit_reported": len(logits) == len(train),
+                "attn_max_logit_last": logits[-1] if logits else None,
+                "attn_max_logit_max": max(logits) if logits else None,
+                "steps_above_tau": sum(v > eff_tau for v in logits),
+                "first_step_above_tau": next((i for i, v in enumerate(logits) if v > eff_tau), None),
+                "max_logit_last_50_max": max(logits[-50:]) if logits else None,
+                "steps_with_clip": sum(c > 0 for c in clipped),
+                "heads_clipped_total": sum(clipped),
+            }
+        )
     return {"model": ENGINE_MODEL, "train": ENGINE_TRAIN, "runs": runs}
 
 
@@ -561,8 +608,9 @@ def dist_worker(rank: int, world: int, port: int, backend: str, out_dir: str) ->
         device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))  # fmt: skip
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         try:
             dist.all_reduce(torch.zeros(3), op=dist.ReduceOp.MAX)  # what S_max on the CPU would meet
             res["cpu_tensor_all_reduce"] = "ok"
@@ -600,10 +648,15 @@ def dist_run(world: int, backend: str, timeout: float = 120.0) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") if (Path(tmp) / f"rank{r}.pt").exists() else {}
-                 for r in range(world)]  # fmt: skip
-    out: dict[str, Any] = {"world_size": world, "backend": backend, "hung": hung,
-                           "exitcodes": [p.exitcode for p in procs]}  # fmt: skip
+        ranks = [
+            torch.load(Path(tmp) / f"rank{r}.pt") if (Path(tmp) / f"rank{r}.pt").exists() else {} for r in range(world)
+        ]
+    out: dict[str, Any] = {
+        "world_size": world,
+        "backend": backend,
+        "hung": hung,
+        "exitcodes": [p.exitcode for p in procs],
+    }
     out["ranks"] = [{k: v for k, v in r.items() if k != "qkv"} for r in ranks]
     if any("error" in r or "qkv" not in r for r in ranks) or hung:
         out["ok"] = False
@@ -635,8 +688,9 @@ def dist_section(backend: str = "nccl") -> list[dict]:
         if backend != "nccl" or world <= gpus:
             out.append(dist_run(world, backend))
             continue
-        out.append({"world_size": world, "backend": backend,
-                    "skipped": f"nccl needs {world} GPUs, this machine has {gpus}"})  # fmt: skip
+        out.append(
+            {"world_size": world, "backend": backend, "skipped": f"nccl needs {world} GPUs, this machine has {gpus}"}
+        )
         out.append(dist_run(world, "gloo"))
     return out
 
@@ -700,12 +754,17 @@ def group_run(spec: dict, out: Path, group: bool, sink: GroupSink | None = None,
     step_ms = sorted(line["metrics"]["step_time_ms"] for line in train)
     tokens_per_step = ENGINE_TRAIN["batch_size"] * ENGINE_MODEL["seq_len"]
     return {
-        "status": result.status, "steps": result.steps, "wall_s": time.perf_counter() - t0,
-        "tokens_per_s": result.tokens_per_s, "median_step_ms": med(step_ms),
-        "median_tokens_per_s": tokens_per_step / med(step_ms) * 1e3, "final_loss": result.loss,
-        "final_val_loss": result.val_loss, "losses": {line["step"]: line["metrics"]["loss"] for line in train},
+        "status": result.status,
+        "steps": result.steps,
+        "wall_s": time.perf_counter() - t0,
+        "tokens_per_s": result.tokens_per_s,
+        "median_step_ms": med(step_ms),
+        "median_tokens_per_s": tokens_per_step / med(step_ms) * 1e3,
+        "final_loss": result.loss,
+        "final_val_loss": result.val_loss,
+        "losses": {line["step"]: line["metrics"]["loss"] for line in train},
         "metric_lines": len(train),
-    }  # fmt: skip
+    }
 
 
 def group_section(device: torch.device, steps: int) -> dict:
@@ -720,13 +779,19 @@ def group_section(device: torch.device, steps: int) -> dict:
         out["process"] = group_run(spec, root / "process", group=False)
         sink = GroupSink()
         out["group"] = group_run(spec, root / "group", True, sink)
-        out["group"].update(telemetry_steps=len(sink.steps), telemetry_steps_unique=len(set(sink.steps)),
-                            checkpoints_reported=sink.checkpoints,
-                            ranks_log_tail=(root / "group" / "ranks.log").read_text()[-1500:])  # fmt: skip
+        out["group"].update(
+            telemetry_steps=len(sink.steps),
+            telemetry_steps_unique=len(set(sink.steps)),
+            checkpoints_reported=sink.checkpoints,
+            ranks_log_tail=(root / "group" / "ranks.log").read_text()[-1500:],
+        )
         killer = GroupSink(kill_at=steps // 2)
         out["killed"] = group_run(spec, root / "killed", True, killer)
-        out["killed"].update(pids_killed=killer.killed, last_step_reported=max(killer.steps, default=None),
-                             checkpoints_reported=killer.checkpoints)  # fmt: skip
+        out["killed"].update(
+            pids_killed=killer.killed,
+            last_step_reported=max(killer.steps, default=None),
+            checkpoints_reported=killer.checkpoints,
+        )
         resumed = GroupSink()
         out["resumed"] = group_run(spec, root / "killed", True, resumed, resume=True)
         out["resumed"]["first_step_reported"] = min(resumed.steps, default=None)
@@ -745,8 +810,11 @@ def group_section(device: torch.device, steps: int) -> dict:
 # ---- host ----------------------------------------------------------------------------------------
 
 HOST_MODEL = {"arch": "gpt", "n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 64}
-HOST_OPTIMIZERS = {"adamw": {"name": "adamw", "lr": 1e-3}, "muon": {"name": "muon", "lr": 0.01, "adamw_lr": 1e-3},
-                   "muonclip": {"name": "muonclip", "lr": 0.01, "adamw_lr": 1e-3}}  # fmt: skip
+HOST_OPTIMIZERS = {
+    "adamw": {"name": "adamw", "lr": 1e-3},
+    "muon": {"name": "muon", "lr": 0.01, "adamw_lr": 1e-3},
+    "muonclip": {"name": "muonclip", "lr": 0.01, "adamw_lr": 1e-3},
+}
 
 
 def cuda_kernels(fn: Callable[[], object], repeats: int) -> float:
@@ -768,11 +836,20 @@ def host_section(device: torch.device, steps: int) -> dict:
     data = synthetic_task(0, tokens=1 << 16)
     for name, optimizer in HOST_OPTIMIZERS.items():
         spec = {
-            "name": f"bench-host-{name}", "model": HOST_MODEL, "data": {"builtin": "synthetic"}, "optimizer": optimizer,
-            "train": {"steps": 10**6, "batch_size": 32, "eval_every": 10**6, "checkpoint_every": 10**6,
-                      "device": device.type, "precision": "auto"},
+            "name": f"bench-host-{name}",
+            "model": HOST_MODEL,
+            "data": {"builtin": "synthetic"},
+            "optimizer": optimizer,
+            "train": {
+                "steps": 10**6,
+                "batch_size": 32,
+                "eval_every": 10**6,
+                "checkpoint_every": 10**6,
+                "device": device.type,
+                "precision": "auto",
+            },
             "telemetry": {"every": 10**6, "sample_tokens": 0},
-        }  # fmt: skip
+        }
         out[name] = host_row(Trainer(job_config(spec), data, None, None), steps)
     out["muon_train_step_vs_adamw"] = out["muon"]["train_step_ms"] / out["adamw"]["train_step_ms"]
     return out
@@ -834,22 +911,28 @@ def report(results: dict) -> None:
 
 def print_report(results: dict) -> None:
     f = results["machine"]
-    print(f"torch {f['torch']} (CUDA {f['cuda']}), {f.get('name', f['device'])}, "
-          f"{f.get('sm_count', '?')} SMs, float32 matmul precision '{f['float32_matmul_precision']}', "
-          f"Python {f.get('python')}")  # fmt: skip
+    print(
+        f"torch {f['torch']} (CUDA {f['cuda']}), {f.get('name', f['device'])}, "
+        f"{f.get('sm_count', '?')} SMs, float32 matmul precision '{f['float32_matmul_precision']}', "
+        f"Python {f.get('python')}"
+    )
     if "nvidia_smi" in f:
         print(f"  nvidia-smi: {f['nvidia_smi']}")
     print("  " + ", ".join(f"{k} {v:.1f}" for k, v in f.items() if k.startswith("gemm_")))
     if "ns" in results:
         print("\nNewton–Schulz: singular values (float64 svdvals) and median ms per call")
-        print(f"{'shape':<10}{'dtype':<6}{'coeffs':<15}{'form':<9}{'sv min':>8}{'sv max':>8}"
-              f"  {'scalar-map band':<18}{'spec':>5}{'ms':>9}")  # fmt: skip
+        print(
+            f"{'shape':<10}{'dtype':<6}{'coeffs':<15}{'form':<9}{'sv min':>8}{'sv max':>8}"
+            f"  {'scalar-map band':<18}{'spec':>5}{'ms':>9}"
+        )
         for r in results["ns"]["shapes"]:
             lo, hi = r["band"]
             form = r["method"] + ("*" if r["method"] == r["auto"] else "")
-            print(f"{r['shape']:<10}{r['dtype']:<6}{r['coefficients']:<15}{form:<9}{r['sv_min']:>8.4f}"
-                  f"{r['sv_max']:>8.4f}  [{lo:.4f}, {hi:.4f}]  {'in' if r['in_spec_band'] else 'OUT':>5}"
-                  f"{r['median_ms']:>9.3f}")  # fmt: skip
+            print(
+                f"{r['shape']:<10}{r['dtype']:<6}{r['coefficients']:<15}{form:<9}{r['sv_min']:>8.4f}"
+                f"{r['sv_max']:>8.4f}  [{lo:.4f}, {hi:.4f}]  {'in' if r['in_spec_band'] else 'OUT':>5}"
+                f"{r['median_ms']:>9.3f}"
+            )
         print("  (* = the form 'auto' picks)\nGPT-shaped set, one [4, m, n] stack per shape, median ms:")
         for r in results["ns"]["gpt_set"]:
             print(f"  {r['dtype']:<6}{r['coefficients']:<15}{r['method']:<9}{r['median_ms']:>9.3f}")
@@ -859,8 +942,10 @@ def print_report(results: dict) -> None:
         for k, v in s["step"].items():
             m = s["memory"][k]
             parity = f"{s['parity'][k]:.2e}" if k in s["parity"] else "-"
-            print(f"{k:<20}{v['median_ms']:>10.3f}{v['min_ms']:>9.3f}{m.get('peak_growth_mib', float('nan')):>11.1f}"
-                  f"{m['state_mib']:>11.1f}{parity:>10}")  # fmt: skip
+            print(
+                f"{k:<20}{v['median_ms']:>10.3f}{v['min_ms']:>9.3f}{m.get('peak_growth_mib', float('nan')):>11.1f}"
+                f"{m['state_mib']:>11.1f}{parity:>10}"
+            )
         for k, v in s["ratios"].items():
             print(f"  {k:<32}{v:>7.3f}")
     if "batch" in results:
@@ -877,39 +962,47 @@ def print_report(results: dict) -> None:
     if "attention" in results:
         print("\nAttention: recorded per-head max logits against the explicit ones; outputs; cost of the recompute")
         for r in results["attention"]:
-            print(f"{r['shape']} {r['precision']} (q,k {r['qk_dtype']}), max logit {r['max_logit']:.3f}: "
-                  f"|rec - fp64| {r['recorded_vs_fp64']:.2e}, |rec - fp32| {r['recorded_vs_fp32']:.2e}, "
-                  f"product in {r['qk_dtype']}: {r['product_in_qk_dtype_vs_fp64']:.2e}; "
-                  f"output |diff| {r['output_max_abs_diff']:.2e} (of {r['output_max_abs']:.2e})")  # fmt: skip
-            print(f"    recompute {r['recompute_ms']:.3f} ms (earlier upcast: {r['recompute_fp32_upcast_ms']:.3f}, "
-                  f"|upcast - fp64| {r['fp32_upcast_vs_fp64']:.2e}; {r['qk_dtype']} product: "
-                  f"{r['recompute_product_in_qk_dtype_ms']:.3f}); forward off/on {r['forward_ms_off']:.3f}/"
-                  f"{r['forward_ms_on']:.3f} ms (+{100 * r['recompute_forward_overhead']:.0f}%); fwd+bwd off/on "
-                  f"{r['forward_backward_ms_off']:.3f}/{r['forward_backward_ms_on']:.3f} ms "
-                  f"(+{100 * r['recompute_step_overhead']:.0f}%); peak +MiB off/on "
-                  f"{r.get('forward_peak_growth_mib_off', float('nan')):.0f}/"
-                  f"{r.get('forward_peak_growth_mib_on', float('nan')):.0f}")  # fmt: skip
+            print(
+                f"{r['shape']} {r['precision']} (q,k {r['qk_dtype']}), max logit {r['max_logit']:.3f}: "
+                f"|rec - fp64| {r['recorded_vs_fp64']:.2e}, |rec - fp32| {r['recorded_vs_fp32']:.2e}, "
+                f"product in {r['qk_dtype']}: {r['product_in_qk_dtype_vs_fp64']:.2e}; "
+                f"output |diff| {r['output_max_abs_diff']:.2e} (of {r['output_max_abs']:.2e})"
+            )
+            print(
+                f"    recompute {r['recompute_ms']:.3f} ms (earlier upcast: {r['recompute_fp32_upcast_ms']:.3f}, "
+                f"|upcast - fp64| {r['fp32_upcast_vs_fp64']:.2e}; {r['qk_dtype']} product: "
+                f"{r['recompute_product_in_qk_dtype_ms']:.3f}); forward off/on {r['forward_ms_off']:.3f}/"
+                f"{r['forward_ms_on']:.3f} ms (+{100 * r['recompute_forward_overhead']:.0f}%); fwd+bwd off/on "
+                f"{r['forward_backward_ms_off']:.3f}/{r['forward_backward_ms_on']:.3f} ms "
+                f"(+{100 * r['recompute_step_overhead']:.0f}%); peak +MiB off/on "
+                f"{r.get('forward_peak_growth_mib_off', float('nan')):.0f}/"
+                f"{r.get('forward_peak_growth_mib_on', float('nan')):.0f}"
+            )
     if "engine" in results:
         e = results["engine"]
         print(f"\nEngine runs: {e['model']}, batch {e['train']['batch_size']}, synthetic task")
         for r in e["runs"]:
-            print(f"  precision {r['precision']} (autocast {r['autocast']}), tau {r['tau']}: {r['status']} "
-                  f"{r['steps']} steps in {r['wall_s']:.1f} s, {num(r['tokens_per_s'], ',.0f')} tokens/s "
-                  f"(median step {r['median_step_ms']:.2f} ms = {r['median_tokens_per_s']:,.0f} tokens/s); loss "
-                  f"{num(r['final_loss'], '.4f')}, val {num(r['final_val_loss'], '.4f')}, floor "
-                  f"{num(r['entropy_floor'], '.4f')}; attn_max_logit last {num(r['attn_max_logit_last'], '.2f')}, "
-                  f"max {num(r['attn_max_logit_max'], '.2f')}, max of last 50 "
-                  f"{num(r['max_logit_last_50_max'], '.2f')}, steps above tau {r['steps_above_tau']} "
-                  f"(first {r['first_step_above_tau']}), steps with a clip {r['steps_with_clip']}")  # fmt: skip
+            print(
+                f"  precision {r['precision']} (autocast {r['autocast']}), tau {r['tau']}: {r['status']} "
+                f"{r['steps']} steps in {r['wall_s']:.1f} s, {num(r['tokens_per_s'], ',.0f')} tokens/s "
+                f"(median step {r['median_step_ms']:.2f} ms = {r['median_tokens_per_s']:,.0f} tokens/s); loss "
+                f"{num(r['final_loss'], '.4f')}, val {num(r['final_val_loss'], '.4f')}, floor "
+                f"{num(r['entropy_floor'], '.4f')}; attn_max_logit last {num(r['attn_max_logit_last'], '.2f')}, "
+                f"max {num(r['attn_max_logit_max'], '.2f')}, max of last 50 "
+                f"{num(r['max_logit_last_50_max'], '.2f')}, steps above tau {r['steps_above_tau']} "
+                f"(first {r['first_step_above_tau']}), steps with a clip {r['steps_with_clip']}"
+            )
     if "host" in results:
         h = results["host"]
         print(f"\nWhere a training step's time goes ({h['model']}, batch {h['batch_size']}), medians:")
         for name in HOST_OPTIMIZERS:
             r = h[name]
-            print(f"  {name:<9} step {r['train_step_ms']:.2f} ms; optimizer step {r['optimizer_step_ms']:.2f} ms, "
-                  f"of which issuing it {r['optimizer_step_host_ms']:.2f} ms; kernels per step "
-                  f"{r['kernels_per_train_step']:.0f}, per optimizer step "
-                  f"{r['kernels_per_optimizer_step']:.0f}")  # fmt: skip
+            print(
+                f"  {name:<9} step {r['train_step_ms']:.2f} ms; optimizer step {r['optimizer_step_ms']:.2f} ms, "
+                f"of which issuing it {r['optimizer_step_host_ms']:.2f} ms; kernels per step "
+                f"{r['kernels_per_train_step']:.0f}, per optimizer step "
+                f"{r['kernels_per_optimizer_step']:.0f}"
+            )
         print(f"  Muon's training step / AdamW's: {h['muon_train_step_vs_adamw']:.2f}")
     if "group" in results:
         print("\nA job as a torch.distributed group of one rank (torchrun, nccl, DDP) against in-process:")

@@ -51,8 +51,11 @@ def chaos(db: psycopg.Connection, cluster: Stack, kill_every: float, kill_until:
             kills.append((victim[1], datetime.now(UTC)))
             cluster.start_worker()
             next_kill = time.monotonic() + kill_every
-            print(f"  {now - start:6.1f} s  kill {len(kills)}: worker {victim[0]} running {victim[1]}"
-                  f" ({unfinished} jobs left)", flush=True)  # fmt: skip
+            print(
+                f"  {now - start:6.1f} s  kill {len(kills)}: worker {victim[0]} running {victim[1]}"
+                f" ({unfinished} jobs left)",
+                flush=True,
+            )
         time.sleep(0.2)
     return kills, crashes
 
@@ -105,10 +108,13 @@ def main() -> int:
     random.seed(args.seed)
 
     settings = {
-        "MUONFORGE_LEASE_SECONDS": "3", "MUONFORGE_HEARTBEAT_SECONDS": "0.5", "MUONFORGE_REAPER_SECONDS": "0.5",
-        "MUONFORGE_TENANT_JOB_CAP": "100000", "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
+        "MUONFORGE_LEASE_SECONDS": "3",
+        "MUONFORGE_HEARTBEAT_SECONDS": "0.5",
+        "MUONFORGE_REAPER_SECONDS": "0.5",
+        "MUONFORGE_TENANT_JOB_CAP": "100000",
+        "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
         "MUONFORGE_TENANT_STREAM_CAP": "100000",
-    }  # fmt: skip
+    }
     try:
         with Stack("chaos", REDIS, settings) as stack:
             ok = run(stack, args)
@@ -144,8 +150,10 @@ def run(stack: Stack, args: argparse.Namespace) -> bool:
     failures += [f"{crashes} worker(s) exited on their own"] if crashes else []
     print(f"\njobs {len(jobs)} x {args.steps} steps, workers {args.workers}, kill every {args.kill_every:g} s")
     print(f"wall {wall:.1f} s{' (kills stopped at --timeout)' if wall > args.timeout else ''}")
-    print(f"kills {len(kills)}; interrupted jobs (attempt > 1) {counts['interrupted']}; "
-          f"max attempts {counts['max_attempts']}; resumes from a checkpoint {counts['resumes']}")  # fmt: skip
+    print(
+        f"kills {len(kills)}; interrupted jobs (attempt > 1) {counts['interrupted']}; "
+        f"max attempts {counts['max_attempts']}; resumes from a checkpoint {counts['resumes']}"
+    )
     for status, values in delays.items():
         if values:
             print(f"kill -> {status:<7}: median {statistics.median(values):.2f} s, max {max(values):.2f} s")

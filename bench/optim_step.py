@@ -147,9 +147,18 @@ def accuracy() -> list[dict]:
             form = f"{optim.choose_method(m, n, method, dtype)} {str(dtype).split('.')[-1]}"
             lo, hi = SPEC_BANDS[coefficients]
             in_spec = bool(lo <= s.min() and s.max() <= hi) if m != n else None  # square: see the docs
-            rows.append({"shape": f"{shape[0]}x{shape[1]}", "setting": label, "form": form, "low": low,
-                         "sv_min": float(s.min()), "sv_max": float(s.max()), "band": band,
-                         "in_spec_band": in_spec})  # fmt: skip
+            rows.append(
+                {
+                    "shape": f"{shape[0]}x{shape[1]}",
+                    "setting": label,
+                    "form": form,
+                    "low": low,
+                    "sv_min": float(s.min()),
+                    "sv_max": float(s.max()),
+                    "band": band,
+                    "in_spec_band": in_spec,
+                }
+            )
     return rows
 
 
@@ -201,16 +210,20 @@ def memory_child(name: str) -> None:
     states = [opt.state[p] for p in params] if opt else [{} for _ in params]
     tensors = [t for st in states for t in st.values() if torch.is_tensor(t)]
     scratch = sum(v.nbytes for v in vars(opt).values() if isinstance(v, optim.Scratch)) if opt else 0
-    print(json.dumps({
-        "rss_increase_mib": (after[1] - before[1]) / 1024,
-        "probe_rss_increase_mib": (probe_after[1] - probe_before[1]) / 1024,
-        "ru_maxrss_increase_mib": (after[0] - before[0]) / 1024,
-        "step_tensor_peak_mib": step_tensor_peak(step) / 2**20,
-        "scratch_mib": scratch / 2**20,
-        "state_bytes": sum(t.numel() * t.element_size() for t in tensors),
-        "state_tensors_per_param": sorted({sum(torch.is_tensor(t) for t in st.values()) for st in states}),
-        "state_keys": sorted({k for st in states for k in st}),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "rss_increase_mib": (after[1] - before[1]) / 1024,
+                "probe_rss_increase_mib": (probe_after[1] - probe_before[1]) / 1024,
+                "ru_maxrss_increase_mib": (after[0] - before[0]) / 1024,
+                "step_tensor_peak_mib": step_tensor_peak(step) / 2**20,
+                "scratch_mib": scratch / 2**20,
+                "state_bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "state_tensors_per_param": sorted({sum(torch.is_tensor(t) for t in st.values()) for st in states}),
+                "state_keys": sorted({k for st in states for k in st}),
+            }
+        )
+    )
 
 
 def memory(threads: int, runs: int) -> dict[str, dict]:
@@ -251,8 +264,10 @@ def summarize(times: dict[str, list[float]]) -> tuple[dict, dict]:
 def report(facts: dict, rounds: int, stats: dict, ratios: dict, acc: list[dict], mem: dict) -> None:
     """Print the machine line and the four tables."""
     print(f"torch {facts['torch']}, {facts['threads']} threads, CPU: {facts['cpu']}")
-    print(f"384x1536 @ 1536x384 GEMM: fp32 {facts['gflops_float32']:.1f} GFLOP/s, "
-          f"bf16 {facts['gflops_bfloat16']:.1f} GFLOP/s")  # fmt: skip
+    print(
+        f"384x1536 @ 1536x384 GEMM: fp32 {facts['gflops_float32']:.1f} GFLOP/s, "
+        f"bf16 {facts['gflops_bfloat16']:.1f} GFLOP/s"
+    )
     speedups = ", ".join(f"{x:.2f}" for x in facts["probe_speedups"])
     print(f"automatic NS dtype: {facts['auto_dtype']} (bf16 probe speedups, 3 re-runs: {speedups})\n")
     print(f"Step time, CPU fp32 parameters, {rounds} interleaved rounds")
@@ -268,26 +283,34 @@ def report(facts: dict, rounds: int, stats: dict, ratios: dict, acc: list[dict],
         )
         print(f"{name:<28}{r['median']:>8.3f}{r['min']:>8.3f}{target}")
     print("\nSingular values of optim.orthogonalize (Gaussian input, float64 svdvals)")
-    print(f"{'shape':<10}{'setting':<25}{'form':<18}{'sv min':>8}{'sv max':>8}  band over [low, 1]  low"
-          "       in T2/T3 band")  # fmt: skip
+    print(
+        f"{'shape':<10}{'setting':<25}{'form':<18}{'sv min':>8}{'sv max':>8}  band over [low, 1]  low"
+        "       in T2/T3 band"
+    )
     for r in acc:
         lo, hi = r["band"]
         verdict = {True: "yes", False: "NO", None: "n/a (square)"}[r["in_spec_band"]]
-        print(f"{r['shape']:<10}{r['setting']:<25}{r['form']:<18}{r['sv_min']:>8.4f}{r['sv_max']:>8.4f}"
-              f"  [{lo:.4f}, {hi:.4f}]    {r['low']:.2e}  {verdict}")  # fmt: skip
+        print(
+            f"{r['shape']:<10}{r['setting']:<25}{r['form']:<18}{r['sv_min']:>8.4f}{r['sv_max']:>8.4f}"
+            f"  [{lo:.4f}, {hi:.4f}]    {r['low']:.2e}  {verdict}"
+        )
     runs = len(next(iter(mem.values()))["rss_increase_all_mib"])
     probe = [m["probe_rss_increase_mib"] for m in mem.values()]
     print(
         f"\nMemory, fresh process per optimizer, 3 steps, median of {runs} runs (peak RSS: VmHWM); the dtype"
         f" probe ran first in each (once per process: +{min(probe):.1f}-{max(probe):.1f} MiB, not counted)"
     )
-    print(f"{'optimizer':<20}{'peak RSS +MiB':>14}{'transient MiB':>14}{'state MiB':>11}  every run +MiB"
-          "        tensors/param  keys")  # fmt: skip
+    print(
+        f"{'optimizer':<20}{'peak RSS +MiB':>14}{'transient MiB':>14}{'state MiB':>11}  every run +MiB"
+        "        tensors/param  keys"
+    )
     for name, m in mem.items():
         every = ", ".join(f"{x:.1f}" for x in m["rss_increase_all_mib"])
-        print(f"{name:<20}{m['rss_increase_mib']:>14.1f}{m['transient_mib']:>14.1f}"
-              f"{m['state_bytes'] / 2**20:>11.2f}  {every:<20}"
-              f"  {m['state_tensors_per_param']!s:<13}  {', '.join(m['state_keys']) or '-'}")  # fmt: skip
+        print(
+            f"{name:<20}{m['rss_increase_mib']:>14.1f}{m['transient_mib']:>14.1f}"
+            f"{m['state_bytes'] / 2**20:>11.2f}  {every:<20}"
+            f"  {m['state_tensors_per_param']!s:<13}  {', '.join(m['state_keys']) or '-'}"
+        )
     print("\nTensor memory of a warm step (4th): peak of its allocations + scratch kept between steps")
     print(f"{'optimizer':<20}{'step peak MiB':>14}{'scratch MiB':>12}{'total MiB':>11}")
     for name, m in mem.items():
@@ -297,8 +320,10 @@ def report(facts: dict, rounds: int, stats: dict, ratios: dict, acc: list[dict],
     for key, label in (("transient_mib", "RSS"), ("tensor_transient_mib", "tensors")):
         ours, theirs = mem["ours"][key], mem["torch.optim.Muon"][key]
         verdict = "met" if ours <= theirs else "NOT met"
-        print(f"transient peak ({label}), ours vs torch.optim.Muon: {ours:.2f} vs {theirs:.2f} MiB "
-              f"(target ours <= theirs: {verdict})")  # fmt: skip
+        print(
+            f"transient peak ({label}), ours vs torch.optim.Muon: {ours:.2f} vs {theirs:.2f} MiB "
+            f"(target ours <= theirs: {verdict})"
+        )
 
 
 def main() -> None:
@@ -324,8 +349,18 @@ def main() -> None:
     report(facts, rounds, stats, ratios, acc, mem)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": facts, "rounds": rounds, "step": stats, "ratios": ratios,
-                       "singular_values": acc, "memory": mem}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "machine": facts,
+                    "rounds": rounds,
+                    "step": stats,
+                    "ratios": ratios,
+                    "singular_values": acc,
+                    "memory": mem,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -93,10 +93,11 @@ def check_job(db: psycopg.Connection, http: httpx.Client, job_id: str, steps: in
     check.run_twice = [
         f"status events {statuses}" if not STATUS_SEQUENCE.fullmatch(" ".join(statuses)) else "",
         f"{statuses.count('running')} running events, attempt {attempt}"
-        if statuses.count("running") != attempt else "",
+        if statuses.count("running") != attempt
+        else "",
         f"{statuses.count('succeeded')} succeeded events" if statuses.count("succeeded") != 1 else "",
         f"{resumes} resumes in {attempt} attempts" if resumes > attempt - 1 else "",
-    ]  # fmt: skip
+    ]
     check.run_twice = [r for r in check.run_twice if r]
     check.problems += check.run_twice
     if api["progress"] != {"step": steps, "total_steps": steps}:

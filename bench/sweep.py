@@ -144,16 +144,22 @@ def main() -> None:
 
     asha, full = results["asha"], results["full"]
     form = "stop" if args.stop_once else "promote"
-    print(f"\n{args.trials} trials x {args.steps} steps, {args.workers} workers; ASHA ({form} form) rungs "
-          f"{[args.steps // 9, args.steps // 3]}, reduction factor 3")  # fmt: skip
-    print(f"{'#':>3} {'optimizer':<9}{'lr':>8}  {'ASHA status':<14}{'steps':>6}{'val_loss':>10}"
-          f"{'stopped at':>11}{'promoted at':>12}  {'full status':<12}{'steps':>6}{'val_loss':>10}")  # fmt: skip
+    print(
+        f"\n{args.trials} trials x {args.steps} steps, {args.workers} workers; ASHA ({form} form) rungs "
+        f"{[args.steps // 9, args.steps // 3]}, reduction factor 3"
+    )
+    print(
+        f"{'#':>3} {'optimizer':<9}{'lr':>8}  {'ASHA status':<14}{'steps':>6}{'val_loss':>10}"
+        f"{'stopped at':>11}{'promoted at':>12}  {'full status':<12}{'steps':>6}{'val_loss':>10}"
+    )
     fmt = lambda v: f"{v:.4f}" if isinstance(v, int | float) else "-"  # noqa: E731
     for a, f in zip(asha["trials"], full["trials"], strict=True):
         promoted = ",".join(map(str, a["promoted_at"])) or "-"
-        print(f"{a['number']:>3} {a['optimizer']:<9}{a['lr']:>8g}  {a['status']:<14}{a['steps']:>6}"
-              f"{fmt(a['val_loss']):>10}{a['stopped_at'] or '-':>11}{promoted:>12}  {f['status']:<12}{f['steps']:>6}"
-              f"{fmt(f['val_loss']):>10}")  # fmt: skip
+        print(
+            f"{a['number']:>3} {a['optimizer']:<9}{a['lr']:>8g}  {a['status']:<14}{a['steps']:>6}"
+            f"{fmt(a['val_loss']):>10}{a['stopped_at'] or '-':>11}{promoted:>12}  {f['status']:<12}{f['steps']:>6}"
+            f"{fmt(f['val_loss']):>10}"
+        )
 
     ratio = asha["steps"] / full["steps"] if full["steps"] else float("nan")
     a_best, f_best = asha["best"]["val_loss"], full["best"]["val_loss"]
@@ -162,8 +168,10 @@ def main() -> None:
     for label, r in results.items():
         per_step = r["wall_s"] * args.workers / r["steps"] if r["steps"] else float("nan")
         b = r["best"]
-        print(f"{label:<6}{r['steps']:>8}{r['wall_s']:>8.0f}{per_step:>15.3f}  #{b['number']} {b['params']} "
-              f"val_loss {fmt(b['val_loss'])}")  # fmt: skip
+        print(
+            f"{label:<6}{r['steps']:>8}{r['wall_s']:>8.0f}{per_step:>15.3f}  #{b['number']} {b['params']} "
+            f"val_loss {fmt(b['val_loss'])}"
+        )
     targets = {
         "step_ratio": [round(ratio, 4), TARGETS["step_ratio"], ratio <= TARGETS["step_ratio"]],
         "best_gap": [round(gap, 4), TARGETS["best_gap"], gap <= TARGETS["best_gap"]],
@@ -172,8 +180,11 @@ def main() -> None:
     for name, row in targets.items():
         print(f"  {name}: {row}")
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "sweeps": results,
-                                         "targets": targets}, indent=2))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {"settings": vars(args) | {"json": str(args.json)}, "sweeps": results, "targets": targets}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

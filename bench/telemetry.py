@@ -74,8 +74,11 @@ def settings_of(stack: Stack) -> Settings:
 
 def running_job(settings: Settings, key: str, steps: int = 1_000_000) -> tuple[str, int]:
     """A job of the key's tenant, claimed as a worker would: (job id, attempt)."""
-    spec = {"model": {"arch": "gpt", "n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 64},
-            "data": {"builtin": "synthetic"}, "train": {"steps": steps}}  # fmt: skip
+    spec = {
+        "model": {"arch": "gpt", "n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 64},
+        "data": {"builtin": "synthetic"},
+        "train": {"steps": steps},
+    }
     with transaction(settings) as session:
         tenant = authenticate(session, f"Bearer {key}")
         submission = prepare_submission(session, tenant, JobSpec.model_validate(spec), None, settings)
@@ -112,11 +115,14 @@ def gpt_telemetry() -> dict[str, float]:
         def sample(self, *args):
             pass
 
-    spec = JobSpec.model_validate({
-        "model": {"arch": "gpt", "n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 64},
-        "data": {"builtin": "synthetic"}, "optimizer": {"name": "muonclip"},
-        "train": {"steps": 2, "batch_size": 8, "eval_every": 100, "checkpoint_every": 100, "device": "cpu"},
-    }).model_dump()  # fmt: skip
+    spec = JobSpec.model_validate(
+        {
+            "model": {"arch": "gpt", "n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 64},
+            "data": {"builtin": "synthetic"},
+            "optimizer": {"name": "muonclip"},
+            "train": {"steps": 2, "batch_size": 8, "eval_every": 100, "checkpoint_every": 100, "device": "cpu"},
+        }
+    ).model_dump()
     sink = Keep()
     Trainer(job_config(spec), synthetic_task(0), None, sink).run(resume=False)
     return sink.steps[1]
@@ -166,9 +172,14 @@ def ingest_part(steps: int) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             cpu = meter.stop()
             stored = stored_points(settings, job_id) - before
-            out[label] = {"wall_s": wall, "points_stored": stored, "points_per_s": stored / wall,
-                          "offered_points_per_s": steps * len(template) / wall,
-                          "handover_us_per_step": handover / steps * 1e6, "cpu_cores": cpu}  # fmt: skip
+            out[label] = {
+                "wall_s": wall,
+                "points_stored": stored,
+                "points_per_s": stored / wall,
+                "offered_points_per_s": steps * len(template) / wall,
+                "handover_us_per_step": handover / steps * 1e6,
+                "cpu_cores": cpu,
+            }
     return out
 
 
@@ -263,10 +274,19 @@ def sse_part(clients: int, rate: float, seconds: float) -> dict[str, Any]:
     expected = list(range(int(rate * seconds)))
     complete = sum(r["done"] and r["steps"] == expected for r in results)
     ms = [x * 1e3 for x in latencies]
-    return {"clients": clients, "rate": rate, "seconds": seconds, "steps": len(expected),
-            "clients_complete": complete, "deliveries": len(ms), "p50_ms": statistics.median(ms),
-            "p99_ms": percentile(ms, 0.99), "max_ms": max(ms), "cpu_cores": cpu,
-            "emitter_exit": emitter[0].returncode}  # fmt: skip
+    return {
+        "clients": clients,
+        "rate": rate,
+        "seconds": seconds,
+        "steps": len(expected),
+        "clients_complete": complete,
+        "deliveries": len(ms),
+        "p50_ms": statistics.median(ms),
+        "p99_ms": percentile(ms, 0.99),
+        "max_ms": max(ms),
+        "cpu_cores": cpu,
+        "emitter_exit": emitter[0].returncode,
+    }
 
 
 # -- 3. overhead ----------------------------------------------------------------------------------
@@ -329,9 +349,14 @@ def history_part(steps: int, repeats: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         batch = 2000
         for first in range(0, steps, batch):  # the store path of the sink: one transaction a batch
-            rows = [(s, {"loss": 2.0 + (s % 1000) / 1000 + (50.0 if s == spike else 0.0)}
-                     | ({name: s / 1e6 for name in others} if s % 10 == 0 else {}))
-                    for s in range(first, min(first + batch, steps))]  # fmt: skip
+            rows = [
+                (
+                    s,
+                    {"loss": 2.0 + (s % 1000) / 1000 + (50.0 if s == spike else 0.0)}
+                    | ({name: s / 1e6 for name in others} if s % 10 == 0 else {}),
+                )
+                for s in range(first, min(first + batch, steps))
+            ]
             with transaction(settings) as session:
                 store_metrics(session, job_id, rows)
         ingest_s = time.perf_counter() - t0
@@ -340,10 +365,14 @@ def history_part(steps: int, repeats: int) -> dict[str, Any]:
         queries = {
             "loss, max_points=1000": {"names": "loss", "max_points": 1000},
             "loss, max_points=300": {"names": "loss", "max_points": 300},
-            "loss, 20,000-step zoom": {"names": "loss", "max_points": 1000, "from_step": steps // 2,
-                                       "to_step": steps // 2 + 19_999},
+            "loss, 20,000-step zoom": {
+                "names": "loss",
+                "max_points": 1000,
+                "from_step": steps // 2,
+                "to_step": steps // 2 + 19_999,
+            },
             "all 21 series, max_points=1000": {"max_points": 1000},
-        }  # fmt: skip
+        }
         out: dict[str, Any] = {"steps": steps, "points": points, "ingest_s": ingest_s, "queries": {}}
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
             for label, params in queries.items():
@@ -356,11 +385,19 @@ def history_part(steps: int, repeats: int) -> dict[str, Any]:
                     r.raise_for_status()
                     sizes = [len(s["points"]) for s in r.json()["series"]]
                     lo, hi = params.get("from_step", 0), params.get("to_step", steps)
-                    spike_kept = any(p[0] == spike for s in r.json()["series"] if s["name"] == "loss"
-                                     for p in s["points"]) if lo <= spike <= hi else None  # fmt: skip
-                out["queries"][label] = {"p50_ms": statistics.median(times), "p99_ms": percentile(times, 0.99),
-                                         "max_ms": max(times), "points_per_series": max(sizes),
-                                         "series": len(sizes), "spike_kept": spike_kept}  # fmt: skip
+                    spike_kept = (
+                        any(p[0] == spike for s in r.json()["series"] if s["name"] == "loss" for p in s["points"])
+                        if lo <= spike <= hi
+                        else None
+                    )
+                out["queries"][label] = {
+                    "p50_ms": statistics.median(times),
+                    "p99_ms": percentile(times, 0.99),
+                    "max_ms": max(times),
+                    "points_per_series": max(sizes),
+                    "series": len(sizes),
+                    "spike_kept": spike_kept,
+                }
     return out
 
 
@@ -372,26 +409,35 @@ def report(out: dict[str, Any]) -> None:
         for label in ("first", "again"):
             x = r[label]
             cpu = ", ".join(f"{k} {v:.2f}" for k, v in x["cpu_cores"].items() if k != "api")
-            print(f"  {label:<6} {x['points_stored']:>10,} points stored in {x['wall_s']:6.2f} s = "
-                  f"{x['points_per_s']:>10,.0f} points/s (offered {x['offered_points_per_s']:,.0f}/s); "
-                  f"hand-over {x['handover_us_per_step']:.1f} us/step; cores: {cpu}")  # fmt: skip
+            print(
+                f"  {label:<6} {x['points_stored']:>10,} points stored in {x['wall_s']:6.2f} s = "
+                f"{x['points_per_s']:>10,.0f} points/s (offered {x['offered_points_per_s']:,.0f}/s); "
+                f"hand-over {x['handover_us_per_step']:.1f} us/step; cores: {cpu}"
+            )
         ok = r["first"]["points_per_s"] >= TARGETS["ingest_points_per_s"] and r["again"]["points_stored"] == 0
         print(f"  target >= {TARGETS['ingest_points_per_s']:,} points/s, idempotent: {'met' if ok else 'NOT met'}")
     if "sse" in out:
         r = out["sse"]
         print(f"\nsse: {r['clients']} clients, {r['rate']:g} steps/s for {r['seconds']:g} s ({r['steps']} steps)")
-        print(f"  clients that got every step once, then done: {r['clients_complete']}/{r['clients']}; "
-              f"deliveries {r['deliveries']:,}")  # fmt: skip
+        print(
+            f"  clients that got every step once, then done: {r['clients_complete']}/{r['clients']}; "
+            f"deliveries {r['deliveries']:,}"
+        )
         print(f"  hand-over -> client: p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms")
         print("  cores: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items()))
-        ok = (r["p50_ms"] <= TARGETS["sse_p50_ms"] and r["p99_ms"] <= TARGETS["sse_p99_ms"]
-              and r["clients_complete"] == r["clients"])  # fmt: skip
+        ok = (
+            r["p50_ms"] <= TARGETS["sse_p50_ms"]
+            and r["p99_ms"] <= TARGETS["sse_p99_ms"]
+            and r["clients_complete"] == r["clients"]
+        )
         print(f"  target p50 <= 100 ms, p99 <= 500 ms, every client everything: {'met' if ok else 'NOT met'}")
     if "overhead" in out:
         r = out["overhead"]
         e2e, eng = r["tokens_per_s"], r["engine_tokens_per_s"]
-        print(f"\noverhead (gpt of the convergence benchmark, muon, {r['threads']} threads, telemetry through "
-              f"Redis and Postgres): steps stored per run on {r['lines']['on']}, off {r['lines']['off']}")  # fmt: skip
+        print(
+            f"\noverhead (gpt of the convergence benchmark, muon, {r['threads']} threads, telemetry through "
+            f"Redis and Postgres): steps stored per run on {r['lines']['on']}, off {r['lines']['off']}"
+        )
         for label, x in (("end-to-end", e2e), ("engine (step only)", eng)):
             print(
                 f"  {label:<20} on {x['on_median']:8.0f} tok/s  off {x['off_median']:8.0f} tok/s  "
@@ -402,8 +448,10 @@ def report(out: dict[str, Any]) -> None:
         print(f"  target <= 5%: {'met' if ok else 'NOT met'}")
     if "history" in out:
         r = out["history"]
-        print(f"\nhistory: {r['points']:,} points ({r['steps']:,}-step loss + 20 series every 10th step), "
-              f"ingested in {r['ingest_s']:.1f} s ({r['points'] / r['ingest_s']:,.0f} points/s)")  # fmt: skip
+        print(
+            f"\nhistory: {r['points']:,} points ({r['steps']:,}-step loss + 20 series every 10th step), "
+            f"ingested in {r['ingest_s']:.1f} s ({r['points'] / r['ingest_s']:,.0f} points/s)"
+        )
         for label, q in r["queries"].items():
             print(
                 f"  {label:<32} p50 {q['p50_ms']:7.1f} ms  p99 {q['p99_ms']:7.1f} ms  max {q['max_ms']:7.1f} ms  "
@@ -429,8 +477,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="overhead: training steps per run")
     parser.add_argument("--history-steps", type=int, default=1_000_000)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    parser.add_argument("--data", metavar="FILE", type=Path, help="overhead: a UTF-8 corpus instead of the builtin "
-                        "pysource text")  # fmt: skip
+    parser.add_argument(
+        "--data", metavar="FILE", type=Path, help="overhead: a UTF-8 corpus instead of the builtin pysource text"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.data:

@@ -55,15 +55,23 @@ MODES = ("on", "off")
 
 def make_spec(optimizer: str, steps: int, every: int) -> dict[str, Any]:
     """A validated JobSpec dict for ``steps`` steps with telemetry every ``every`` steps, no checkpoints."""
-    return JobSpec.model_validate({
-        "name": f"bench-train-overhead-{optimizer}",
-        "model": MODEL,
-        "data": DATA,
-        "optimizer": {"name": optimizer},
-        "train": {"steps": steps, "batch_size": BATCH_SIZE, "eval_every": steps + 1,
-                  "checkpoint_every": steps + 1, "seed": 0, "device": "cpu"},
-        "telemetry": {"every": every, "sample_tokens": 0},
-    }).model_dump()  # fmt: skip
+    return JobSpec.model_validate(
+        {
+            "name": f"bench-train-overhead-{optimizer}",
+            "model": MODEL,
+            "data": DATA,
+            "optimizer": {"name": optimizer},
+            "train": {
+                "steps": steps,
+                "batch_size": BATCH_SIZE,
+                "eval_every": steps + 1,
+                "checkpoint_every": steps + 1,
+                "seed": 0,
+                "device": "cpu",
+            },
+            "telemetry": {"every": every, "sample_tokens": 0},
+        }
+    ).model_dump()
 
 
 class JsonlRecorder:
@@ -108,8 +116,13 @@ def timed_run(
     busy1, own1 = machine_busy(), accounted_cpu()
     tokens = steps * BATCH_SIZE * MODEL["seq_len"]
     foreign = None if busy0 is None or busy1 is None else ((busy1 - busy0) - (own1 - own0)) / wall
-    return {"tokens_per_s": tokens / wall, "engine_tokens_per_s": result.tokens_per_s, "wall_s": wall,
-            "lines": lines, "foreign_cores": foreign}  # fmt: skip
+    return {
+        "tokens_per_s": tokens / wall,
+        "engine_tokens_per_s": result.tokens_per_s,
+        "wall_s": wall,
+        "lines": lines,
+        "foreign_cores": foreign,
+    }
 
 
 def machine_busy() -> float | None:
@@ -130,9 +143,14 @@ def disturbed(run: dict[str, float]) -> bool:
 
 
 def measure(
-    optimizer: str, rounds: int, steps: int, data: TokenData, recorder, max_retries: int = MAX_RETRIES,
+    optimizer: str,
+    rounds: int,
+    steps: int,
+    data: TokenData,
+    recorder,
+    max_retries: int = MAX_RETRIES,
     accounted_cpu: Callable[[], float] = own_cpu,
-) -> dict[str, list[dict]]:  # fmt: skip
+) -> dict[str, list[dict]]:
     """One warm-up run per mode, then ``rounds`` rounds of one run per mode, order alternating.
     A round in which either run was disturbed by other processes is repeated (up to
     ``max_retries`` times, after a pause); a round kept while disturbed is flagged."""
@@ -144,9 +162,12 @@ def measure(
             pair = {}
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
                 pair[mode] = run = timed_run(optimizer, mode, steps, data, recorder, accounted_cpu)
-                print(f"  round {r} {mode:<3}  {run['tokens_per_s']:9.0f} tok/s end-to-end  "
-                      f"{run['engine_tokens_per_s']:9.0f} tok/s engine  {run['lines']:4d} lines  "
-                      f"other processes {fmt_cores(run['foreign_cores'])} cores", flush=True)  # fmt: skip
+                print(
+                    f"  round {r} {mode:<3}  {run['tokens_per_s']:9.0f} tok/s end-to-end  "
+                    f"{run['engine_tokens_per_s']:9.0f} tok/s engine  {run['lines']:4d} lines  "
+                    f"other processes {fmt_cores(run['foreign_cores'])} cores",
+                    flush=True,
+                )
             bad = any(disturbed(run) for run in pair.values())
             if not bad or attempt == max_retries:
                 break
@@ -197,20 +218,26 @@ def wait_quiet(max_wait_s: float, threshold: float = QUIET_LOAD) -> float:
 
 def report(s: dict[str, Any], optimizer: str, rounds: int, steps: int, loads: tuple[float, float]) -> None:
     """Print the table and the verdict."""
-    print(f"\n{optimizer}, {rounds} rounds x {steps} steps per mode; load average before {loads[0]:.2f}, "
-          f"after {loads[1]:.2f}; JSONL lines per run: on {s['lines']['on']}, off {s['lines']['off']}")  # fmt: skip
+    print(
+        f"\n{optimizer}, {rounds} rounds x {steps} steps per mode; load average before {loads[0]:.2f}, "
+        f"after {loads[1]:.2f}; JSONL lines per run: on {s['lines']['on']}, off {s['lines']['off']}"
+    )
     print(f"{'tokens/s (median)':<26}{'on':>10}{'off':>10}{'overhead':>10}{'paired':>9}")
     for key, label in (("tokens_per_s", "end-to-end"), ("engine_tokens_per_s", "engine (step only)")):
         r = s[key]
-        print(f"{label:<26}{r['on_median']:>10.0f}{r['off_median']:>10.0f}"
-              f"{100 * r['overhead_of_medians']:>9.2f}%{100 * r['overhead_paired_median']:>8.2f}%")  # fmt: skip
+        print(
+            f"{label:<26}{r['on_median']:>10.0f}{r['off_median']:>10.0f}"
+            f"{100 * r['overhead_of_medians']:>9.2f}%{100 * r['overhead_paired_median']:>8.2f}%"
+        )
     e2e = s["tokens_per_s"]["overhead_of_medians"]
     verdict = "met" if e2e <= TARGET else "NOT met"
     print(
         f"telemetry every step costs {100 * e2e:.2f}% of step time end-to-end (target <= {100 * TARGET:g}%: {verdict})"
     )
-    print(f"rounds repeated because other processes used the CPU: {s['repeated_rounds']}; "
-          f"kept while still disturbed: {s['disturbed_rounds']}")  # fmt: skip
+    print(
+        f"rounds repeated because other processes used the CPU: {s['repeated_rounds']}; "
+        f"kept while still disturbed: {s['disturbed_rounds']}"
+    )
     if s["disturbed_rounds"]:
         print("warning: some rounds ran on a busy machine; the figures are not reliable")
 
@@ -221,10 +248,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (default {STEPS})")
     parser.add_argument("--optimizer", choices=("muon", "muonclip", "adamw"), default="muon")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                        help=f"first wait up to SECONDS for a 1-minute load average below {QUIET_LOAD}")  # fmt: skip
-    parser.add_argument("--max-retries", type=int, default=MAX_RETRIES,
-                        help=f"repeats of a round disturbed by other processes (default {MAX_RETRIES})")  # fmt: skip
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=f"first wait up to SECONDS for a 1-minute load average below {QUIET_LOAD}",
+    )
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=MAX_RETRIES,
+        help=f"repeats of a round disturbed by other processes (default {MAX_RETRIES})",
+    )
     parser.add_argument("--quick", action="store_true", help="2 rounds x 20 steps: a smoke run")
     parser.add_argument("--data", metavar="FILE", type=Path, help="a UTF-8 corpus instead of the builtin pysource text")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
@@ -238,23 +274,32 @@ def main() -> None:
 
     load_before = wait_quiet(args.wait_quiet) if args.wait_quiet else os.getloadavg()[0]
     if load_before >= QUIET_LOAD:
-        print(f"warning: 1-minute load average {load_before:.2f} >= {QUIET_LOAD}: the machine is busy, "
-              "figures will be noisy")  # fmt: skip
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.optimizer}, model {MODEL}, "
-          f"batch {BATCH_SIZE}")  # fmt: skip
+        print(
+            f"warning: 1-minute load average {load_before:.2f} >= {QUIET_LOAD}: the machine is busy, "
+            "figures will be noisy"
+        )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.optimizer}, model {MODEL}, "
+        f"batch {BATCH_SIZE}"
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data = load_data(job_config(make_spec(args.optimizer, 1, 1)).data, 0, Path(tmp))
-        runs = measure(args.optimizer, args.rounds, args.steps, data, JsonlRecorder(Path(tmp)),
-                       args.max_retries)  # fmt: skip
+        runs = measure(args.optimizer, args.rounds, args.steps, data, JsonlRecorder(Path(tmp)), args.max_retries)
     loads = (load_before, os.getloadavg()[0])
     summary = summarize(runs)
     report(summary, args.optimizer, args.rounds, args.steps, loads)
     runtime = time.perf_counter() - start
     print(f"took {runtime:.0f} s")
     if args.json:
-        out = {"settings": vars(args), "threads": torch.get_num_threads(), "load_average": loads,
-               "runtime_s": runtime, "summary": summary, "runs": runs}  # fmt: skip
+        out = {
+            "settings": vars(args),
+            "threads": torch.get_num_threads(),
+            "load_average": loads,
+            "runtime_s": runtime,
+            "summary": summary,
+            "runs": runs,
+        }
         Path(args.json).write_text(json.dumps(out, indent=2))
 
 

@@ -44,8 +44,16 @@ from worker.sink import JobSink
 
 REDIS = "redis://127.0.0.1:6379/11"
 CHROMIUM = "/usr/bin/chromium"
-LAUNCH_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]  # fmt: skip
+LAUNCH_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 SETTINGS = {
     "MUONFORGE_TENANT_JOB_CAP": "1000",
     "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
@@ -55,8 +63,9 @@ TARGETS = {"first_curves_s": 1.0, "zoom_s": 0.3, "heap_growth_mb": 20.0, "busy":
 LAYERS, HEADS, TAU, VAL_EVERY = 2, 4, 100.0, 1000
 SPEC = {  # the job the pages show: its charts and heatmap follow from it
     "model": {"arch": "gpt", "n_layer": LAYERS, "n_head": HEADS, "d_model": 64, "seq_len": 64},
-    "data": {"builtin": "synthetic"}, "optimizer": {"name": "muonclip", "qk_clip_tau": TAU},
-}  # fmt: skip
+    "data": {"builtin": "synthetic"},
+    "optimizer": {"name": "muonclip", "qk_clip_tau": TAU},
+}
 
 
 # -- telemetry that looks like training ---------------------------------------------------------
@@ -64,8 +73,20 @@ def series_names() -> list[str]:
     """The 20 series every step carries (val_loss, the 21st, comes every VAL_EVERY steps)."""
     heads = [f"attn_max_logit/l{i}h{j}" for i in range(LAYERS) for j in range(HEADS)]
     layers = [f"attn_max_logit/l{i}" for i in range(LAYERS)]
-    return ["loss", "lr", "grad_norm", "update_rms", "tokens_per_s", "step_time_ms", "elapsed_s",
-            "attn_max_logit", "qk_clip/heads_clipped", "qk_clip/min_gamma", *layers, *heads]  # fmt: skip
+    return [
+        "loss",
+        "lr",
+        "grad_norm",
+        "update_rms",
+        "tokens_per_s",
+        "step_time_ms",
+        "elapsed_s",
+        "attn_max_logit",
+        "qk_clip/heads_clipped",
+        "qk_clip/min_gamma",
+        *layers,
+        *heads,
+    ]
 
 
 def block(first: int, count: int, rng: np.random.Generator) -> list[tuple[int, dict[str, float]]]:
@@ -75,11 +96,17 @@ def block(first: int, count: int, rng: np.random.Generator) -> list[tuple[int, d
     loss = 1.3 + 3.0 * np.exp(-s / 2e4) + noise(0.05)
     logit = np.minimum(TAU, 5 + 95 * (1 - np.exp(-s / 3e5))) + noise(1.0)
     columns = {
-        "loss": loss, "lr": np.full(count, 0.02), "grad_norm": 0.3 + 0.7 * np.exp(-s / 1e4) + noise(0.02),
-        "update_rms": 0.0019 + noise(1e-5), "tokens_per_s": 42_000 + noise(800), "step_time_ms": 48 + noise(2),
-        "elapsed_s": s * 0.05, "attn_max_logit": logit, "qk_clip/heads_clipped": (logit > TAU - 1) * 1.0,
+        "loss": loss,
+        "lr": np.full(count, 0.02),
+        "grad_norm": 0.3 + 0.7 * np.exp(-s / 1e4) + noise(0.02),
+        "update_rms": 0.0019 + noise(1e-5),
+        "tokens_per_s": 42_000 + noise(800),
+        "step_time_ms": 48 + noise(2),
+        "elapsed_s": s * 0.05,
+        "attn_max_logit": logit,
+        "qk_clip/heads_clipped": (logit > TAU - 1) * 1.0,
         "qk_clip/min_gamma": np.minimum(1.0, TAU / np.maximum(logit, 1e-9)),
-    }  # fmt: skip
+    }
     for i in range(LAYERS):
         columns[f"attn_max_logit/l{i}"] = logit - i
         for j in range(HEADS):
@@ -177,17 +204,29 @@ def finished_part(stack: Stack, browser: Chromium, steps: int, repeats: int) -> 
         lo = steps // 2
         page.evaluate(f"MF.shown.charts[0].onZoom({lo}, {lo + 5_000})")
         mark(page, "mf:zoom-drawn")
-        zoom.append(page.evaluate(
-            "performance.getEntriesByName('mf:zoom-drawn')[0].startTime"
-            " - performance.getEntriesByName('mf:zoom-asked')[0].startTime") / 1e3)  # fmt: skip
+        zoom.append(
+            page.evaluate(
+                "performance.getEntriesByName('mf:zoom-drawn')[0].startTime"
+                " - performance.getEntriesByName('mf:zoom-asked')[0].startTime"
+            )
+            / 1e3
+        )
         drawn = page.evaluate("MF.shown.charts[0].plot.data[0].length")
         zoomed = page.evaluate("MF.shown.charts[0].zoomed.table.steps.length")
         width = page.evaluate("MF.shown.charts[0].width")
         assert not page.errors, page.errors
         page.context.close()
-    return {"steps": steps, "series": len(series_names()) + 1, "ingest_s": ingest_s, "first_curves_s": summary(first),
-            "all_curves_s": summary(full), "zoom_s": summary(zoom), "overview_points": drawn,
-            "zoom_points": zoomed, "chart_px": width}  # fmt: skip
+    return {
+        "steps": steps,
+        "series": len(series_names()) + 1,
+        "ingest_s": ingest_s,
+        "first_curves_s": summary(first),
+        "all_curves_s": summary(full),
+        "zoom_s": summary(zoom),
+        "overview_points": drawn,
+        "zoom_points": zoomed,
+        "chart_px": width,
+    }
 
 
 def cdp_metrics(cdp) -> dict[str, float]:
@@ -228,10 +267,20 @@ def live_part(stack: Stack, browser: Chromium, minutes: float, rate: float) -> d
     drawn = page.evaluate("MF.shown.charts[0].plot.data[1].filter((v) => v !== null).length")
     assert not page.errors, page.errors
     page.context.close()
-    return {"rate": rate, "seconds": seconds, "steps": steps, "loss_points_drawn": drawn,
-            "every_step_shown": drawn == steps, "heap_start_mb": heap0, "heap_end_mb": heap1,
-            "heap_growth_mb": heap1 - heap0, "main_thread_busy": busy, "wall_s": wall,
-            "script_s": end["ScriptDuration"] - start["ScriptDuration"], "progress": samples}  # fmt: skip
+    return {
+        "rate": rate,
+        "seconds": seconds,
+        "steps": steps,
+        "loss_points_drawn": drawn,
+        "every_step_shown": drawn == steps,
+        "heap_start_mb": heap0,
+        "heap_end_mb": heap1,
+        "heap_growth_mb": heap1 - heap0,
+        "main_thread_busy": busy,
+        "wall_s": wall,
+        "script_s": end["ScriptDuration"] - start["ScriptDuration"],
+        "progress": samples,
+    }
 
 
 def compare_part(stack: Stack, browser: Chromium, jobs: int, steps: int, repeats: int) -> dict[str, Any]:
@@ -253,11 +302,15 @@ def report(out: dict[str, Any]) -> None:
     if "finished" in out:
         r = out["finished"]
         print(f"finished job: {r['steps']:,} steps x {r['series']} series (ingested in {r['ingest_s']:.0f} s)")
-        for label, key in (("first curves drawn", "first_curves_s"), ("every chart drawn", "all_curves_s"),
-                           ("5,000-step zoom drawn", "zoom_s")):  # fmt: skip
+        for label, key in (
+            ("first curves drawn", "first_curves_s"),
+            ("every chart drawn", "all_curves_s"),
+            ("5,000-step zoom drawn", "zoom_s"),
+        ):
             x = r[key]
-            print(f"  {label:<24} median {x['median']:.3f} s  (min {x['min']:.3f}, max {x['max']:.3f}, "
-                  f"{x['runs']} runs)")  # fmt: skip
+            print(
+                f"  {label:<24} median {x['median']:.3f} s  (min {x['min']:.3f}, max {x['max']:.3f}, {x['runs']} runs)"
+            )
         print(
             f"  points drawn on a {r['chart_px']} px chart: overview {r['overview_points']} (min, max and last per "
             f"bucket), 5,000-step zoom {r['zoom_points']} (every step once a range has fewer steps than pixels)"
@@ -268,18 +321,27 @@ def report(out: dict[str, Any]) -> None:
         r = out["live"]
         print(f"live job: {r['rate']:.0f} steps/s for {r['seconds']:.0f} s ({r['steps']:,} steps)")
         print(f"  every step shown: {r['every_step_shown']} ({r['loss_points_drawn']:,} loss points drawn)")
-        print(f"  JS heap after GC: {r['heap_start_mb']:.1f} MB -> {r['heap_end_mb']:.1f} MB "
-              f"(growth {r['heap_growth_mb']:.1f} MB)")  # fmt: skip
-        print(f"  main thread busy: {100 * r['main_thread_busy']:.1f}% "
-              f"(script {r['script_s']:.1f} s of {r['wall_s']:.0f} s)")  # fmt: skip
-        ok = (r["every_step_shown"] and r["heap_growth_mb"] < TARGETS["heap_growth_mb"]
-              and r["main_thread_busy"] < TARGETS["busy"])  # fmt: skip
+        print(
+            f"  JS heap after GC: {r['heap_start_mb']:.1f} MB -> {r['heap_end_mb']:.1f} MB "
+            f"(growth {r['heap_growth_mb']:.1f} MB)"
+        )
+        print(
+            f"  main thread busy: {100 * r['main_thread_busy']:.1f}% "
+            f"(script {r['script_s']:.1f} s of {r['wall_s']:.0f} s)"
+        )
+        ok = (
+            r["every_step_shown"]
+            and r["heap_growth_mb"] < TARGETS["heap_growth_mb"]
+            and r["main_thread_busy"] < TARGETS["busy"]
+        )
         print(f"  target every step, heap < 20 MB, busy < 20%: {'met' if ok else 'NOT met'}")
     if "compare" in out:
         r = out["compare"]
         x = r["drawn_s"]
-        print(f"compare: {r['jobs']} jobs x {r['steps']:,} steps drawn: median {x['median']:.3f} s "
-              f"(min {x['min']:.3f}, max {x['max']:.3f}, {x['runs']} runs)")  # fmt: skip
+        print(
+            f"compare: {r['jobs']} jobs x {r['steps']:,} steps drawn: median {x['median']:.3f} s "
+            f"(min {x['min']:.3f}, max {x['max']:.3f}, {x['runs']} runs)"
+        )
         print(f"  target <= 1.5 s: {'met' if x['median'] <= TARGETS['compare_s'] else 'NOT met'}")
 
 

@@ -102,10 +102,15 @@ def latencies(db_url: str, receiver: Receiver, jobs: list[str]) -> dict:
     missing = [j for j in jobs if j not in receiver.arrivals]
     q = statistics.quantiles(delays, n=100, method="inclusive") if len(delays) > 1 else delays * 99
     return {
-        "jobs": len(jobs), "delivered": len(delays), "missing": len(missing),
-        "p50_s": round(q[49], 3), "p95_s": round(q[94], 3), "p99_s": round(q[98], 3),
-        "max_s": round(delays[-1], 3) if delays else None, "min_s": round(delays[0], 3) if delays else None,
-    }  # fmt: skip
+        "jobs": len(jobs),
+        "delivered": len(delays),
+        "missing": len(missing),
+        "p50_s": round(q[49], 3),
+        "p95_s": round(q[94], 3),
+        "p99_s": round(q[98], 3),
+        "max_s": round(delays[-1], 3) if delays else None,
+        "min_s": round(delays[0], 3) if delays else None,
+    }
 
 
 async def run(args: argparse.Namespace, stack: Stack, receiver: Receiver, url: str, key: str) -> dict:

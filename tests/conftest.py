@@ -37,6 +37,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.system)
         elif PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.system)
+    # The modules with system tests first (the longest: they wait on real processes), each module's
+    # tests together and in order: the test processes, handed one module at a time, then end together.
+    waits = {item.path for item in items if item.get_closest_marker("system")}
+    items.sort(key=lambda item: item.path not in waits)
 
 
 def pytest_configure(config):

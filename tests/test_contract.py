@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # The product. Not optim, a library of its own (torch only); not migrations, frozen at their revision;
 # not bench and tests, which use the names as an outside client does.
 SERVICE_CODE = ("app", "worker", "muonforge")
-STATUS_WORDS = {s.value for e in (status.JobStatus, status.SweepStatus, status.TrialStatus, webhooks.DeliveryStatus)
-                for s in e}  # fmt: skip
+STATUS_WORDS = {
+    s.value for e in (status.JobStatus, status.SweepStatus, status.TrialStatus, webhooks.DeliveryStatus) for s in e
+}
 METRIC_NAMES = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)} - {metrics.OPTIM_PREFIX}
 METRIC_FAMILIES = ("attn_max_logit/", "router/", "qk_clip/", "logits/", metrics.OPTIM_PREFIX)
 
@@ -189,10 +190,16 @@ def test_the_builtin_vocabularies_are_the_loaded_datas(tmp_path):
 
 @pytest.mark.parametrize(
     ("arch", "optimizer", "per_head", "per_expert"),
-    [("gpt", "muon", True, True), ("gpt", "muonclip", False, True), ("gpt", "adamw", True, True),
-     ("moe", "muon", True, True), ("moe", "muonclip", True, False), ("moe", "adamw", False, False),
-     ("mlp", "muon", True, True)],
-)  # fmt: skip
+    [
+        ("gpt", "muon", True, True),
+        ("gpt", "muonclip", False, True),
+        ("gpt", "adamw", True, True),
+        ("moe", "muon", True, True),
+        ("moe", "muonclip", True, False),
+        ("moe", "adamw", False, False),
+        ("mlp", "muon", True, True),
+    ],
+)
 def test_the_series_are_what_the_engine_reports(tmp_path, arch, optimizer, per_head, per_expert):
     """The count the API caps is the engine's, and every name it reports is the contract's."""
     model = {"arch": arch, "n_layer": 3, "d_model": 16, "seq_len": 8} | ({} if arch == "mlp" else {"n_head": 2})

@@ -117,9 +117,14 @@ def test_plan_interleaves_muons_horizons_with_each_seeds_winners() -> None:
     runs = proto.plan_runs(grids, ("wsd",), (0, 1), 400, horizons=(200, 300))
     later = [(r.stage, r.seed, r.contender, r.steps) for r in runs if r.stage > 1]
     assert later == [
-        (2, 0, "adamw", 400), (3, 0, "muon", 200), (3, 0, "muon", 300),  # Muon's one setting: stage 1 ran it
-        (2, 1, "adamw", 400), (2, 1, "muon", 400), (3, 1, "muon", 200), (3, 1, "muon", 300),
-    ]  # fmt: skip
+        (2, 0, "adamw", 400),
+        (3, 0, "muon", 200),
+        (3, 0, "muon", 300),  # Muon's one setting: stage 1 ran it
+        (2, 1, "adamw", 400),
+        (2, 1, "muon", 400),
+        (3, 1, "muon", 200),
+        (3, 1, "muon", 300),
+    ]
 
 
 def test_horizon_steps_are_eval_points_shorter_than_the_run() -> None:

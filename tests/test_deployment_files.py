@@ -56,7 +56,7 @@ def test_every_secret_comes_from_dotenv_and_a_missing_one_stops_compose():
     assert required_variables() == set(SECRETS)
     example = dict(
         line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines() if line and line[0] != "#"
-    )  # fmt: skip
+    )
     assert example == dict.fromkeys(SECRETS, ""), ".env.example names every secret and gives none"
     for name in SECRETS:
         for env in ({k: v for k, v in SECRETS.items() if k != name}, SECRETS | {name: ""}):

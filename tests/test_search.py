@@ -21,9 +21,13 @@ SPACE = {
 def test_the_grid_is_every_combination_the_first_path_varying_slowest():
     space = {"a.x": {"values": [1, 2]}, "b": {"values": ["p", "q", "r"]}}
     assert search.grid(space) == [
-        {"a.x": 1, "b": "p"}, {"a.x": 1, "b": "q"}, {"a.x": 1, "b": "r"},
-        {"a.x": 2, "b": "p"}, {"a.x": 2, "b": "q"}, {"a.x": 2, "b": "r"},
-    ]  # fmt: skip
+        {"a.x": 1, "b": "p"},
+        {"a.x": 1, "b": "q"},
+        {"a.x": 1, "b": "r"},
+        {"a.x": 2, "b": "p"},
+        {"a.x": 2, "b": "q"},
+        {"a.x": 2, "b": "r"},
+    ]
 
 
 def test_random_trials_repeat_with_the_seed_whatever_the_order_of_the_space():

@@ -19,9 +19,15 @@ from tests.support.services import ROOT, unavailable
 CHROMIUM = os.environ.get("MUONFORGE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("MUONFORGE_TEST_ARTIFACTS", ROOT / "tests" / "browser" / "artifacts"))
 LAUNCH_ARGS = [  # headless, and no calls home (the machine may have no network at all)
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-]  # fmt: skip
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 
 
 def missing() -> str | None:

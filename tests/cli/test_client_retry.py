@@ -193,8 +193,11 @@ def test_events_reconnect_after_a_cut_with_the_last_event_id(call):
     with StubServer(handle) as server:
         events, sleeps = call(server.url, "events", "job_1")
     assert [(e.event, e.id, e.data) for e in events] == [
-        ("log", "1", {"n": 1}), ("log", "2", {"n": 2}), ("log", "3", {"n": 3}), ("done", None, {}),
-    ]  # fmt: skip
+        ("log", "1", {"n": 1}),
+        ("log", "2", {"n": 2}),
+        ("log", "3", {"n": 3}),
+        ("done", None, {}),
+    ]
     assert [r.headers.get("last-event-id") for r in server.requests] == [None, "2"]
     assert len(sleeps) == 1
 
@@ -206,10 +209,14 @@ NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
 @pytest.mark.parametrize(
     ("value", "seconds"),
     [
-        ("5", 5.0), ("0", 0.0), (format_datetime(NOW.replace(second=30), usegmt=True), 30.0),
-        (format_datetime(NOW.replace(hour=11), usegmt=True), 0.0), ("soon", None), (None, None),
+        ("5", 5.0),
+        ("0", 0.0),
+        (format_datetime(NOW.replace(second=30), usegmt=True), 30.0),
+        (format_datetime(NOW.replace(hour=11), usegmt=True), 0.0),
+        ("soon", None),
+        (None, None),
     ],
-)  # fmt: skip
+)
 def test_retry_after_is_seconds_or_an_http_date(value, seconds):
     assert retry_after_seconds(value, NOW.timestamp()) == seconds
 

@@ -27,10 +27,18 @@ def error(code: str, message: str, param: str | None = None, **extra) -> dict:
 
 def job(status: str = "queued", step: int = 0, error: dict | None = None, job_id: str = "job_1") -> dict:
     return {
-        "id": job_id, "name": "tiny", "status": status, "spec": {"telemetry": {"every": 1}},
-        "created_at": "2025-01-01T00:00:00Z", "started_at": None, "finished_at": None, "attempt": 1,
-        "progress": {"step": step, "total_steps": 20}, "summary": {"loss": 1.5} if step else {}, "error": error,
-    }  # fmt: skip
+        "id": job_id,
+        "name": "tiny",
+        "status": status,
+        "spec": {"telemetry": {"every": 1}},
+        "created_at": "2025-01-01T00:00:00Z",
+        "started_at": None,
+        "finished_at": None,
+        "attempt": 1,
+        "progress": {"step": step, "total_steps": 20},
+        "summary": {"loss": 1.5} if step else {},
+        "error": error,
+    }
 
 
 def sse(event_id: int | None, kind: str, data: dict) -> bytes:
@@ -48,10 +56,11 @@ def spec(tmp_path):
 def test_an_unreachable_server_names_the_url_and_how_to_start_one():
     url = closed_port_url()
     assert_one_error(
-        run("jobs", env=environment(url, KEY)), 3,
+        run("jobs", env=environment(url, KEY)),
+        3,
         f"error: cannot reach the server at {url}: connection refused; start one with 'muonforge up', or point"
         " MUONFORGE_API_URL (or --url) at it",
-    )  # fmt: skip
+    )
 
 
 def stalled_server(seconds: float) -> tuple[StubServer, threading.Event]:
@@ -75,10 +84,11 @@ def test_a_server_that_does_not_answer_in_time():
         finally:
             release.set()
     assert_one_error(
-        screen, 3,
+        screen,
+        3,
         f"error: the server at {server.url} gave no answer within 0.5 s (3 attempts); try again later, or wait"
         " longer with --timeout SECONDS",
-    )  # fmt: skip
+    )
     assert len(server.requests) == 3
 
 
@@ -95,13 +105,15 @@ def test_a_rejected_key_names_where_it_came_from():
         from_env = run("jobs", env=environment(server.url, KEY))
         from_flag = run("jobs", "--api-key", "mf_typed", env=environment(server.url, KEY))
     assert_one_error(
-        from_env, 3,
+        from_env,
+        3,
         "error: the server refused the API key from MUONFORGE_API_KEY: unknown or revoked API key (401 unauthorized)",
-    )  # fmt: skip
+    )
     assert_one_error(
-        from_flag, 3,
+        from_flag,
+        3,
         "error: the server refused the API key given with --api-key: unknown or revoked API key (401 unauthorized)",
-    )  # fmt: skip
+    )
     assert [r.headers["authorization"] for r in server.requests] == [f"Bearer {KEY}", "Bearer mf_typed"]
 
 
@@ -109,10 +121,11 @@ def test_a_key_that_may_not_do_this():
     with StubServer(scripted(Reply(403, error("forbidden", "this key may only read jobs")))) as server:
         screen = run("cancel", "job_1", env=environment(server.url, KEY))
     assert_one_error(
-        screen, 3,
+        screen,
+        3,
         "error: the API key from MUONFORGE_API_KEY is not allowed to do this: this key may only read jobs"
         " (403 forbidden)",
-    )  # fmt: skip
+    )
 
 
 def test_server_errors_are_retried_then_named_with_the_request_id():
@@ -140,10 +153,11 @@ def test_a_404_from_another_server_names_the_request():
     with StubServer(scripted(Reply(404, page, {"Content-Type": "text/html"}))) as server:
         screen = run("logs", "job_nope", env=environment(server.url, KEY))
     assert_one_error(
-        screen, 2,
+        screen,
+        2,
         f"error: GET {server.url}/v1/jobs/job_nope: 404 Not Found (404 http_error); is MUONFORGE_API_URL (or --url)"
         " a muonforge server?",
-    )  # fmt: skip
+    )
 
 
 def test_a_conflict():
@@ -170,10 +184,11 @@ def test_every_invalid_field_is_named_with_its_message(spec):
     with StubServer(scripted(invalid)) as server:
         screen = run("submit", spec, env=environment(server.url, KEY))
     assert_one_error(
-        screen, 2,
+        screen,
+        2,
         "error: optimizer.lr: Input should be greater than 0; train.steps: Input should be greater than 0"
         " (422 validation_error)",
-    )  # fmt: skip
+    )
 
 
 CAP = "this tenant already has 2 queued or running jobs (the cap)"
@@ -236,8 +251,10 @@ def follow_server(outcome: str) -> StubServer:
             return Reply(201, job())
         if request.path.endswith("/events"):
             events = [sse(1, "status", job()), sse(2, "status", job("running"))]
-            events += [sse(2 + s, "metrics", {"step": s, "metrics": {"loss": 3 - s / 10, "tokens_per_s": 1234.0}})
-                       for s in range(1, step + 1)]  # fmt: skip
+            events += [
+                sse(2 + s, "metrics", {"step": s, "metrics": {"loss": 3 - s / 10, "tokens_per_s": 1234.0}})
+                for s in range(1, step + 1)
+            ]
             if outcome == "cancelled":
                 events.append(sse(30, "status", job("cancelling", step)))
             return [*events, sse(31, "status", final), sse(None, "done", {})]
@@ -263,8 +280,13 @@ def test_the_progress_bar_ends_cleanly_with_the_job(outcome, spec):
     loss = f"{3 - step / 10:.4f}"
     # The bar's last frame: named by the outcome, at the step the job reached, no ETA left.
     assert re.fullmatch(rf"{outcome} [━╸╺]+ +{step}/20 loss {loss}  val -  1,234 tok/s \d:\d\d:\d\d", lines[-2]), lines
-    summary = {"id": "job_1", "status": outcome, "progress": {"step": step, "total_steps": 20},
-               "summary": {"loss": 1.5}, "error": failure}  # fmt: skip
+    summary = {
+        "id": "job_1",
+        "status": outcome,
+        "progress": {"step": step, "total_steps": 20},
+        "summary": {"loss": 1.5},
+        "error": failure,
+    }
     assert json.loads(lines[-1]) == summary
     bar_ends = screen.raw.rindex(outcome + "\x1b")
     assert "\x1b[?25l" in screen.raw and "\x1b[?25h" in screen.raw[bar_ends:], "the cursor is shown again"
@@ -352,6 +374,11 @@ def test_ctrl_c_elsewhere_is_interrupted():
 def test_help_lists_the_exit_statuses():
     shown = run("--help", env=environment())
     assert shown.status == 0
-    for status in ("0    ok", "1    the job ended failed or cancelled", "2    bad input", "3    cannot reach",
-                   "130  interrupted"):  # fmt: skip
+    for status in (
+        "0    ok",
+        "1    the job ended failed or cancelled",
+        "2    bad input",
+        "3    cannot reach",
+        "130  interrupted",
+    ):
         assert status in shown.text, shown.text

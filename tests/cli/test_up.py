@@ -73,9 +73,10 @@ def test_a_port_in_use_is_named_before_anything_starts(tmp_path):
         assert time.monotonic() - begun < 10
     program = Path("/proc/self/comm").read_text().strip()
     assert_one_error(
-        screen, 2,
+        screen,
+        2,
         f"error: port {port} on 127.0.0.1 is in use by {program} (pid {os.getpid()}); stop it, or pass another --port",
-    )  # fmt: skip
+    )
     assert not (tmp_path / "var").exists(), "nothing was migrated or started"
 
 

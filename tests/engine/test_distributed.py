@@ -75,10 +75,14 @@ def test_two_ranks_follow_the_loss_curve_of_one_process(tmp_path, monkeypatch):
 def test_a_cancel_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     sink = ListSink()
-    result = run_job(RunRequest(
-        spec(2, steps=100_000, checkpoint_every=100_000), tmp_path, sink=sink,
-        should_cancel=lambda: len(sink.records) >= 5,
-    ))  # fmt: skip
+    result = run_job(
+        RunRequest(
+            spec(2, steps=100_000, checkpoint_every=100_000),
+            tmp_path,
+            sink=sink,
+            should_cancel=lambda: len(sink.records) >= 5,
+        )
+    )
     assert result.status == "cancelled" and 5 <= result.steps < 100_000
     assert sink.checkpoints[-1][0] == result.steps
     assert sink.logs[-1] == ("info", f"cancelled before step {result.steps}")
@@ -117,8 +121,9 @@ def test_a_warm_started_group_stops_early_at_the_step_one_process_does(tmp_path,
         for name in ("loss", "val_loss"):
             if name in a:  # the parent's weights and optimizer state, on every rank
                 assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), (step, name)
-    assert any(message.startswith("warm start: the weights and optimizer state of step_00000008.pt")
-               for _, message in two.logs)  # fmt: skip
+    assert any(
+        message.startswith("warm start: the weights and optimizer state of step_00000008.pt") for _, message in two.logs
+    )
     assert ("info", "stopped early at step 12: " + alone.summary["stop_reason"]) in two.logs
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["stopped_at"] == 12 and summary["steps"] == 12

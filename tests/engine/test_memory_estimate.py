@@ -38,8 +38,12 @@ def test_the_estimate_is_above_the_measured_peak_and_within_2x(term):
     )
     run = subprocess.run(
         [sys.executable, "-m", "tests.engine.peak_memory", json.dumps(spec.stored())],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     measured = json.loads(run.stdout.strip().splitlines()[-1])["peak_growth"]
     estimate = peak_memory_bytes(spec, SYNTHETIC_VOCAB)
     assert measured <= estimate <= 2 * measured, (term, measured / 2**20, estimate / 2**20)

@@ -133,10 +133,23 @@ def test_telemetry_names_and_steps(tmp_path):
     assert [step for step, v in sink.records if "val_loss" in v] == [0, 4, 8]
     first = sink.records[0][1]
     for name in [
-        "loss", "lr", "grad_norm", "update_rms", "tokens_per_s", "step_time_ms", "attn_max_logit",
-        "attn_max_logit/l0", "attn_max_logit/l1h1", "qk_clip/heads_clipped", "qk_clip/min_gamma",
-        "logits/max_abs", "logits/std", "router/aux_loss", "router/load/l1e3", "elapsed_s",
-    ]:  # fmt: skip
+        "loss",
+        "lr",
+        "grad_norm",
+        "update_rms",
+        "tokens_per_s",
+        "step_time_ms",
+        "attn_max_logit",
+        "attn_max_logit/l0",
+        "attn_max_logit/l1h1",
+        "qk_clip/heads_clipped",
+        "qk_clip/min_gamma",
+        "logits/max_abs",
+        "logits/std",
+        "router/aux_loss",
+        "router/load/l1e3",
+        "elapsed_s",
+    ]:
         assert name in first, name
     assert first["attn_max_logit"] == max(first["attn_max_logit/l0"], first["attn_max_logit/l1"])
     elapsed = [v["elapsed_s"] for _, v in sink.records]

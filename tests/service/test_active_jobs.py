@@ -155,10 +155,20 @@ def test_every_transition_of_the_service_keeps_active_jobs_exact(db):
 
 def job_row(tenant_id: str, status: str) -> dict:
     return dict(
-        id=f"job_{secrets.token_hex(8)}", tenant_id=tenant_id, status=status, spec={}, queue="cpu", attempt=0,
-        max_restarts=3, cancel_requested=False, progress_step=0, total_steps=1, summary={}, event_seq=0,
+        id=f"job_{secrets.token_hex(8)}",
+        tenant_id=tenant_id,
+        status=status,
+        spec={},
+        queue="cpu",
+        attempt=0,
+        max_restarts=3,
+        cancel_requested=False,
+        progress_step=0,
+        total_steps=1,
+        summary={},
+        event_seq=0,
         created_at=utcnow(),
-    )  # fmt: skip
+    )
 
 
 def test_a_trial_paused_at_a_rung_leaves_the_cap_and_its_promotion_takes_a_place_again(db):
@@ -230,8 +240,10 @@ def database(dialect: str, tmp_path):
     return Settings(database_url=f"{base}/{name}"), lambda: drop_database(name)
 
 
-TRIGGERS = {"postgresql": "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal",
-            "sqlite": "SELECT name FROM sqlite_master WHERE type = 'trigger'"}  # fmt: skip
+TRIGGERS = {
+    "postgresql": "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal",
+    "sqlite": "SELECT name FROM sqlite_master WHERE type = 'trigger'",
+}
 
 
 @pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
@@ -245,8 +257,10 @@ def test_the_migration_back_fills_the_counter_and_downgrades(dialect, tmp_path):
         total = sum(map(len, statuses.values()))
         with engine.begin() as conn:
             for tenant, held in statuses.items():
-                conn.execute(text("INSERT INTO tenants (id, name, created_at) VALUES (:id, :id, :at)"),
-                             {"id": tenant, "at": utcnow()})  # fmt: skip
+                conn.execute(
+                    text("INSERT INTO tenants (id, name, created_at) VALUES (:id, :id, :at)"),
+                    {"id": tenant, "at": utcnow()},
+                )
                 for status in held:
                     conn.execute(insert(Job.__table__), job_row(tenant, status))
 

@@ -82,10 +82,15 @@ def test_show_details_and_json(finished, tenant, api_url):
 
 def test_logs_of_a_finished_job(finished, tenant, api_url):
     expected = [
-        "status      queued (attempt 0)", "status      running (attempt 1)", "sample      step 0: ",
-        "sample      step 10: ", "checkpoint  step 10", "sample      step 20: ", "checkpoint  step 20",
+        "status      queued (attempt 0)",
+        "status      running (attempt 1)",
+        "sample      step 0: ",
+        "sample      step 10: ",
+        "checkpoint  step 10",
+        "sample      step 20: ",
+        "checkpoint  step 20",
         "status      succeeded (attempt 1)",
-    ]  # fmt: skip
+    ]
     for follow in ([], ["--follow"]):
         logs = muonforge("logs", finished["id"], *follow, url=api_url, key=tenant)
         assert logs.returncode == 0, logs.stderr
@@ -231,9 +236,12 @@ def test_a_transfer_draws_a_progress_bar_on_a_terminal(settings, api_url, tmp_pa
     corpus.write_text("x" * 100_000)
     terminal, stderr = pty.openpty()
     upload = subprocess.Popen(
-        command("datasets", "upload", corpus), env=client_env(api_url, new_key(settings)), cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=stderr,
-    )  # fmt: skip
+        command("datasets", "upload", corpus),
+        env=client_env(api_url, new_key(settings)),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+    )
     os.close(stderr)
     drawn = b""
     while chunk := read_terminal(terminal):
@@ -287,9 +295,14 @@ def test_options_before_or_after_the_command_override_the_environment(settings, 
 
 @pytest.mark.parametrize(
     "args",
-    [["show", "job_nope"], ["logs", "job_nope"], ["cancel", "job_nope"], ["metrics", "job_nope"],
-     ["download", "job_nope", "--step", "1"]],
-)  # fmt: skip
+    [
+        ["show", "job_nope"],
+        ["logs", "job_nope"],
+        ["cancel", "job_nope"],
+        ["metrics", "job_nope"],
+        ["download", "job_nope", "--step", "1"],
+    ],
+)
 def test_an_unknown_job_exits_2(settings, api_url, args):
     result = muonforge(*args, url=api_url, key=new_key(settings))
     assert result.returncode == 2

@@ -56,9 +56,24 @@ def test_migrations_upgrade_and_downgrade_cleanly():
             counters = dict(conn.execute("SELECT id, event_seq FROM jobs").fetchall())
         assert seqs == [("job_a", 1), ("job_b", 1), ("job_a", 2), ("job_a", 3)]
         assert counters == {"job_a": 3, "job_b": 1}
-        expected = {"tenants", "api_keys", "datasets", "jobs", "job_events", "checkpoints", "metric_series",
-                    "metric_chunks", "webhook_endpoints", "webhook_deliveries", "webhook_attempts", "sweeps",
-                    "sweep_trials", "sweep_rungs", "job_nodes", "alembic_version"}  # fmt: skip
+        expected = {
+            "tenants",
+            "api_keys",
+            "datasets",
+            "jobs",
+            "job_events",
+            "checkpoints",
+            "metric_series",
+            "metric_chunks",
+            "webhook_endpoints",
+            "webhook_deliveries",
+            "webhook_attempts",
+            "sweeps",
+            "sweep_trials",
+            "sweep_rungs",
+            "job_nodes",
+            "alembic_version",
+        }
         assert tables(name) == expected
         command.check(alembic_config(s.sqlalchemy_url))  # the models and the migrations agree
         downgrade(s)
@@ -72,8 +87,13 @@ def test_migrations_upgrade_and_downgrade_cleanly():
 def test_keys_create_prints_a_working_key_alone_on_the_last_line(settings, client):
     out = subprocess.run(
         [sys.executable, "-m", "muonforge.cli", "keys", "create", "--tenant", "cli-tenant"],
-        env=service_env(settings), capture_output=True, text=True, timeout=60, check=True, cwd=ROOT,
-    )  # fmt: skip
+        env=service_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    )
     key = out.stdout.strip().splitlines()[-1]
     assert key.startswith("mf_") and " " not in key
     assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
@@ -85,8 +105,12 @@ def test_up_with_nothing_configured_runs_a_job_end_to_end(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "muonforge.cli", "up", "--port", str(port)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = key = None
         deadline = time.monotonic() + 120
@@ -126,16 +150,22 @@ def test_up_with_nothing_configured_runs_a_job_end_to_end(tmp_path):
         submit = subprocess.run(
             [sys.executable, "-m", "muonforge.cli", "submit", str(spec_path), "--data", str(corpus), "--follow"],
             env={**env, "MUONFORGE_API_URL": url, "MUONFORGE_API_KEY": key},
-            capture_output=True, text=True, timeout=180, cwd=tmp_path,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=tmp_path,
+        )
         assert submit.returncode == 0, submit.stderr
         final = json.loads(submit.stdout.strip().splitlines()[-1])
         assert final["status"] == "succeeded" and final["progress"] == {"step": 15, "total_steps": 15}
         bad = subprocess.run(
             [sys.executable, "-m", "muonforge.cli", "submit", str(spec_path)],
             env={**env, "MUONFORGE_API_URL": url, "MUONFORGE_API_KEY": key},
-            capture_output=True, text=True, timeout=60, cwd=tmp_path,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
         assert bad.returncode == 2 and "data" in bad.stderr
     finally:
         proc.send_signal(signal.SIGINT)

@@ -64,8 +64,18 @@ def test_the_compose_services_run_as_processes(tmp_path):
     try:
         # Redis, with the password from .env.
         redis_port = free_port()
-        redis_cmd = [server, *services["redis"]["command"][1:], "--port", str(redis_port), "--bind", "127.0.0.1",
-                     "--dir", str(tmp_path), "--save", ""]  # fmt: skip
+        redis_cmd = [
+            server,
+            *services["redis"]["command"][1:],
+            "--port",
+            str(redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(tmp_path),
+            "--save",
+            "",
+        ]
         stack.start("redis", redis_cmd, dict(os.environ))
         wait_for(lambda: ping(redis_port, SECRETS["REDIS_PASSWORD"]))
         with pytest.raises(redis.AuthenticationError):
@@ -110,9 +120,14 @@ def test_the_compose_services_run_as_processes(tmp_path):
 
         # Behind the TLS proxy (X-Forwarded-Proto: https) the session cookie is Secure.
         created = subprocess.run(
-            local(["muonforge", "keys", "create", "--tenant", "compose"]), env=api_env, cwd=ROOT,
-            capture_output=True, text=True, timeout=60, check=True,
-        )  # fmt: skip
+            local(["muonforge", "keys", "create", "--tenant", "compose"]),
+            env=api_env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         key = created.stdout.strip().splitlines()[-1]
         proxied = httpx.post(f"{url}/v1/session", json={"api_key": key}, headers={"X-Forwarded-Proto": "https"})
         assert proxied.status_code == 200 and "secure" in proxied.headers["set-cookie"].lower()

@@ -43,8 +43,11 @@ def test_the_exported_safetensors_reload_to_the_same_logits(client, settings, au
         exported.write_bytes(r.content)
         config = load_safetensors(exported)[1]
         assert {k: config[k] for k in ("arch", "n_layer", "d_model", "vocab_size")} == {
-            "arch": "gpt", "n_layer": 1, "d_model": 16, "vocab_size": 64,
-        }  # fmt: skip
+            "arch": "gpt",
+            "n_layer": 1,
+            "d_model": 16,
+            "vocab_size": 64,
+        }
         checkpoint = client.get(f"{base}/{step}", headers=auth).content  # format=pt, the default
         assert torch.allclose(exported_logits(exported), checkpoint_logits(checkpoint), rtol=0, atol=1e-6)
     assert list((settings.artifact_dir / "exports").iterdir()) == []  # each export deleted once sent

@@ -44,9 +44,13 @@ def api(settings, tmp_path_factory):
 def keys(settings, *args: str) -> subprocess.CompletedProcess:
     """``muonforge keys ARGS`` as a process, on the test database."""
     return subprocess.run(
-        [sys.executable, "-m", "muonforge.cli", "keys", *args], env=service_env(settings),
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        [sys.executable, "-m", "muonforge.cli", "keys", *args],
+        env=service_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 def create(settings, tenant: str, name: str | None = None) -> str:
@@ -123,9 +127,13 @@ def test_an_open_events_stream_ends_once_its_key_is_revoked(settings, api):
     # And `muonforge logs --follow`, the client's reconnecting stream, with the same key.
     env = service_env(settings) | {"MUONFORGE_API_URL": api, "MUONFORGE_API_KEY": watcher}
     logs = subprocess.Popen(
-        [sys.executable, "-m", "muonforge.cli", "logs", job["id"], "--follow"], env=env, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "muonforge.cli", "logs", job["id"], "--follow"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert first.wait(30), "the stream sent nothing"
     assert received[0][0] == "status"
     assert logs.stdout.readline().split() == ["status", "queued", "(attempt", "0)"]
@@ -179,7 +187,7 @@ def test_keys_list_shows_names_prefixes_last_use_and_revocation(settings, api):
         (("revoke", "mf_" + "x" * 43), f"error: no API key 'mf_xxxxxxx…'{HINT}"),  # never the whole key
         (("list", "--tenant", "nobody-at-all"), "error: no tenant 'nobody-at-all'"),
     ],
-)  # fmt: skip
+)
 def test_an_unknown_key_or_tenant_is_one_line_and_status_2(settings, args, line):
     out = keys(settings, *args)
     assert (out.returncode, out.stdout, out.stderr) == (2, "", line + "\n")

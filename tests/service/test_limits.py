@@ -23,9 +23,11 @@ UPLOAD_LIMIT = 100_000
 def small_api(settings, tmp_path_factory):
     """An API whose limits are small enough to pass in a test: 1 MiB JSON, 100 kB uploads."""
     with running_api(
-        settings, tmp_path_factory.mktemp("small-api"),
-        MUONFORGE_MAX_BODY_BYTES=str(1 << 20), MUONFORGE_UPLOAD_LIMIT_BYTES=str(UPLOAD_LIMIT),
-    ) as url:  # fmt: skip
+        settings,
+        tmp_path_factory.mktemp("small-api"),
+        MUONFORGE_MAX_BODY_BYTES=str(1 << 20),
+        MUONFORGE_UPLOAD_LIMIT_BYTES=str(UPLOAD_LIMIT),
+    ) as url:
         yield url
 
 

@@ -58,8 +58,9 @@ def descendants(pid: int) -> dict[int, str]:
 def group_processes(worker) -> dict[str, list[int]]:
     """The worker's torchrun and the ranks it started: {"torchrun": [pid], "ranks": [pid of rank 0, 1, ...]}."""
     below = descendants(worker.proc.pid)
-    ranks = sorted((p for p, cmd in below.items() if "worker.engine.rank" in cmd and "torch.distributed" not in cmd),
-                   key=rank_of)  # fmt: skip
+    ranks = sorted(
+        (p for p, cmd in below.items() if "worker.engine.rank" in cmd and "torch.distributed" not in cmd), key=rank_of
+    )
     return {"torchrun": [p for p, cmd in below.items() if "torch.distributed.run" in cmd], "ranks": ranks}
 
 
@@ -78,8 +79,9 @@ def running(pid: int) -> bool:
 def test_a_two_process_job_runs_end_to_end_with_one_record_per_step(client, api_url, settings, auth, start_worker):
     start_worker()
     # Nothing listens there: a delivery is recorded once per event whether or not it is delivered.
-    hook = client.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/hook", "events": ["job.succeeded"]},
-                       headers=auth).json()  # fmt: skip
+    hook = client.post(
+        "/v1/webhooks", json={"url": "http://127.0.0.1:9/hook", "events": ["job.succeeded"]}, headers=auth
+    ).json()
     created = client.post("/v1/jobs", json=group_spec(30), headers=auth).json()
     assert created["spec"]["resources"] == {"nproc": 2, "nnodes": 1}
     with Client(api_url, auth["Authorization"].split()[1]) as follower, ThreadPoolExecutor(1) as pool:
@@ -104,9 +106,7 @@ def test_a_two_process_job_runs_end_to_end_with_one_record_per_step(client, api_
     assert [(d["event_type"], d["payload"]["data"]["id"]) for d in sent] == [("job.succeeded", created["id"])]
 
 
-def test_a_rank_killed_mid_run_makes_the_job_resume_from_its_checkpoint(
-    client, api_url, settings, auth, start_worker
-):  # fmt: skip
+def test_a_rank_killed_mid_run_makes_the_job_resume_from_its_checkpoint(client, api_url, settings, auth, start_worker):
     worker = start_worker()
     created = client.post("/v1/jobs", json=group_spec(300, checkpoint_every=50, eval_every=100), headers=auth).json()
     with Client(api_url, auth["Authorization"].split()[1]) as follower, ThreadPoolExecutor(1) as pool:
@@ -122,8 +122,13 @@ def test_a_rank_killed_mid_run_makes_the_job_resume_from_its_checkpoint(
     assert "lost a process or a node of its group" in worker.log_path.read_text()  # given back at once
     assert not any(running(pid) for pid in first["torchrun"] + first["ranks"])
     history = events(settings, created["id"])
-    assert [p["status"] for kind, p in history if kind == "status"] == ["queued", "running", "queued", "running",
-                                                                         "succeeded"]  # fmt: skip
+    assert [p["status"] for kind, p in history if kind == "status"] == [
+        "queued",
+        "running",
+        "queued",
+        "running",
+        "succeeded",
+    ]
     resumed = [p["message"] for kind, p in history if kind == "log" and "resumed from" in p["message"]]
     assert len(resumed) == 1
     resumed_step = int(resumed[0].split("at step ")[1])
@@ -165,9 +170,11 @@ def test_a_two_node_job_runs_on_two_workers_with_one_record_per_step(client, api
     workers = [start_worker(), start_worker()]
     created = client.post("/v1/jobs", json=group_spec(30, nnodes=2), headers=auth).json()
     done, received = follow(
-        api_url, auth, created["id"],
+        api_url,
+        auth,
+        created["id"],
         lambda: wait_for(lambda: (j := job(client, auth, created["id"]))["status"] == "succeeded" and j, timeout=240),
-    )  # fmt: skip
+    )
     assert done["progress"] == {"step": 30, "total_steps": 30} and done["attempt"] == 1
     assert [e.data["step"] for e in received if e.event == "metrics"] == list(range(31))
     kinds = events(settings, created["id"])
@@ -181,10 +188,11 @@ def test_a_two_node_job_runs_on_two_workers_with_one_record_per_step(client, api
 
 def test_a_worker_lost_mid_run_fails_the_attempt_on_all_nodes_and_the_job_resumes(
     client, api_url, settings, auth, start_worker
-):  # fmt: skip
+):
     workers = {w.proc.pid: w for w in (start_worker(), start_worker())}
-    created = client.post("/v1/jobs", json=group_spec(300, nnodes=2, checkpoint_every=50, eval_every=100),
-                          headers=auth).json()  # fmt: skip
+    created = client.post(
+        "/v1/jobs", json=group_spec(300, nnodes=2, checkpoint_every=50, eval_every=100), headers=auth
+    ).json()
 
     def kill_a_node_and_wait():
         wait_for(lambda: job(client, auth, created["id"])["progress"]["step"] >= 80, timeout=240, interval=0.05)
@@ -202,8 +210,13 @@ def test_a_worker_lost_mid_run_fails_the_attempt_on_all_nodes_and_the_job_resume
     assert done["attempt"] == 2 and done["progress"]["step"] == 300
     assert not any(running(pid) for pid in group["torchrun"] + group["ranks"])
     history = events(settings, created["id"])
-    assert [p["status"] for kind, p in history if kind == "status"] == ["queued", "running", "queued", "running",
-                                                                         "succeeded"]  # fmt: skip
+    assert [p["status"] for kind, p in history if kind == "status"] == [
+        "queued",
+        "running",
+        "queued",
+        "running",
+        "succeeded",
+    ]
     resumed = [p["message"] for kind, p in history if kind == "log" and "resumed from" in p["message"]]
     assert len(resumed) == 1 and int(resumed[0].split("at step ")[1]) % 50 == 0
     assert [e.data["step"] for e in received if e.event == "metrics"] == list(range(301))

@@ -97,8 +97,9 @@ def test_a_paused_redis_neither_blocks_the_job_nor_its_followers(settings, tmp_p
     port = free_port()
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     own = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
     wait_for(lambda: _answers(own.redis_url), timeout=20)
     steps, headers = 4000, {"Authorization": f"Bearer {new_key(settings)}"}

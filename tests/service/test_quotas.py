@@ -32,9 +32,12 @@ def slow_rate_api(settings, tmp_path_factory):
     """A token every 5 s after a burst of 20: a busy machine cannot refill the bucket mid-test.
     Refusals come at once (the pace is tested on its own below)."""
     with running_api(
-        settings, tmp_path_factory.mktemp("rate-api"),
-        MUONFORGE_TENANT_RATE_PER_SECOND="0.2", MUONFORGE_TENANT_BURST="20", MUONFORGE_REFUSAL_PACE_SECONDS="0",
-    ) as url:  # fmt: skip
+        settings,
+        tmp_path_factory.mktemp("rate-api"),
+        MUONFORGE_TENANT_RATE_PER_SECOND="0.2",
+        MUONFORGE_TENANT_BURST="20",
+        MUONFORGE_REFUSAL_PACE_SECONDS="0",
+    ) as url:
         yield url
 
 

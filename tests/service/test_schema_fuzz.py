@@ -28,9 +28,17 @@ def test_the_api_does_what_its_openapi_schema_says(api_url, settings):
     key = new_key(settings)
     st = Path(sys.executable).parent / "st"
     command = [
-        str(st), "run", f"{api_url}/openapi.json", "--max-examples", str(EXAMPLES),
-        "--seed", SEED, "--no-color", "-H", f"Authorization: Bearer {key}",
-    ]  # fmt: skip
+        str(st),
+        "run",
+        f"{api_url}/openapi.json",
+        "--max-examples",
+        str(EXAMPLES),
+        "--seed",
+        SEED,
+        "--no-color",
+        "-H",
+        f"Authorization: Bearer {key}",
+    ]
     try:
         run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     finally:

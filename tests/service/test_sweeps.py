@@ -42,9 +42,14 @@ def base(steps: int = 20) -> dict:
 def sweep_body(**fields) -> dict:
     """The stop form unless ``asha`` says otherwise."""
     return {
-        "name": "lr", "base": base(), "space": {"optimizer.lr": {"values": BAD_FIRST}}, "method": "grid",
-        "max_concurrent": 1, "asha": {"rungs": [10], "reduction_factor": 3, "stop_once": True}, **fields,
-    }  # fmt: skip
+        "name": "lr",
+        "base": base(),
+        "space": {"optimizer.lr": {"values": BAD_FIRST}},
+        "method": "grid",
+        "max_concurrent": 1,
+        "asha": {"rungs": [10], "reduction_factor": 3, "stop_once": True},
+        **fields,
+    }
 
 
 def get(client, auth, sweep_id: str) -> dict:
@@ -222,8 +227,11 @@ def test_the_promote_form_holds_trials_at_the_rung_and_promotes_the_best_once_et
     job = client.get(f"/v1/jobs/{first}", headers=auth).json()
     assert job["progress"]["step"] == 20 and job["attempt"] == 2 and "stop_reason" not in job["summary"]
     events = client.get(f"/v1/jobs/{first}/events", headers=auth).text
-    order = [json.loads(line[5:])["status"] for line in events.splitlines()
-             if line.startswith("data:") and '"status"' in line and '"spec"' in line]  # fmt: skip
+    order = [
+        json.loads(line[5:])["status"]
+        for line in events.splitlines()
+        if line.startswith("data:") and '"status"' in line and '"spec"' in line
+    ]
     assert order == ["queued", "running", "paused", "queued", "running", "succeeded"]
     assert any("resumed from" in line and "step_00000010" in line for line in events.splitlines())
     for trial in done["trials"][1:5]:  # never promoted: stopped where they waited, when the sweep ran out of trials
@@ -255,9 +263,14 @@ def test_two_apis_and_two_workers_decide_each_rung_once_under_the_tenants_job_ca
         tenant_id = repo.by_name(tenant).id
         repo.set_job_cap(tenant_id, 2)
     body = sweep_body(
-        base=base(steps=16), space={"optimizer.lr": {"log_uniform": [1e-7, 3e-2]}}, method="random", seed=3,
-        max_trials=8, max_concurrent=3, asha={"rungs": [4, 8], "reduction_factor": 2},  # the promote form
-    )  # fmt: skip
+        base=base(steps=16),
+        space={"optimizer.lr": {"log_uniform": [1e-7, 3e-2]}},
+        method="random",
+        seed=3,
+        max_trials=8,
+        max_concurrent=3,
+        asha={"rungs": [4, 8], "reduction_factor": 2},  # the promote form
+    )
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     with running_api(settings, tmp_path / "a") as one, running_api(settings, tmp_path / "b") as two:

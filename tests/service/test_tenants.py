@@ -31,9 +31,13 @@ COLUMNS = ["name", "id", "job cap", "queued+running", "dataset bytes", "active k
 def tenants(settings, *args: str) -> subprocess.CompletedProcess:
     """``muonforge tenants ARGS`` as a process, on the test database."""
     return subprocess.run(
-        [sys.executable, "-m", "muonforge.cli", "tenants", *args], env=service_env(settings),
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        [sys.executable, "-m", "muonforge.cli", "tenants", *args],
+        env=service_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 def set_cap(settings, tenant: str, cap: str) -> list[str]:
@@ -136,13 +140,21 @@ def test_tenants_list_shows_caps_jobs_bytes_and_keys(settings, uncached):
 
     rows = listed(settings)
     assert rows[name] == {
-        "name": name, "id": tenant_of(settings, name).id, "job cap": "7", "queued+running": "2",
-        "dataset bytes": "3,345", "active keys": "1",
-    }  # fmt: skip
+        "name": name,
+        "id": tenant_of(settings, name).id,
+        "job cap": "7",
+        "queued+running": "2",
+        "dataset bytes": "3,345",
+        "active keys": "1",
+    }
     assert rows[idle] == {
-        "name": idle, "id": tenant_of(settings, idle).id, "job cap": "default (100)", "queued+running": "0",
-        "dataset bytes": "0", "active keys": "1",
-    }  # fmt: skip
+        "name": idle,
+        "id": tenant_of(settings, idle).id,
+        "job cap": "default (100)",
+        "queued+running": "0",
+        "dataset bytes": "0",
+        "active keys": "1",
+    }
     assert rows[suspended]["job cap"] == "suspended"
     assert list(rows) == sorted(rows), "by name"
 
@@ -153,9 +165,13 @@ def console_script(settings, *args: str) -> subprocess.CompletedProcess:
     if not script.exists():
         unavailable(f"needs the muonforge console script beside {sys.executable} (pip install -e .)")
     return subprocess.run(
-        [str(script), *args], env=service_env(settings) | {"PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        [str(script), *args],
+        env=service_env(settings) | {"PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize(
@@ -166,7 +182,7 @@ def console_script(settings, *args: str) -> subprocess.CompletedProcess:
         (("{tenant}", "lots"), "error: the job cap is a whole number >= 0 or 'default', not 'lots'"),
         (("{tenant}", "2.5"), "error: the job cap is a whole number >= 0 or 'default', not '2.5'"),
     ],
-)  # fmt: skip
+)
 def test_an_unknown_tenant_or_a_bad_cap_is_one_line_and_status_2(settings, args, line):
     name = f"unchanged-{secrets.token_hex(4)}"
     new_key(settings, name)

@@ -162,8 +162,13 @@ def test_a_warm_start_and_its_parents_retention_at_once_never_leave_it_without_i
     with transaction(settings) as session:
         tenant = authenticate(session, auth["Authorization"])
     with transaction(settings) as session:
-        sub = prepare_submission(session, tenant, JobSpec.model_validate(tiny_spec() | {
-            "init_from": {"job_id": parent, "step": 10}}), None, settings)  # fmt: skip
+        sub = prepare_submission(
+            session,
+            tenant,
+            JobSpec.model_validate(tiny_spec() | {"init_from": {"job_id": parent, "step": 10}}),
+            None,
+            settings,
+        )
     sink = JobSink(settings, parent, 1, 20, {}, keep_checkpoints=1)
     holds, results = threading.Event(), {}
 

@@ -121,8 +121,10 @@ def test_a_receiver_that_fails_twice_gets_the_same_message_a_third_time(client, 
         delivery = finished_delivery(client, auth, hook["id"])
     assert delivery["status"] == "delivered" and delivery["finished_at"] and delivery["next_attempt_at"] is None
     assert [(a["status_code"], a["error"]) for a in delivery["attempts"]] == [
-        (500, "answered 500"), (500, "answered 500"), (200, None),
-    ]  # fmt: skip
+        (500, "answered 500"),
+        (500, "answered 500"),
+        (200, None),
+    ]
     assert all(a["duration_ms"] >= 0 for a in delivery["attempts"])
     assert [r.headers["webhook-id"] for r in receiver.requests] == [delivery["id"]] * 3  # the idempotency id
     assert len({r.body for r in receiver.requests}) == 1
@@ -131,9 +133,16 @@ def test_a_receiver_that_fails_twice_gets_the_same_message_a_third_time(client, 
 
 @pytest.mark.parametrize(
     "url",
-    ["http://127.0.0.2:8080/hook", "http://10.0.0.1/hook", "http://169.254.169.254/latest/meta-data",
-     "http://[::1]/hook", "http://0x7f000002/", "http://nowhere.invalid/hook", "http://127.0.0.1:99999/"],
-)  # fmt: skip
+    [
+        "http://127.0.0.2:8080/hook",
+        "http://10.0.0.1/hook",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[::1]/hook",
+        "http://0x7f000002/",
+        "http://nowhere.invalid/hook",
+        "http://127.0.0.1:99999/",
+    ],
+)
 def test_a_url_outside_the_allow_list_is_refused_at_creation(client, auth, url):
     r = client.post("/v1/webhooks", json={"url": url, "events": ["job.failed"]}, headers=auth)
     assert r.status_code == 422 and r.json()["error"]["param"] == "url", r.text
@@ -219,12 +228,22 @@ def test_the_delivery_log_keeps_finished_deliveries_for_webhook_log_days(client,
     ids = {name: f"msg_prune_{name}_{hook['id'][-8:]}" for name in rows}
     body = json.dumps({"type": "job.cancelled", "timestamp": now.isoformat(), "data": {}})
     with transaction(settings) as session:
-        WebhookRepository(session).add_deliveries([
-            {"id": ids[name], "endpoint_id": hook["id"], "event_type": "job.cancelled", "body": body,
-             "status": status, "attempts": 1, "next_attempt_at": due, "finished_at": finished,
-             "created_at": now - timedelta(days=60)}
-            for name, (status, finished, due) in rows.items()
-        ])  # fmt: skip
+        WebhookRepository(session).add_deliveries(
+            [
+                {
+                    "id": ids[name],
+                    "endpoint_id": hook["id"],
+                    "event_type": "job.cancelled",
+                    "body": body,
+                    "status": status,
+                    "attempts": 1,
+                    "next_attempt_at": due,
+                    "finished_at": finished,
+                    "created_at": now - timedelta(days=60),
+                }
+                for name, (status, finished, due) in rows.items()
+            ]
+        )
         session.add_all(
             WebhookAttempt(delivery_id=i, number=1, at=now - timedelta(days=41), duration_ms=5, status_code=200)
             for i in ids.values()
@@ -274,10 +293,14 @@ def test_the_client_and_the_command_line(api_url, settings):
 def test_the_signature_is_the_standard_webhooks_reference():
     # The example of the Standard Webhooks specification (standard-webhooks.md, "Verifying webhook authenticity").
     assert (
-        signature("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330,
-                  b'{"test": 2432232314}')
+        signature(
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+            "msg_p5jXN8AQM9LWM0D4loKWxJek",
+            1614265330,
+            b'{"test": 2432232314}',
+        )
         == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
-    )  # fmt: skip
+    )
 
 
 def test_the_retry_schedule():
@@ -300,9 +323,18 @@ def test_the_retry_schedule():
 def test_the_allow_list():
     allow = AllowList.parse(" 127.0.0.1, 10.1.0.0/16 ,hooks.example.com,public")
     assert allow.hosts == {"hooks.example.com"} and allow.public
-    for address, allowed in (("127.0.0.1", True), ("127.0.0.2", False), ("10.1.200.3", True), ("10.2.0.1", False),
-                             ("8.8.8.8", True), ("192.168.1.1", False), ("169.254.169.254", False),
-                             ("::ffff:10.1.0.1", True), ("::ffff:192.168.0.1", False), ("::1", False)):  # fmt: skip
+    for address, allowed in (
+        ("127.0.0.1", True),
+        ("127.0.0.2", False),
+        ("10.1.200.3", True),
+        ("10.2.0.1", False),
+        ("8.8.8.8", True),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("::ffff:10.1.0.1", True),
+        ("::ffff:192.168.0.1", False),
+        ("::1", False),
+    ):
         assert allow.allows_address(ipaddress.ip_address(address)) == allowed, address
     assert not AllowList.parse("") and not AllowList.parse(" , ")
     with pytest.raises(ValueError, match=r"'10\.0\.0\.0/33'"):

@@ -79,9 +79,13 @@ def launch(args: list[str], env: Mapping[str, str], log_path: Path, **popen: Any
     """``muonforge ARGS`` from this checkout, its output appended to ``log_path``."""
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "muonforge.cli", *args], cwd=ROOT, env=dict(env), stdout=log,
-            stderr=subprocess.STDOUT, **popen,
-        )  # fmt: skip
+            [sys.executable, "-m", "muonforge.cli", *args],
+            cwd=ROOT,
+            env=dict(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            **popen,
+        )
 
 
 def wait_api(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60) -> None:
