@@ -19,34 +19,20 @@ from app.db.session import transaction
 from app.messaging.live_bus import NoBus, live_bus, stream_key
 from app.repositories.job_events import JobEventRepository
 from app.services import lifecycle
-from app.services.auth import authenticate
-from app.services.intake import insert_submissions
 from app.services.job_journal import record_sample
 from app.services.metric_history import history, store_metrics, unpack
-from app.services.submission import prepare_submission
-from contract.metrics import SUMMARY
-from contract.spec import JobSpec
 from muonforge.api import SseParser
 from muonforge.client import ApiError, Client
 from tests.support.api import new_key
 from tests.support.net import wait_for
 from tests.support.specs import tiny_spec
-from worker.engine.telemetry import Report
+from tests.support.telemetry import report, stored_job
 from worker.sink import JobSink
 
 
 def new_job(settings) -> str:
-    """A stored job (no task sent) to ingest telemetry into."""
-    with transaction(settings) as session:
-        tenant = authenticate(session, f"Bearer {new_key(settings)}")
-        new = prepare_submission(session, tenant, JobSpec.model_validate(tiny_spec()), None, settings)
-        ((job, _),) = insert_submissions(session, [new])
-    return job.id
-
-
-def report(step: int, values: dict[str, float]) -> Report:
-    """The trainer's report of a training step's values."""
-    return Report(step, values, completed=step + 1, summary={k: v for k, v in values.items() if k in SUMMARY})
+    """A stored job of a fresh tenant (no task sent) to ingest telemetry into."""
+    return stored_job(settings, new_key(settings), tiny_spec())
 
 
 def stored(settings, job_id: str) -> dict[str, dict[int, float]]:
