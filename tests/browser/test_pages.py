@@ -132,11 +132,11 @@ def test_cancel_from_the_page(browser, api_url, key, worker):
     assert finished(api_url, key, job["id"])["status"] == "cancelled"
 
 
-def test_compare_two_jobs_picked_on_the_jobs_page(browser, api_url, key, worker):
-    a = submit(api_url, key, "compare-a", steps=120)
-    b = submit(api_url, key, "compare-b", steps=80, lr_schedule="cosine")
-    for job in (a, b):
-        finished(api_url, key, job["id"])
+def test_compare_two_jobs_picked_on_the_jobs_page(browser, key, settings):
+    a, b = (
+        {"id": synthetic_run(settings, key, SPEC | {"name": name, "train": SPEC["train"] | train})}
+        for name, train in (("compare-a", {"steps": 120}), ("compare-b", {"steps": 80, "lr_schedule": "cosine"}))
+    )
     page = browser.page(key)
     for name in ("compare-a", "compare-b"):
         page.get_by_label(f"Select {name}").check()

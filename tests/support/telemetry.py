@@ -45,7 +45,11 @@ def plausible(spec: JobSpec) -> Callable[[int], dict[str, float]]:
 
     def values(step: int) -> dict[str, float]:
         loss = 1.0 + 3.0 * math.exp(-step / (steps / 4)) + 0.05 * math.sin(step)
-        out = {name: 1.0 + (step % 7) / 10 for name in names} | {metrics.LOSS: loss}
+        decay = 0.5 * (1 + math.cos(math.pi * step / steps)) if spec.train.lr_schedule == "cosine" else 1.0
+        out = {name: 1.0 + 0.1 * math.sin(step / 10) for name in names} | {metrics.LOSS: loss}
+        out[metrics.LR] = spec.optimizer.lr * decay
+        out[metrics.GRAD_NORM] = 2.0 / (1 + step / 100)
+        out[metrics.TOKENS_PER_S] = 10_000.0 + 500 * math.sin(step / 25)
         out[metrics.ATTN_MAX_LOGIT] = 5.0 + step / steps
         out[metrics.ELAPSED_S] = step * 0.01
         if step % every == 0 or step == steps:
