@@ -1,18 +1,11 @@
 """muonforge's optimizer core: Muon, MuonClip/QK-Clip and the Newton–Schulz family (torch only)."""
 
 from .adamw import adamw_update
+from .coefficients import KELLER, POLAR_EXPRESS, resolve_coefficients, scalar_map, singular_value_band
 from .distributed import assign_owners, ns_flops
 from .hyperparams import update_scale
 from .muon import Muon, as_matrices, matrix_shape
-from .newton_schulz import (
-    KELLER,
-    POLAR_EXPRESS,
-    choose_method,
-    orthogonalize,
-    resolve_coefficients,
-    scalar_map,
-    singular_value_band,
-)
+from .newton_schulz import choose_method, orthogonalize
 from .precision import auto_dtype
 from .qk_clip import (
     MuonClip,

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .newton_schulz import METHODS, resolve_coefficients
+from .coefficients import resolve_coefficients
+from .newton_schulz import METHODS
 
 ADJUST_LR = ("original", "match_rms_adamw", "spectral")
 NS_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
