@@ -20,6 +20,7 @@ from rich.live import Live
 from contract import metrics
 from contract.export import CONFIG_FILE, EXPORT_FILE
 from contract.status import JobStatus, SweepStatus
+from contract.webhooks import WebhookEventType
 from muonforge.api import SWEEP_STATUSES
 from muonforge.client import FINISHED, PAGE_SIZE, STATUSES, Client, Event, Retry
 from muonforge.output import (
@@ -284,7 +285,7 @@ def cmd_sweeps_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-JOB_EVENTS = "job.succeeded,job.failed,job.cancelled"
+JOB_EVENTS = ",".join(t for t in WebhookEventType if t.startswith("job."))  # a job's ends
 
 
 def cmd_webhooks_create(args: argparse.Namespace) -> int:
