@@ -46,12 +46,10 @@ from train_overhead import measure, summarize
 from app.db.session import transaction
 from app.messaging.live_bus import live_bus
 from app.services import lifecycle
-from app.services.auth import authenticate
-from app.services.intake import insert_submissions
 from app.services.metric_history import store_metrics
-from app.services.submission import prepare_submission
 from app.settings import Settings
 from contract.spec import JobSpec
+from tests.support.telemetry import stored_job
 from worker.engine.telemetry import Report
 from worker.sink import JobSink
 
@@ -79,13 +77,10 @@ def running_job(settings: Settings, key: str, steps: int = 1_000_000) -> tuple[s
         "data": {"builtin": "synthetic"},
         "train": {"steps": steps},
     }
+    job_id = stored_job(settings, key, spec)
     with transaction(settings) as session:
-        tenant = authenticate(session, f"Bearer {key}")
-        submission = prepare_submission(session, tenant, JobSpec.model_validate(spec), None, settings)
-        ((job, _),) = insert_submissions(session, [submission])
-    with transaction(settings) as session:
-        claim = lifecycle.claim(session, live_bus(settings), job.id, "bench", timedelta(hours=1))
-    return job.id, claim.attempt
+        claim = lifecycle.claim(session, live_bus(settings), job_id, "bench", timedelta(hours=1))
+    return job_id, claim.attempt
 
 
 def step_report(step: int, values: dict[str, float]) -> Report:

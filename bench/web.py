@@ -40,20 +40,10 @@ from app.messaging.live_bus import live_bus
 from app.services import lifecycle
 from app.services.metric_history import store_metrics
 from app.settings import Settings
+from tests.support.browser import CHROMIUM, LAUNCH_ARGS
 from worker.sink import JobSink
 
 REDIS = "redis://127.0.0.1:6379/11"
-CHROMIUM = "/usr/bin/chromium"
-LAUNCH_ARGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 SETTINGS = {
     "MUONFORGE_TENANT_JOB_CAP": "1000",
     "MUONFORGE_TENANT_RATE_PER_SECOND": "0",

@@ -14,20 +14,10 @@ import pytest
 
 from app.web.pages import NODE_MODULES
 from tests.support.api import key_of
+from tests.support.browser import CHROMIUM, LAUNCH_ARGS
 from tests.support.services import ROOT, unavailable
 
-CHROMIUM = os.environ.get("MUONFORGE_TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("MUONFORGE_TEST_ARTIFACTS", ROOT / "tests" / "browser" / "artifacts"))
-LAUNCH_ARGS = [  # headless, and no calls home (the machine may have no network at all)
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 
 
 def missing() -> str | None:

@@ -22,6 +22,7 @@ from app.db.models import ApiKey
 from app.db.session import transaction
 from app.services.auth import authenticate, hash_key
 from app.services.event_stream import while_key_valid
+from tests.support.cli import service_command
 from tests.support.net import wait_for
 from tests.support.services import ROOT, running_api, service_env
 from tests.support.specs import tiny_spec
@@ -43,14 +44,7 @@ def api(settings, tmp_path_factory):
 
 def keys(settings, *args: str) -> subprocess.CompletedProcess:
     """``muonforge keys ARGS`` as a process, on the test database."""
-    return subprocess.run(
-        [sys.executable, "-m", "muonforge.cli", "keys", *args],
-        env=service_env(settings),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    return service_command(settings, "keys", *args)
 
 
 def create(settings, tenant: str, name: str | None = None) -> str:

@@ -37,6 +37,10 @@ def follow(api_url, auth, job_id, until):
         return value, streamed.result(timeout=60)
 
 
+# A job whose first attempt was lost and whose second ran it to the end.
+RESUMED_ONCE = ["queued", "running", "queued", "running", "succeeded"]
+
+
 def descendants(pid: int) -> dict[int, str]:
     """{pid: command line} of every process below ``pid``."""
     parents, commands = {}, {}
@@ -122,13 +126,7 @@ def test_a_rank_killed_mid_run_makes_the_job_resume_from_its_checkpoint(client, 
     assert "lost a process or a node of its group" in worker.log_path.read_text()  # given back at once
     assert not any(running(pid) for pid in first["torchrun"] + first["ranks"])
     history = events(settings, created["id"])
-    assert [p["status"] for kind, p in history if kind == "status"] == [
-        "queued",
-        "running",
-        "queued",
-        "running",
-        "succeeded",
-    ]
+    assert [p["status"] for kind, p in history if kind == "status"] == RESUMED_ONCE
     resumed = [p["message"] for kind, p in history if kind == "log" and "resumed from" in p["message"]]
     assert len(resumed) == 1
     resumed_step = int(resumed[0].split("at step ")[1])
@@ -210,13 +208,7 @@ def test_a_worker_lost_mid_run_fails_the_attempt_on_all_nodes_and_the_job_resume
     assert done["attempt"] == 2 and done["progress"]["step"] == 300
     assert not any(running(pid) for pid in group["torchrun"] + group["ranks"])
     history = events(settings, created["id"])
-    assert [p["status"] for kind, p in history if kind == "status"] == [
-        "queued",
-        "running",
-        "queued",
-        "running",
-        "succeeded",
-    ]
+    assert [p["status"] for kind, p in history if kind == "status"] == RESUMED_ONCE
     resumed = [p["message"] for kind, p in history if kind == "log" and "resumed from" in p["message"]]
     assert len(resumed) == 1 and int(resumed[0].split("at step ")[1]) % 50 == 0
     assert [e.data["step"] for e in received if e.event == "metrics"] == list(range(301))

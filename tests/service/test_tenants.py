@@ -18,6 +18,7 @@ from app.main import create_app
 from app.services.auth import revoke_api_key
 from app.services.tenants import set_job_cap
 from tests.support.api import new_key
+from tests.support.cli import service_command
 from tests.support.net import wait_for
 from tests.support.services import ROOT, service_env, unavailable
 from tests.support.specs import tiny_spec
@@ -30,14 +31,7 @@ COLUMNS = ["name", "id", "job cap", "queued+running", "dataset bytes", "active k
 
 def tenants(settings, *args: str) -> subprocess.CompletedProcess:
     """``muonforge tenants ARGS`` as a process, on the test database."""
-    return subprocess.run(
-        [sys.executable, "-m", "muonforge.cli", "tenants", *args],
-        env=service_env(settings),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    return service_command(settings, "tenants", *args)
 
 
 def set_cap(settings, tenant: str, cap: str) -> list[str]:

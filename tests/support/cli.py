@@ -5,8 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from tests.support.services import ROOT, clean_env
+from tests.support.services import ROOT, clean_env, service_env
 
 
 def command(*args: object) -> list[str]:
@@ -25,3 +26,10 @@ def muonforge(
     """``muonforge ARGS`` with MUONFORGE_API_URL and MUONFORGE_API_KEY set (unset where None)."""
     env = client_env(url, key)
     return subprocess.run(command(*args), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def service_command(settings: Any, *args: object, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``muonforge ARGS`` as a process on the test's database and Redis (``settings``): a service
+    command such as keys, tenants or migrate."""
+    env = service_env(settings)
+    return subprocess.run(command(*args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
