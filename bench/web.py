@@ -40,6 +40,7 @@ from app.messaging.live_bus import live_bus
 from app.services import lifecycle
 from app.services.metric_history import store_metrics
 from app.settings import Settings
+from contract import metrics
 from tests.support.browser import CHROMIUM, LAUNCH_ARGS
 from worker.sink import JobSink
 
@@ -61,22 +62,12 @@ SPEC = {  # the job the pages show: its charts and heatmap follow from it
 # -- telemetry that looks like training ---------------------------------------------------------
 def series_names() -> list[str]:
     """The 20 series every step carries (val_loss, the 21st, comes every VAL_EVERY steps)."""
-    heads = [f"attn_max_logit/l{i}h{j}" for i in range(LAYERS) for j in range(HEADS)]
-    layers = [f"attn_max_logit/l{i}" for i in range(LAYERS)]
-    return [
-        "loss",
-        "lr",
-        "grad_norm",
-        "update_rms",
-        "tokens_per_s",
-        "step_time_ms",
-        "elapsed_s",
-        "attn_max_logit",
-        "qk_clip/heads_clipped",
-        "qk_clip/min_gamma",
-        *layers,
-        *heads,
-    ]
+    heads = [metrics.head_max_logit(i, j) for i in range(LAYERS) for j in range(HEADS)]
+    layers = [metrics.layer_max_logit(i) for i in range(LAYERS)]
+    every_step = (metrics.LOSS, metrics.LR, metrics.GRAD_NORM, metrics.UPDATE_RMS, metrics.TOKENS_PER_S)
+    timing = (metrics.STEP_TIME_MS, metrics.ELAPSED_S, metrics.ATTN_MAX_LOGIT)
+    clip = (metrics.QK_CLIP_HEADS_CLIPPED, metrics.QK_CLIP_MIN_GAMMA)
+    return [*every_step, *timing, *clip, *layers, *heads]
 
 
 def block(first: int, count: int, rng: np.random.Generator) -> list[tuple[int, dict[str, float]]]:
