@@ -5,6 +5,7 @@ Those parts are the job intake, the live reader, the reaper and webhook delivery
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 from contextlib import asynccontextmanager
@@ -16,9 +17,10 @@ from app.api.observability import install_metrics
 from app.api.routes import checkpoints, datasets, health, jobs, session, sweeps, webhooks
 from app.errors import install_error_handlers
 from app.messaging.live_bus import LiveReader
+from app.messaging.shared_limits import SharedLimits
 from app.services.auth import KeyCache
 from app.services.intake import Intake
-from app.services.quotas import RefusalPacer, RequestRate, StreamSlots, TenantThreads
+from app.services.quotas import TenantLimits, TenantThreads
 from app.services.reaper import run_reaper
 from app.services.webhook_delivery import run_deliveries
 from app.settings import Settings, get_settings
@@ -40,9 +42,8 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
     app.state.intake = Intake(settings)
     app.state.live_reader = None
-    app.state.streams = StreamSlots(settings.tenant_stream_cap)
+    app.state.tenant_limits = TenantLimits(settings, SharedLimits(settings.redis_url) if settings.redis_url else None)
     app.state.tenant_threads = TenantThreads(settings.tenant_threads)
-    app.state.request_rate = RequestRate(settings.tenant_rate_per_second, settings.tenant_burst)
     for module in (jobs, checkpoints, datasets, sweeps, webhooks, session, health):
         app.include_router(module.router)
     install_web(app)
@@ -51,9 +52,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
         Limits,
         settings=settings,
         key_cache=app.state.key_cache,
-        request_rate=app.state.request_rate,
-        streams=app.state.streams,
-        pacer=RefusalPacer(settings.refusal_pace_seconds),
+        tenant_limits=app.state.tenant_limits,
     )
     install_metrics(app, settings)
     return app
@@ -71,6 +70,7 @@ async def _lifespan(app: FastAPI, reaper: bool):
             thread.start()
     state.intake.start()
     state.live_reader = LiveReader(state.settings.redis_url) if state.settings.redis_url else None
+    renewals = asyncio.create_task(state.tenant_limits.renew_leases())
     # Everything built so far lives as long as the process: keep it out of the cyclic collector's
     # full passes, and make those rarer (every few seconds under load, each a pause of 20-100 ms
     # for every request in flight).
@@ -78,7 +78,9 @@ async def _lifespan(app: FastAPI, reaper: bool):
     gc.freeze()
     gc.set_threshold(700, 10, 100)
     yield
+    renewals.cancel()
     state.intake.stop()
+    await state.tenant_limits.close()
     if state.live_reader is not None:
         await state.live_reader.close()
     stop.set()

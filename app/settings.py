@@ -73,12 +73,16 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         1 << 20, description="Largest request body other than an upload (a job spec is a few kB); more answers 413."
     )
-    tenant_stream_cap: int = Field(100, description="Open event streams per tenant and API process; more answers 429.")
+    tenant_stream_cap: int = Field(
+        100, description="Open event streams per tenant, across the API processes; more answers 429."
+    )
     tenant_threads: int = Field(
         2, description="Threads of an API process's pool (40) one tenant's requests may use at once (0: no limit)."
     )
     tenant_rate_per_second: float = Field(
-        200.0, description="Requests a second per tenant and API process, on average (0: no limit); more answers 429."
+        200.0,
+        description="Requests a second per tenant, across the API processes, on average (0: no limit); "
+        "more answers 429.",
     )
     tenant_burst: int = Field(400, description="Requests a tenant may make at once above its rate.")
     refusal_pace_seconds: float = Field(

@@ -185,13 +185,20 @@ def cmd_tenants_set_cap(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from app.settings import get_settings
+
+    settings = get_settings()
+    if args.workers is None:
+        # Per-tenant limits are shared through Redis; the embedded mode (SQLite, no Redis) has
+        # one writer and nothing to share them through: one process.
+        args.workers = (os.cpu_count() or 1) if settings.redis_url and not settings.embedded else 1
     uvicorn.run(
         "app.main:create_app",
         factory=True,
         host=args.host,
         port=args.port,
         log_level="info",
-        workers=args.processes,
+        workers=args.workers,
         access_log=args.access_log,
         timeout_graceful_shutdown=args.graceful_timeout,
     )
@@ -250,7 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="the HTTP API (uvicorn)")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8000)
-    api.add_argument("--processes", type=int, default=1, help="API processes sharing the port (one per core)")
+    api.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="API processes sharing the port (default: one per core; one in the embedded mode)",
+    )
     api.add_argument("--no-access-log", dest="access_log", action="store_false", help="no line per request")
     api.add_argument(
         "--graceful-timeout",

@@ -127,7 +127,7 @@ def test_database_connections_fit_postgres_max_connections():
         env, args = found[name]["environment"], build_parser().parse_args(muonforge_args(found[name]))
         pool = int(env.get("MUONFORGE_DB_POOL_SIZE", defaults["db_pool_size"].default))
         overflow = int(env.get("MUONFORGE_DB_MAX_OVERFLOW", defaults["db_max_overflow"].default))
-        processes = getattr(args, "processes", None) or args.concurrency  # a prefork child has its own pool
+        processes = getattr(args, "workers", None) or args.concurrency  # a prefork child has its own pool
         per_service[name] = processes * (pool + overflow)
         total += per_service[name]
     assert total <= max_connections - SUPERUSER_RESERVED, per_service

@@ -3,7 +3,9 @@
 A request's database work runs as one unit in one worker thread: authenticate, call the
 service, commit once (then the actions registered with on_commit run). Holding a pooled
 connection across several thread hops (one per sync dependency) deadlocks under load once every
-thread waits for a connection that a request parked between hops is holding.
+thread waits for a connection that a request parked between hops is holding. The dependencies
+themselves do no I/O and are coroutines: FastAPI runs a plain ``def`` dependency in the thread
+pool, a hop (and two context switches) per dependency per request.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from sqlalchemy.orm import Session
 from app.db.session import open_session
 from app.errors import Unauthorized
 from app.messaging.live_bus import LiveBus, live_bus
-from app.services.auth import TenantRef, authenticate, cached_tenant
+from app.services.auth import KeyCache, TenantRef, authenticate, cached_tenant
 from app.services.intake import Intake
+from app.settings import Settings
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -46,25 +49,20 @@ class UnitOfWork:
         """The same unit of work for the tenant of ``key`` (a sign-in's key, not the request's)."""
         return UnitOfWork(self.request, f"Bearer {key}")
 
-    def cached_tenant(self) -> TenantRef | None:
-        """The request's tenant if already known (authenticated before, or its key cached)."""
-        return self._tenant or cached_tenant(self._authorization, self.key_cache)
-
-    def _admit(self, tenant: TenantRef) -> TenantRef:
-        """The request's tenant, its request counted once against the tenant's rate."""
-        if self._tenant is None:
-            self.request.app.state.request_rate.take(tenant.id)
-            self._tenant = tenant
-        return self._tenant
-
     async def __call__(
         self, fn: Callable[Concatenate[Session, TenantRef, P], T], *args: P.args, **kwargs: P.kwargs
     ) -> T:
-        # A key verified within the cache's time is admitted here, on the event loop: a tenant
-        # over its rate costs no thread and no query (429s stay cheap under a flood).
-        if self._tenant is None and (tenant := self.cached_tenant()) is not None:
-            self._admit(tenant)
-        return await self.in_thread(self._run, lambda session, tenant: fn(session, tenant, *args, **kwargs))
+        if self._tenant is None:
+            # A key verified within the cache's time is known here, on the event loop (else looked
+            # up in a thread of its own), and the request counted against its tenant's rate before
+            # its work takes a thread: a tenant over its rate costs no thread and no query.
+            tenant = cached_tenant(self._authorization, self.key_cache)
+            if tenant is None:
+                tenant = await self.in_thread(authenticated, self.settings, self._authorization, self.key_cache)
+            await self.request.app.state.tenant_limits.take_request(tenant.id)
+            self._tenant = tenant
+        tenant = self._tenant
+        return await self.in_thread(self._run, tenant, lambda session, tenant: fn(session, tenant, *args, **kwargs))
 
     def in_thread(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
         """``fn(*args)`` in the thread pool, within the share of its threads the request's tenant
@@ -72,30 +70,29 @@ class UnitOfWork:
         tenant_id = self._tenant.id if self._tenant is not None else None
         return self.request.app.state.tenant_threads.run(tenant_id, fn, *args)
 
-    def _run(self, fn: Callable[[Session, TenantRef], T]) -> T:
+    def _run(self, tenant: TenantRef, work: Callable[[Session, TenantRef], T]) -> T:
         with open_session(self.settings) as session:
-            tenant = self._tenant or self._admit(authenticate(session, self._authorization, self.key_cache))
-            # A key looked up in the database (a cache miss) may have had its last use written:
-            # commit that now, so that no row lock or SQLite write lock lasts as long as the work.
-            # Nothing was sent on a cache hit, and then this commit sends nothing either.
-            session.commit()
-            result = fn(session, tenant)
+            result = work(session, tenant)
             session.commit()
         return result
 
     async def key_still_valid(self) -> bool:
         """Whether the request's key is still known and not revoked, asked of the database (not
         the cache): what an open events stream checks every ``auth_cache_seconds``."""
-        return await self.in_thread(self._verify)
-
-    def _verify(self) -> bool:
-        with open_session(self.settings) as session:
-            try:
-                authenticate(session, self._authorization)
-            except Unauthorized:
-                return False
-            session.commit()  # its last use, when due
+        try:
+            await self.in_thread(authenticated, self.settings, self._authorization)
+        except Unauthorized:
+            return False
         return True
+
+
+def authenticated(settings: Settings, authorization: str | None, key_cache: KeyCache | None = None) -> TenantRef:
+    """The key's tenant, looked up in the database (in a thread); its last use committed when due,
+    in a transaction of its own (no row lock lasts as long as the request's work)."""
+    with open_session(settings) as session:
+        tenant = authenticate(session, authorization, key_cache)
+        session.commit()
+    return tenant
 
 
 def request_key(authorization: str | None, session_key: str | None) -> str | None:
@@ -103,7 +100,7 @@ def request_key(authorization: str | None, session_key: str | None) -> str | Non
     return authorization or (f"Bearer {session_key}" if session_key else None)
 
 
-def unit_of_work(
+async def unit_of_work(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
     session_key: Annotated[str | None, Cookie(alias=SESSION_COOKIE, include_in_schema=False)] = None,
@@ -113,7 +110,7 @@ def unit_of_work(
     return UnitOfWork(request, request_key(header, session_key), getattr(request.state, "tenant", None))
 
 
-def intake(request: Request) -> Intake:
+async def intake(request: Request) -> Intake:
     return request.app.state.intake
 
 

@@ -19,11 +19,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.deps import SESSION_COOKIE, request_key
-from app.db.session import open_session
+from app.api.deps import SESSION_COOKIE, authenticated, request_key
 from app.errors import DomainError, Unauthorized, error_response
-from app.services.auth import MISSING_KEY, KeyCache, TenantRef, authenticate, bearer_digest, cached_tenant
-from app.services.quotas import RefusalPacer, RequestRate, StreamSlots
+from app.services.auth import MISSING_KEY, KeyCache, TenantRef, bearer_digest, cached_tenant
+from app.services.quotas import TenantLimits
 from app.settings import Settings
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -39,12 +38,9 @@ class Limits:
         app: ASGIApp,
         settings: Settings,
         key_cache: KeyCache,
-        request_rate: RequestRate,
-        streams: StreamSlots,
-        pacer: RefusalPacer,
+        tenant_limits: TenantLimits,
     ) -> None:
-        self.app, self.settings, self.key_cache = app, settings, key_cache
-        self.request_rate, self.streams, self.pacer = request_rate, streams, pacer
+        self.app, self.settings, self.key_cache, self.tenant_limits = app, settings, key_cache, tenant_limits
         self._lookups: dict[str, asyncio.Future[TenantRef]] = {}  # key digest -> its lookup in flight
 
     def limit_for(self, path: str) -> int:
@@ -67,18 +63,22 @@ class Limits:
                 session_key = cookie_parser(headers.get("cookie", "")).get(SESSION_COOKIE)
                 authorization = request_key(headers.get("authorization"), session_key)
                 tenant = await self._tenant(authorization)
-                self.request_rate.take(tenant.id)
+                await self.tenant_limits.take_request(tenant.id)
                 scope.setdefault("state", {})["tenant"] = tenant
                 if method == "GET" and EVENTS_PATH.match(path):
                     # The stream's slot is taken here and held until its response ends: of a
                     # burst of stream requests, only those that get a slot reach the routes.
-                    with self.streams.hold(tenant.id):
+                    async with self.tenant_limits.stream_slot(tenant.id):
                         scope["state"]["stream_slot"] = tenant.id
                         return await self.app(scope, receive, send)
             except DomainError as exc:
                 response = error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
                 retry_after = float(exc.headers.get("Retry-After", 0))
-                if exc.status == 429 and tenant is not None and not await self.pacer.pause(tenant.id, retry_after):
+                if (
+                    exc.status == 429
+                    and tenant is not None
+                    and not await self.tenant_limits.pause_refusal(tenant.id, retry_after)
+                ):
                     response.headers["Connection"] = "close"
                 return await response(scope, receive, send)
         if not with_body:
@@ -114,7 +114,7 @@ class Limits:
             return await asyncio.shield(pending)
         pending = self._lookups[digest] = asyncio.get_running_loop().create_future()
         try:
-            tenant = await run_in_threadpool(self._authenticate, authorization)
+            tenant = await run_in_threadpool(authenticated, self.settings, authorization, self.key_cache)
         except BaseException as exc:
             pending.set_exception(exc)
             pending.exception()  # retrieved: no warning when no other request waited for it
@@ -124,12 +124,6 @@ class Limits:
             return tenant
         finally:
             del self._lookups[digest]
-
-    def _authenticate(self, authorization: str | None) -> TenantRef:
-        with open_session(self.settings) as session:
-            tenant = authenticate(session, authorization, self.key_cache)
-            session.commit()  # the key's last use, when a lookup wrote it
-        return tenant
 
 
 def body_limit_message(limit: int) -> str:

@@ -53,7 +53,7 @@ class StreamCollector:
         yield GaugeMetricFamily(
             "muonforge_event_streams",
             "Open events streams (SSE clients).",
-            value=state.streams.total if hasattr(state, "streams") else 0,
+            value=state.tenant_limits.streams.total if hasattr(state, "tenant_limits") else 0,
         )
         reader = getattr(state, "live_reader", None)
         yield GaugeMetricFamily(

@@ -43,7 +43,9 @@ from contract.spec import JobSpec
 
 log = logging.getLogger("muonforge.api")
 T = TypeVar("T")
-WRITER_BATCH, WRITER_LINGER = 256, 0.01  # jobs per transaction; at most this latency buys batches of rate x linger
+# Jobs per transaction, and no linger: a batch is what arrived while the previous one was written
+# (waiting for more would add its wait to every request's latency; measured in docs/benchmarks.md).
+WRITER_BATCH, WRITER_LINGER = 256, 0.0
 SENDER_BATCH, SENDER_LINGER = 500, 0.05  # tasks per pipeline; a task waits at most this long for others
 
 
@@ -117,7 +119,8 @@ def batches(pending: queue.SimpleQueue[T | None], linger: float, size: int) -> I
     while True:
         batch: list[T] = []
         item = pending.get()
-        time.sleep(linger)
+        if linger:
+            time.sleep(linger)
         while item is not None:
             batch.append(item)
             if len(batch) >= size or pending.empty():

@@ -53,7 +53,7 @@ def test_40_parallel_submissions_at_cap_8_admit_exactly_8(api_url, settings):
 
 @pytest.fixture(scope="module")
 def two_process_api(settings, tmp_path_factory):
-    with running_api(settings, tmp_path_factory.mktemp("api2"), "--processes", "2") as url:
+    with running_api(settings, tmp_path_factory.mktemp("api2"), "--workers", "2") as url:
         yield url
 
 

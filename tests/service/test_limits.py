@@ -115,18 +115,18 @@ def test_requests_in_flight_with_an_uncached_key_share_one_lookup(settings, monk
     import threading
     import time
 
-    from app.api.limits import Limits
+    from app.api import limits
     from app.main import create_app
 
     key = new_key(settings)
-    lookups, original = [], Limits._authenticate
+    lookups, original = [], limits.authenticated
 
-    def counted(self, authorization):
+    def counted(*args):
         lookups.append(threading.get_ident())
         time.sleep(0.2)  # a slow database: every request arrives while the first lookup runs
-        return original(self, authorization)
+        return original(*args)
 
-    monkeypatch.setattr(Limits, "_authenticate", counted)
+    monkeypatch.setattr(limits, "authenticated", counted)
 
     async def burst() -> list[int]:
         transport = httpx.ASGITransport(app=create_app(settings))

@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
-import redis
 
 from app.db.session import transaction
 from app.repositories.jobs import JobRepository
 from bench.faults import TcpProxy
 from tests.support.api import new_key
 from tests.support.net import free_port, wait_for
-from tests.support.services import Worker, running_api, unavailable
+from tests.support.services import Worker, redis_server, running_api
 from tests.support.specs import tiny_spec
 
 pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
@@ -91,65 +88,46 @@ def test_a_paused_redis_neither_blocks_the_job_nor_its_followers(settings, tmp_p
     """Redis paused (SIGSTOP: connections stay open, nothing answers) while a client follows a
     running job: events keep coming, from the database, while Redis is paused; the job succeeds
     and the stream carries every step exactly once."""
-    server = shutil.which("redis-server")
-    if server is None:
-        unavailable("needs a redis-server binary to pause")
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    own = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
-    wait_for(lambda: _answers(own.redis_url), timeout=20)
     steps, headers = 4000, {"Authorization": f"Bearer {new_key(settings)}"}
     spec = tiny_spec(steps, eval_every=1000, checkpoint_every=1000)
     received: list[tuple[float, str, int | None]] = []
     worker = None
-    try:
-        with running_api(own, tmp_path) as api:
-            worker = Worker(own, tmp_path / "worker.log")
-            job_id = httpx.post(f"{api}/v1/jobs", json=spec, headers=headers).json()["id"]
+    with redis_server() as (own_redis, proc):
+        own = settings.model_copy(update={"redis_url": own_redis})
+        try:
+            with running_api(own, tmp_path) as api:
+                worker = Worker(own, tmp_path / "worker.log")
+                job_id = httpx.post(f"{api}/v1/jobs", json=spec, headers=headers).json()["id"]
 
-            def follow() -> None:
-                with httpx.stream("GET", f"{api}/v1/jobs/{job_id}/events", headers=headers, timeout=60) as r:
-                    event = None
-                    for line in r.iter_lines():
-                        if line.startswith("event: "):
-                            event = line[7:]
-                        elif line.startswith("data: ") and event:
-                            step = json.loads(line[6:]).get("step") if event == "metrics" else None
-                            received.append((time.monotonic(), event, step))
-                            event = None
+                def follow() -> None:
+                    with httpx.stream("GET", f"{api}/v1/jobs/{job_id}/events", headers=headers, timeout=60) as r:
+                        event = None
+                        for line in r.iter_lines():
+                            if line.startswith("event: "):
+                                event = line[7:]
+                            elif line.startswith("data: ") and event:
+                                step = json.loads(line[6:]).get("step") if event == "metrics" else None
+                                received.append((time.monotonic(), event, step))
+                                event = None
 
-            follower = threading.Thread(target=follow, daemon=True)
-            follower.start()
-            wait_for(lambda: job_row(settings, job_id).progress_step >= 200, timeout=120)
-            proc.send_signal(signal.SIGSTOP)
-            paused_at = time.monotonic()
-            time.sleep(15)
-            resumed_at = time.monotonic()
-            proc.send_signal(signal.SIGCONT)
-            follower.join(timeout=240)
-            job = job_row(settings, job_id)
-            assert job.status == "succeeded", job.error
-            during = [s for t, e, s in received if e == "metrics" and paused_at < t < resumed_at]
-            assert during, "no event arrived while Redis was paused"
-            metrics = [s for _, e, s in received if e == "metrics"]
-            assert metrics == list(range(steps + 1)) and received[-1][1] == "done"  # the last eval is step N
-    finally:
-        if worker is not None:
-            worker.stop()
-        proc.send_signal(signal.SIGCONT)
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return redis.Redis.from_url(url, socket_timeout=1).ping()
-    except redis.RedisError:
-        return False
+                follower = threading.Thread(target=follow, daemon=True)
+                follower.start()
+                wait_for(lambda: job_row(settings, job_id).progress_step >= 200, timeout=120)
+                proc.send_signal(signal.SIGSTOP)
+                paused_at = time.monotonic()
+                time.sleep(15)
+                resumed_at = time.monotonic()
+                proc.send_signal(signal.SIGCONT)
+                follower.join(timeout=240)
+                job = job_row(settings, job_id)
+                assert job.status == "succeeded", job.error
+                during = [s for t, e, s in received if e == "metrics" and paused_at < t < resumed_at]
+                assert during, "no event arrived while Redis was paused"
+                metrics = [s for _, e, s in received if e == "metrics"]
+                assert metrics == list(range(steps + 1)) and received[-1][1] == "done"  # the last eval is step N
+        finally:
+            if worker is not None:
+                worker.stop()
 
 
 def test_a_stream_polls_the_database_at_a_bounded_rate_while_redis_refuses_connections(client, settings, monkeypatch):

@@ -1,21 +1,25 @@
-"""Per-tenant limits of an API process: open event streams, request rate, threads and the pace of
-refusals. One tenant at its limit gets 429 with Retry-After (or, for threads, waits for its own;
-refused again at once, its refusals wait); another tenant is not affected."""
+"""Per-tenant limits: open event streams, request rate, threads and the pace of refusals. One
+tenant at its limit gets 429 with Retry-After (or, for threads, waits for its own; refused again
+at once, its refusals wait); another tenant is not affected. Streams, rate and pace are shared
+by the API processes through Redis, and counted per process while Redis does not answer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
+import time
 
 import anyio
 import httpx
 import pytest
 
-from app.services.quotas import RefusalPacer, TenantThreads
+from app.services.quotas import TenantLimits, TenantThreads
+from app.settings import Settings
 from tests.support.api import new_key
 from tests.support.net import wait_for
-from tests.support.services import running_api
+from tests.support.services import redis_server, running_api
 from tests.support.specs import tiny_spec
 
 pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
@@ -81,6 +85,68 @@ def test_a_tenant_over_its_request_rate_is_told_when_to_come_back(slow_rate_api,
         assert client.get("/v1/jobs", headers=theirs).status_code == 200
 
 
+def fresh_connections() -> httpx.Client:
+    """A client that opens a connection per request: the kernel hands each to either API process."""
+    return httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def test_streams_rate_and_pace_are_one_figure_across_two_api_processes(settings, tmp_path):
+    """Two API processes on one port, each request on a connection of its own: 8 streams opened
+    at once, 3 get a slot (the cap, not 3 per process); of 30 requests, the burst of 20 passes
+    (not 20 per process); a refusal that comes before the previous one's Retry-After is held,
+    whichever process answers it."""
+    env = dict(
+        MUONFORGE_TENANT_STREAM_CAP="3",
+        MUONFORGE_TENANT_RATE_PER_SECOND="0.01",  # one token per 100 s: none refills during the test
+        MUONFORGE_TENANT_BURST="20",
+        MUONFORGE_REFUSAL_PACE_SECONDS="1",
+    )
+    streamer, caller = ({"Authorization": f"Bearer {new_key(settings)}"} for _ in range(2))
+    with running_api(settings, tmp_path, "--workers", "2", **env) as url, fresh_connections() as client:
+        job = client.post(f"{url}/v1/jobs", json=tiny_spec(), headers=streamer).json()["id"]
+        with contextlib.ExitStack() as streams:
+            events = f"{url}/v1/jobs/{job}/events"
+            opened = [streams.enter_context(client.stream("GET", events, headers=streamer)) for _ in range(8)]
+            assert sorted(r.status_code for r in opened) == [200] * 3 + [429] * 5
+        codes = [client.get(f"{url}/v1/jobs", headers=caller).status_code for _ in range(30)]
+        assert codes == [200] * 20 + [429] * 10
+        # Each refusal above came before the previous one's Retry-After: all but the first were
+        # held for half to all of the pace (1 s), on either process.
+        started = time.monotonic()
+        for _ in range(4):
+            assert client.get(f"{url}/v1/jobs", headers=caller).status_code == 429
+        assert time.monotonic() - started >= 4 * 0.5
+        client.post(f"{url}/v1/jobs/{job}/cancel", headers=streamer)
+
+
+def test_a_redis_that_stops_answering_leaves_each_process_its_own_limits(settings, tmp_path):
+    """The limits' Redis paused (SIGSTOP): the API logs it once and counts each tenant's rate in
+    the process (a bucket of its own: the burst again, then 429, never no limit); resumed, the
+    shared buckets count again, and the API logs that too."""
+    env = dict(
+        MUONFORGE_TENANT_RATE_PER_SECOND="0.01",  # one token per 100 s: none refills during the test
+        MUONFORGE_TENANT_BURST="5",
+        MUONFORGE_REFUSAL_PACE_SECONDS="0",
+    )
+    first, second = ({"Authorization": f"Bearer {new_key(settings)}"} for _ in range(2))
+    with redis_server() as (own_redis, redis_proc):
+        own = settings.model_copy(update={"redis_url": own_redis})
+        with running_api(own, tmp_path, **env) as url, fresh_connections() as client:
+            log = tmp_path / "api.log"
+
+            def status(headers: dict[str, str]) -> int:
+                return client.get(f"{url}/v1/jobs", headers=headers).status_code
+
+            assert [status(first) for _ in range(6)] == [200] * 5 + [429]  # the shared bucket
+            redis_proc.send_signal(signal.SIGSTOP)
+            assert [status(second) for _ in range(8)] == [200] * 5 + [429] * 3  # the process's bucket
+            assert log.read_text().count("Redis does not answer") == 1
+            assert status(first) == 200  # the process's bucket knows nothing of the shared one
+            redis_proc.send_signal(signal.SIGCONT)
+            wait_for(lambda: status(second) and "Redis answers again" in log.read_text(), timeout=30, interval=0.5)
+            assert status(first) == 429  # the shared bucket again: empty
+
+
 def test_a_tenant_uses_at_most_its_share_of_the_thread_pool():
     """Two threads for tenant a: its third and fourth calls wait for its own threads while
     tenant b's call runs at once; the waiting ones run as a's first ones finish."""
@@ -124,17 +190,19 @@ def test_a_tenant_refused_again_at_once_gets_its_refusals_after_a_pause():
     wait (two at most here, the third comes at once and closes its connection) while tenant b's
     first refusal is not held behind them; after the pause both of a's held refusals are
     answered. A tenant that comes back once its Retry-After has passed is answered at once."""
-    pacer = RefusalPacer(5.0, cap=2)
+    limits = TenantLimits(Settings(refusal_pace_seconds=5.0))  # no Redis: this process's record
+    limits.pacer.cap = 2
+    pacer = limits.pacer
 
     async def at_once(tenant: str, retry_after: float) -> bool:
-        task = asyncio.create_task(pacer.pause(tenant, retry_after))
+        task = asyncio.create_task(limits.pause_refusal(tenant, retry_after))
         await asyncio.sleep(0)  # one turn of the loop: a pause would still be sleeping
         assert task.done(), "answered without a pause"
         return task.result()
 
     async def scenario() -> None:
         assert await at_once("a", 0.3)  # the first: no pause
-        held = [asyncio.create_task(pacer.pause("a", 0.3)) for _ in range(2)]
+        held = [asyncio.create_task(limits.pause_refusal("a", 0.3)) for _ in range(2)]
         await asyncio.sleep(0)
         assert not any(task.done() for task in held) and pacer.waiting["a"] == 2
         assert await at_once("a", 0.3) is False  # past the cap: at once, close

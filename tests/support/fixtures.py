@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,8 +17,8 @@ from app.main import create_app
 from app.settings import Settings
 from contract.status import UNFINISHED
 from tests.support.api import new_key
-from tests.support.net import free_port, wait_for
-from tests.support.services import Worker, create_database, drop_database, running_api, unavailable
+from tests.support.net import wait_for
+from tests.support.services import Worker, create_database, drop_database, redis_server, running_api, unavailable
 from tests.support.services import database_url as url_of
 
 REDIS = os.environ.get("MUONFORGE_TEST_REDIS")  # unset: a throwaway redis-server for this run
@@ -48,29 +46,8 @@ def redis_url(tmp_path_factory) -> Iterator[str]:
             unavailable(f"needs Redis at {url} (MUONFORGE_TEST_REDIS) or a redis-server binary: {exc}")
         yield url
         return
-    port = free_port()
-    log = tmp_path_factory.mktemp("redis") / "redis.log"
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--logfile", str(log)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    unavailable(f"redis-server did not start: {log.read_text()[-500:] if log.exists() else ''}")
-                time.sleep(0.05)
+    with redis_server(tmp_path_factory.mktemp("redis") / "redis.log") as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import redis
 
 from tests.support.net import free_port, http_ready, wait_for
 
@@ -49,6 +52,40 @@ def drop_database(name: str, admin: str = PG_ADMIN) -> None:
 def database_url(name: str, admin: str = PG_ADMIN) -> str:
     """The SQLAlchemy URL of the database ``name`` beside ``admin``'s."""
     return admin.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
+
+
+@contextmanager
+def redis_server(log_path: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A throwaway redis-server (no persistence) from the installed binary, on a free port:
+    (its URL, its process), once it answers; stopped (and resumed first, if paused) at the end."""
+    server = shutil.which("redis-server")
+    if server is None:
+        unavailable("needs a redis-server binary")
+    port = free_port()
+    logfile = ["--logfile", str(log_path)] if log_path else []
+    proc = subprocess.Popen(
+        [str(server), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *logfile],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log = log_path.read_text()[-500:] if log_path and log_path.exists() else ""
+                    unavailable(f"redis-server did not start: {log}")
+                time.sleep(0.05)
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def clean_env(**settings: str) -> dict[str, str]:
@@ -118,10 +155,13 @@ def stop(proc: subprocess.Popen, timeout: float = 15) -> None:
 @contextmanager
 def running_api(settings: Any, log_dir: Path, *args: str, **env: str) -> Iterator[str]:
     """A real `muonforge api` process (streaming responses need a real server); ``args`` are
-    more options of `muonforge api`, ``env`` more MUONFORGE_* settings. Yields its URL."""
+    more options of `muonforge api` (one process unless they say ``--workers``), ``env`` more
+    MUONFORGE_* settings. Yields its URL."""
     port = free_port()
     log_path = log_dir / "api.log"
-    proc = launch(["api", "--port", str(port), "--no-access-log", *args], {**service_env(settings), **env}, log_path)
+    workers = [] if "--workers" in args else ["--workers", "1"]
+    command = ["api", "--port", str(port), "--no-access-log", *workers, *args]
+    proc = launch(command, {**service_env(settings), **env}, log_path)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_api(url, proc, log_path)

@@ -97,7 +97,7 @@ class Stack:
         """`muonforge api` (no access log) on ``port`` (else a free one), on the CPUs ``cpus`` alone
         if given (its threads and processes inherit them); returns its URL once /readyz answers 200."""
         port = self.api_port = port or free_port()
-        args = ["api", "--port", str(port), "--processes", str(processes), "--no-access-log"]
+        args = ["api", "--port", str(port), "--workers", str(processes), "--no-access-log"]
         self.api = self._start(args, "api.log", cpus)
         url = f"http://127.0.0.1:{port}"
         wait_api(url, self.api, self.logs / "api.log")

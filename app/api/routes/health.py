@@ -11,7 +11,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> dict:
+async def healthz() -> dict:
     """Liveness: the process answers."""
     return {"status": "ok"}
 

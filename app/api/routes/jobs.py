@@ -97,7 +97,7 @@ async def job_metrics(
 EVENT_ID = r"^[0-9]{0,19}$"
 
 
-def event_cursor(
+async def event_cursor(
     last_event_id: Annotated[
         str, Header(alias="Last-Event-ID", pattern=EVENT_ID, description="The last event's id: resume after it.")
     ] = "",
