@@ -1,5 +1,5 @@
-"""What abuse costs the API, on a throwaway deployment (tests/support/stack.py): one API process, real
-Postgres and Redis.
+"""What abuse costs the API, on a throwaway deployment (tests/support/stack.py): one API process
+(``--api-processes N``: N), real Postgres and Redis.
 
 1. body: a 1 GB body declared without a key (and one streamed with chunked encoding): the time
    to the refusal and the API's RSS growth, while the sender keeps writing;
@@ -10,7 +10,7 @@ Postgres and Redis.
 4. memory: a spec within the parameter and batch caps built to exhaust a worker's memory
    (attention scores of 128 x 64 x 8192^2 floats per layer): refused at intake, what it cost.
 
-    python bench/abuse.py [--attempts 5000] [--refusal-pace SECONDS] [--pin] [--json out.json]
+    python bench/abuse.py [--attempts 5000] [--refusal-pace SECONDS] [--pin] [--api-processes 1] [--json out.json]
 
 ``--refusal-pace 0`` answers every refusal at once (MUONFORGE_REFUSAL_PACE_SECONDS), to compare
 with the default pace on the same code. ``--pin`` keeps the load generator off the API's CPU, as
@@ -49,9 +49,11 @@ TARGETS = {"body_ms": 100.0, "body_rss_mb": 5.0, "victim_p99_ratio": 2.0, "admit
 
 
 def rss_mb(pid: int) -> float:
+    """The resident memory of ``pid`` and its children (the API's processes, with --api-processes)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+            return int(line.split()[1]) / 1024 + sum(rss_mb(int(child)) for child in children)
     raise RuntimeError("no VmRSS")
 
 
@@ -224,6 +226,7 @@ def main() -> int:
     parser.add_argument("--attempts", type=int, default=5000)
     parser.add_argument("--refusal-pace", type=float, help="MUONFORGE_REFUSAL_PACE_SECONDS (default: the service's)")
     parser.add_argument("--pin", action="store_true", help="the API on CPU 0 alone, the load generator on the others")
+    parser.add_argument("--api-processes", type=int, default=1, help="`muonforge api --workers`")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     env = {} if args.refusal_pace is None else {"MUONFORGE_REFUSAL_PACE_SECONDS": str(args.refusal_pace)}
@@ -237,7 +240,7 @@ def main() -> int:
         attacker, victim, capped, greedy = (stack.api_key(t) for t in ("attacker", "victim", "capped", "greedy"))
         with psycopg.connect(stack.db_url, autocommit=True) as db:
             db.execute("UPDATE tenants SET job_cap = 8 WHERE name = 'capped'")
-        url = stack.start_api(processes=1, cpus=api_cpus)
+        url = stack.start_api(processes=args.api_processes, cpus=api_cpus)
         pid = stack.api.pid
         result = {
             "body": [body_attack(url, pid, chunked=False), body_attack(url, pid, chunked=True)],
@@ -245,6 +248,7 @@ def main() -> int:
             "cap": asyncio.run(cap_attack(url, capped, 100)),
             "memory": memory_attack(url, pid, greedy),
             "cores": os.cpu_count(),
+            "api_processes": args.api_processes,
             "refusal_pace_s": args.refusal_pace,
             "pinned": {"api_cpus": sorted(api_cpus), "load_cpus": cpus[1:]} if args.pin else None,
         }
