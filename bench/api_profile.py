@@ -39,6 +39,8 @@ def stage(frames: list[str]) -> str:
         return "TaskPublisher thread: task messages"
     if "run_deliveries" in stack or "run_reaper" in stack:
         return "background loops (webhooks, reaper)"
+    if "shared_limits.py" in deepest or "TenantLimits" in deepest:
+        return "per-tenant limits: rate token, stream slot (Redis scripts)"
     if "auth.py" in deepest:
         return "auth (key hash, cache)"
     if re.search(r"submission.py|admission.py|caps.py|facts.py|contract/spec.py", deepest) or library == "pydantic":

@@ -75,7 +75,8 @@ def running_job(settings: Settings, key: str, steps: int = 1_000_000) -> tuple[s
     spec = {
         "model": {"arch": "gpt", "n_layer": 4, "n_head": 4, "d_model": 64, "seq_len": 64},
         "data": {"builtin": "synthetic"},
-        "train": {"steps": steps},
+        # The server's cap of 1,000 checkpoints a job (a 1,000,000-step job checkpoints every 1,000).
+        "train": {"steps": steps, "checkpoint_every": max(500, -(-steps // 1000))},
     }
     job_id = stored_job(settings, key, spec)
     with transaction(settings) as session:

@@ -15,7 +15,6 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from fastapi.sse import ServerSentEvent
@@ -43,12 +42,6 @@ POLL_SECONDS = 0.5  # embedded mode, and after the bus lost its place
 RECHECK_SECONDS = 15.0  # the database is read again when the bus brought nothing for this long
 MIN_KEY_CHECK_SECONDS = 1.0  # an open stream's key checks, at most this often (auth_cache_seconds may be 0)
 READ_AHEAD = 256  # events read before they are sent, at most (one database page is up to 500 steps)
-
-
-class Wait(Enum):
-    """What a wait for the next event brings when no event came before the next key check."""
-
-    NOTHING = "nothing"
 
 
 @dataclass
@@ -232,11 +225,15 @@ async def while_key_valid(
 ) -> AsyncIterator[ServerSentEvent]:
     """``events`` until ``key_valid()`` answers False: then the stream ends, without ``done``.
 
-    ``key_valid`` is asked every ``every`` seconds (at least MIN_KEY_CHECK_SECONDS). ``events`` is
-    read by a task of its own, so that no check waits for the next event.
+    ``key_valid`` is asked every ``every`` seconds (at least MIN_KEY_CHECK_SECONDS) by a task of
+    its own, and ``events`` read by another: events keep flowing while a check waits for its
+    thread and its query. (A check on the stream's path held the 200 streams of one tenant, whose
+    checks all fall due together, for up to 2.7 s every ``every``: docs/benchmarks.md.)
     """
     every = max(every, MIN_KEY_CHECK_SECONDS)
     ahead: asyncio.Queue[ServerSentEvent | Exception | None] = asyncio.Queue(maxsize=READ_AHEAD)
+    key_failed = asyncio.Event()
+    check_raised: list[Exception] = []
 
     async def read() -> None:
         try:
@@ -248,29 +245,35 @@ async def while_key_valid(
             return
         await ahead.put(None)  # the end
 
-    reader = asyncio.create_task(read())
-    loop = asyncio.get_running_loop()
-    check_at = loop.time() + every
+    async def check() -> None:
+        try:
+            while True:
+                await asyncio.sleep(every)
+                if not await key_valid():
+                    break
+        except Exception as exc:  # raised below, where the stream is served
+            check_raised.append(exc)
+        key_failed.set()
+        with contextlib.suppress(asyncio.QueueFull):
+            ahead.put_nowait(None)  # wakes the loop below if it waits for an event
+
+    tasks = [asyncio.create_task(read()), asyncio.create_task(check())]
     try:
         while True:
-            item: ServerSentEvent | Exception | Wait | None
             try:
-                item = ahead.get_nowait()  # most events: no wait, no timer
+                item = ahead.get_nowait()  # most events: no wait
             except asyncio.QueueEmpty:
-                try:
-                    item = await asyncio.wait_for(ahead.get(), max(0.0, check_at - loop.time()))
-                except TimeoutError:
-                    item = Wait.NOTHING
-            if item is not Wait.NOTHING:
-                if item is None:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-            if loop.time() >= check_at:
-                if not await key_valid():
-                    return
-                check_at = loop.time() + every
+                item = await ahead.get()
+            if key_failed.is_set():
+                if check_raised:
+                    raise check_raised[0]
+                return
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
     finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
