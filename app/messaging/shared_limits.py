@@ -4,8 +4,7 @@ Each limit is one Lua script: Redis runs a script atomically, so two processes t
 at the same moment cannot both take the last token or slot. Every script reads Redis' own clock
 (TIME), never the caller's: hosts whose clocks disagree still share one bucket.
 
-- the request rate: a token bucket per tenant (a hash: tokens, at); one script serves the
-  requests of many tenants, several tokens each;
+- the request rate: a token bucket per tenant (a hash: tokens, at);
 - open event streams: a sorted set per tenant, one member per open stream, scored by when its
   lease ends. A process renews the leases of its streams while they are open (``renew``), so the
   slots of a process that died free themselves within one lease;
@@ -22,26 +21,19 @@ TIMEOUT = 0.25  # seconds: a Redis that does not answer within this is treated a
 # to POOL_WAIT seconds) rather than fail: a burst of requests is not a Redis outage.
 MAX_CONNECTIONS, POOL_WAIT = 100, 5.0
 
-TOKEN_BUCKETS = """
+TOKEN_BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local answers = {}
-for i, key in ipairs(KEYS) do
-  local wanted = tonumber(ARGV[i + 2])
-  local held = redis.call('HMGET', key, 'tokens', 'at')
-  local tokens = tonumber(held[1]) or burst
-  local at = tonumber(held[2]) or now
-  tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-  local granted = math.min(wanted, math.floor(tokens))
-  tokens = tokens - granted
-  local wait = 0
-  if granted < wanted then wait = (1 - tokens) / rate end
-  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(now))
-  redis.call('PEXPIRE', key, math.ceil(burst / rate * 1000) + 1000)
-  answers[i] = {granted, tostring(wait)}
-end
-return answers
+local held = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(held[1]) or burst
+local at = tonumber(held[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local wait = 0
+if tokens < 1 then wait = (1 - tokens) / rate else tokens = tokens - 1 end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return tostring(wait)
 """
 
 TAKE_SLOT = """
@@ -92,18 +84,14 @@ class SharedLimits:
             timeout=POOL_WAIT,
         )
         self._client = redis.asyncio.Redis(connection_pool=pool)
-        self._buckets = self._client.register_script(TOKEN_BUCKETS)
+        self._bucket = self._client.register_script(TOKEN_BUCKET)
         self._take_slot = self._client.register_script(TAKE_SLOT)
         self._renew = self._client.register_script(RENEW_SLOTS)
         self._tell = self._client.register_script(TELL)
 
-    async def take_tokens(self, wanted: dict[str, int], rate: float, burst: int) -> dict[str, tuple[int, float]]:
-        """Up to ``wanted[tenant]`` tokens from each tenant's bucket, in order: per tenant, how
-        many were granted and, if fewer than wanted, the seconds until its next token."""
-        tenants = list(wanted)
-        keys = [key("rate", tenant_id) for tenant_id in tenants]
-        answers = await self._buckets(keys=keys, args=[rate, burst, *(wanted[t] for t in tenants)])
-        return {t: (int(granted), float(wait)) for t, (granted, wait) in zip(tenants, answers)}
+    async def take_token(self, tenant_id: str, rate: float, burst: int) -> float:
+        """0 if the tenant's request took a token, else the seconds until its next token."""
+        return float(await self._bucket(keys=[key("rate", tenant_id)], args=[rate, burst]))
 
     async def take_slot(self, tenant_id: str, slot: str, cap: int, lease: float) -> bool:
         """Whether ``slot`` (a stream) got one of the tenant's ``cap`` slots, held for ``lease`` seconds."""

@@ -193,46 +193,6 @@ class TenantThreads:
                 self._held[tenant_id] = (semaphore, users - 1)
 
 
-class TokenRequests:
-    """The rate tokens that the requests of one turn of the event loop ask for, taken from Redis
-    by one script: under load one round trip serves many requests (a script per request was 7.5%
-    of the API's CPU; docs/benchmarks.md, "Job submission load")."""
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate, self.burst = rate, burst
-        self._waiting: dict[str, list[asyncio.Future[float]]] = {}  # tenant -> its requests, in order
-        self._sends: set[asyncio.Task] = set()
-
-    def take(self, shared: SharedLimits, tenant_id: str) -> asyncio.Future[float]:
-        """The tenant's token: 0 once taken, else the seconds until its next one."""
-        loop = asyncio.get_running_loop()
-        if not self._waiting:  # the first of this turn: the send runs on the loop's next turn
-            task = loop.create_task(self._send(shared))
-            self._sends.add(task)
-            task.add_done_callback(self._sends.discard)
-        future: asyncio.Future[float] = loop.create_future()
-        self._waiting.setdefault(tenant_id, []).append(future)
-        return future
-
-    async def _send(self, shared: SharedLimits) -> None:
-        waiting, self._waiting = self._waiting, {}
-        futures = [future for per_tenant in waiting.values() for future in per_tenant]
-        try:
-            answers = await shared.take_tokens({t: len(f) for t, f in waiting.items()}, self.rate, self.burst)
-            for tenant_id, per_tenant in waiting.items():
-                granted, wait = answers[tenant_id]
-                for i, future in enumerate(per_tenant):
-                    if not future.done():  # not a request that ended meanwhile
-                        future.set_result(0.0 if i < granted else wait)
-        except Exception as exc:
-            for future in futures:
-                if not future.done():
-                    future.set_exception(exc)
-        finally:  # cancelled (the process stopping): so are the requests
-            for future in futures:
-                future.cancel()
-
-
 class TenantLimits:
     """A tenant's open streams, request rate and refusal pace: shared through Redis when there is
     one and it answers, else per process (the module's docstring)."""
@@ -244,7 +204,6 @@ class TenantLimits:
         self.shared = shared
         self._retry_at = 0.0  # monotonic: Redis is asked again from then on
         self._leases: dict[str, str] = {}  # shared slot -> its tenant, for the streams open here
-        self._tokens = TokenRequests(self.rate.rate, self.rate.burst)
 
     async def _ask(self, call: Callable[[SharedLimits], Awaitable[V]]) -> V | None:
         """Redis' answer, or None when the limit is to be counted in this process."""
@@ -266,7 +225,7 @@ class TenantLimits:
         """One request's token, or RateLimited with the seconds until the next one."""
         if self.rate.rate <= 0:
             return
-        wait = await self._ask(lambda shared: self._tokens.take(shared, tenant_id))
+        wait = await self._ask(lambda shared: shared.take_token(tenant_id, self.rate.rate, self.rate.burst))
         if wait is None:
             self.rate.take(tenant_id)
         elif wait > 0:

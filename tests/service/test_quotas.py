@@ -150,27 +150,22 @@ def test_a_redis_that_stops_answering_leaves_each_process_its_own_limits(setting
             assert status(first) == 429  # the shared bucket again: empty
 
 
-def test_the_requests_of_one_turn_share_one_script_and_get_their_tokens_in_order(settings):
-    """25 requests of tenant a and 3 of tenant b in one turn of the event loop, on a shared
-    bucket of 20: a's first 20 pass and its last 5 are refused with the wait for a token; b's
-    3 pass; all of it in one script on Redis."""
+def test_concurrent_requests_take_exactly_the_tokens_of_the_shared_bucket(settings):
+    """25 requests of tenant a and 3 of tenant b at once, on shared buckets of 20: 20 of a's pass
+    and 5 are refused with the wait for a token (100 s at 0.01 a second); b's 3 pass."""
     limits = TenantLimits(Settings(tenant_rate_per_second=0.01, tenant_burst=20), SharedLimits(settings.redis_url))
     a, b = (f"tenant-{uuid.uuid4().hex}" for _ in range(2))
-    sent = []
 
     async def scenario() -> list[object]:
-        original = limits.shared.take_tokens
-        limits.shared.take_tokens = lambda wanted, *args: sent.append(dict(wanted)) or original(wanted, *args)
         requests = [limits.take_request(a) for _ in range(25)] + [limits.take_request(b) for _ in range(3)]
         answers = await asyncio.gather(*requests, return_exceptions=True)
         await limits.close()
         return answers
 
     answers = asyncio.run(scenario())
-    assert answers[:20] == [None] * 20 and answers[25:] == [None] * 3
-    refused = answers[20:25]
+    assert answers[:25].count(None) == 20 and answers[25:] == [None] * 3
+    refused = [r for r in answers[:25] if r is not None]
     assert all(isinstance(r, RateLimited) and r.headers["Retry-After"] == "100" for r in refused), refused
-    assert sent == [{a: 25, b: 3}]
 
 
 def test_a_tenant_uses_at_most_its_share_of_the_thread_pool():
