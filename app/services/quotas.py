@@ -18,7 +18,6 @@ import asyncio
 import logging
 import math
 import random
-import threading
 import time
 import uuid
 from collections import Counter
@@ -80,26 +79,25 @@ class StreamSlots:
 
 
 class RequestRate:
-    """A token bucket per tenant: ``rate`` requests a second on average, bursts of ``burst``."""
+    """A token bucket per tenant: ``rate`` requests a second on average, bursts of ``burst`` (used
+    from the event loop only)."""
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate, self.burst = rate, burst
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
-        self._lock = threading.Lock()
 
     def take(self, tenant_id: str) -> None:
         """One request's token, or RateLimited with the seconds until the next one."""
         if self.rate <= 0:
             return
         now = time.monotonic()
-        with self._lock:
-            tokens, at = self._buckets.get(tenant_id, (float(self.burst), now))
-            tokens = min(float(self.burst), tokens + (now - at) * self.rate)
-            if tokens < 1.0:
-                self._buckets[tenant_id] = (tokens, now)
-                raise self.refusal((1.0 - tokens) / self.rate)
-            self._buckets[tenant_id] = (tokens - 1.0, now)
-            forget_oldest_half(self._buckets, at=lambda entry: entry[1])
+        tokens, at = self._buckets.get(tenant_id, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.rate)
+        if tokens < 1.0:
+            self._buckets[tenant_id] = (tokens, now)
+            raise self.refusal((1.0 - tokens) / self.rate)
+        self._buckets[tenant_id] = (tokens - 1.0, now)
+        forget_oldest_half(self._buckets, at=lambda entry: entry[1])
 
     def refusal(self, wait: float) -> RateLimited:
         """The answer to a request ``wait`` seconds before the tenant's next token."""
