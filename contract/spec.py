@@ -6,6 +6,7 @@ documented default. A validated spec's ``model_dump()`` is what the engine consu
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Self, get_args, get_origin
 
 from pydantic import (
@@ -20,7 +21,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from contract import metrics
+from contract import hf, metrics
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -31,10 +32,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-class ModelSpec(_Strict):
-    """The network. ``mlp`` is an attention-free language model over a fixed context window."""
+class HFSpec(_Strict):
+    """A transformers decoder built from its config: nothing is downloaded (docs/engine.md)."""
 
-    arch: Literal["gpt", "moe", "mlp"] = Field(description="Architecture.")
+    config: dict[str, Any] = Field(
+        description="transformers config fields: model_type (one of "
+        + ", ".join(sorted(hf.FAMILIES))
+        + ") and its sizes (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads; "
+        "num_key_value_heads, head_dim, tie_word_embeddings and the bias switches default as docs/engine.md says). "
+        "The vocabulary comes from data.tokenizer."
+    )
+
+    @field_validator("config")
+    @classmethod
+    def _known_family(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if len(json.dumps(v, default=str)) > hf.MAX_CONFIG_BYTES:
+            raise ValueError(f"a config of at most {hf.MAX_CONFIG_BYTES:,} bytes")
+        return hf.normalized(v)
+
+
+class ModelSpec(_Strict):
+    """The network. ``mlp`` is an attention-free language model over a fixed context window; ``hf``
+    a transformers decoder whose sizes its ``hf.config`` gives."""
+
+    arch: Literal["gpt", "moe", "mlp", "hf"] = Field(description="Architecture.")
+    hf: HFSpec | None = Field(None, description="arch hf only: the transformers model.")
     n_layer: int = Field(4, ge=1, le=64, description="Transformer blocks (hidden layers for mlp).")
     n_head: int = Field(4, ge=1, le=64, description="Attention heads (gpt, moe).")
     d_model: int = Field(128, ge=8, le=8192, description="Residual width.")
@@ -42,13 +64,36 @@ class ModelSpec(_Strict):
     n_experts: int | None = Field(None, ge=2, le=256, description="Experts per MoE layer (moe only; default 8).")
     top_k: int | None = Field(None, ge=1, le=16, description="Experts each token is routed to (moe only; default 2).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_sizes(cls, data: Any) -> Any:
+        """arch hf: n_layer, n_head and d_model are its config's (written there, and filled in here)."""
+        if not isinstance(data, dict) or data.get("arch") != "hf":
+            return data
+        config = data.get("hf", {}).get("config") if isinstance(data.get("hf"), dict) else None
+        if not isinstance(config, dict):
+            return data  # the hf field's own validation says what is missing
+        sizes = hf.sizes(config)
+        for ours, theirs in (("n_experts", None), ("top_k", None), *sizes.items()):
+            if data.get(ours) is not None and (theirs is None or data[ours] != config.get(theirs)):
+                where = f"hf.config.{theirs}" if theirs else "nowhere"
+                raise ValueError(f"{ours} is not set for arch hf: it comes from {where}")
+        return data | {ours: config.get(theirs) for ours, theirs in sizes.items()}
+
     # Cross-field rules are field validators (fields validate in declaration order), so an
     # error names the offending field, e.g. model.top_k.
+    @field_validator("hf")
+    @classmethod
+    def _hf_only(cls, v: HFSpec | None, info: ValidationInfo) -> HFSpec | None:
+        if (info.data.get("arch") == "hf") != (v is not None):
+            raise ValueError("arch hf needs model.hf (and only arch hf takes it)")
+        return v
+
     @field_validator("d_model")
     @classmethod
     def _heads_divide_width(cls, v: int, info: ValidationInfo) -> int:
         n_head = info.data.get("n_head")
-        if info.data.get("arch") != "mlp" and n_head and v % n_head:
+        if info.data.get("arch") in ("gpt", "moe") and n_head and v % n_head:
             raise ValueError(f"d_model ({v}) must be divisible by n_head ({n_head})")
         return v
 
@@ -64,6 +109,16 @@ class ModelSpec(_Strict):
         n_experts = info.data.get("n_experts")
         if info.field_name == "top_k" and n_experts is not None and v > n_experts:
             raise ValueError(f"top_k ({v}) must not exceed n_experts ({n_experts})")
+        return v
+
+    @field_validator("seq_len")
+    @classmethod
+    def _positions_cover_context(cls, v: int, info: ValidationInfo) -> int:
+        spec = info.data.get("hf")
+        if spec is not None:
+            positions = spec.config.setdefault(hf.POSITIONS, v)
+            if positions < v:
+                raise ValueError(f"seq_len ({v}) exceeds hf.config.{hf.POSITIONS} ({positions})")
         return v
 
 
@@ -354,3 +409,20 @@ def choices(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, lis
             elif isinstance(arg, type) and issubclass(arg, BaseModel):
                 out |= choices(arg, f"{prefix}{name}.")
     return out
+
+
+def in_field_order(doc: dict[str, Any], model: type[BaseModel] = JobSpec) -> dict[str, Any]:
+    """A stored spec (or a section of one) with its keys in the order ``model`` declares its fields,
+    at every level, and any key it does not declare after them.
+
+    That is the order ``JobSpec.stored`` writes; Postgres's jsonb keeps no key order (it sorts
+    keys by length, then bytes), so a spec read back is put in this order again."""
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        if name not in doc:
+            continue
+        value = doc[name]
+        kinds = (field.annotation, *get_args(field.annotation))
+        section = next((a for a in kinds if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        out[name] = in_field_order(value, section) if section is not None and isinstance(value, dict) else value
+    return out | {key: value for key, value in doc.items() if key not in out}

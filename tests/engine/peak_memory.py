@@ -30,7 +30,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         warm = copy.deepcopy(spec)  # imports, kernels and allocator arenas first, on a tiny run
         warm["train"].update(steps=2, batch_size=1)
-        warm["model"].update(n_layer=1, n_head=1, d_model=8, seq_len=8)
+        if spec["model"]["arch"] == "hf":
+            family = spec["model"]["hf"]["config"]["model_type"]
+            sizes = {"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
+            warm["model"] = {"arch": "hf", "seq_len": 8, "hf": {"config": {"model_type": family, **sizes}}}
+        else:
+            warm["model"].update(n_layer=1, n_head=1, d_model=8, seq_len=8)
         run_job(RunRequest(warm, Path(tmp) / "warm"))
         gc.collect()
         before = status_bytes("VmRSS")

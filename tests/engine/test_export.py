@@ -23,8 +23,14 @@ from worker.engine.run import run_job
 ROOT = Path(__file__).resolve().parents[2]
 
 
+HF_LLAMA = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
+HF_LLAMA |= {"num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True}
+
+
 def spec(arch: str, data: dict) -> dict:
     model = {"arch": arch, "n_layer": 2, "d_model": 16, "seq_len": 16} | ({"n_head": 2} if arch != "mlp" else {})
+    if arch == "hf":
+        model = {"arch": arch, "seq_len": 16, "hf": {"config": HF_LLAMA}}
     return JobSpec.model_validate(
         {
             "model": model | ({"n_experts": 3, "top_k": 2} if arch == "moe" else {}),
@@ -49,7 +55,7 @@ def logits(model: torch.nn.Module, vocab: int, seq_len: int) -> torch.Tensor:
         return model(tokens)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "moe", "mlp"])
+@pytest.mark.parametrize("arch", ["gpt", "moe", "mlp", "hf"])
 def test_the_exported_safetensors_reload_to_the_same_logits(tmp_path, arch):
     run_job(RunRequest(spec(arch, {"builtin": "synthetic"}), tmp_path / "run"))
     checkpoint = latest_checkpoint(tmp_path / "run" / "checkpoints")
@@ -65,7 +71,8 @@ def test_the_exported_safetensors_reload_to_the_same_logits(tmp_path, arch):
     tensors = load_file(str(exported))
     assert tensors.keys() == checkpoint_model(checkpoint).state_dict().keys()
     if arch != "mlp":  # the head tied to the embedding: two names, two tensors of the same values
-        assert torch.equal(tensors["lm_head.weight"], tensors["wte.weight"])
+        head, table = ("net.lm_head", "net.model.embed_tokens") if arch == "hf" else ("lm_head", "wte")
+        assert torch.equal(tensors[f"{head}.weight"], tensors[f"{table}.weight"])
 
 
 def docs_example() -> str:

@@ -18,12 +18,25 @@ from worker.engine.facts import SYNTHETIC_VOCAB, peak_memory_bytes
 pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 ROOT = Path(__file__).resolve().parents[2]
+HF_SIZES = {"hidden_size": 256, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 16}
 RUNS = {
     "attention scores": ({"arch": "gpt", "n_layer": 1, "n_head": 16, "d_model": 64, "seq_len": 1024}, 4),
     "parameters": ({"arch": "gpt", "n_layer": 2, "n_head": 4, "d_model": 1024, "seq_len": 32}, 8),
     "experts": (
         {"arch": "moe", "n_layer": 2, "n_head": 2, "d_model": 256, "n_experts": 4, "top_k": 4, "seq_len": 64},
         32,
+    ),
+    "transformers activations": (
+        {"arch": "hf", "seq_len": 64, "hf": {"config": {"model_type": "llama", **HF_SIZES, "intermediate_size": 1024}}},
+        64,
+    ),
+    "transformers attention, sliding window": (
+        {
+            "arch": "hf",
+            "seq_len": 1024,
+            "hf": {"config": {"model_type": "mistral", **HF_SIZES, "hidden_size": 64, "sliding_window": 64}},
+        },
+        8,
     ),
 }
 

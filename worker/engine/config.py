@@ -30,7 +30,7 @@ class ModelConfig:
     """The network to build: the spec's model section, the tokenizer's vocabulary and the engine's
     fixed ratios (an export's config.json holds these fields)."""
 
-    arch: str  # "gpt" | "moe" | "mlp"
+    arch: str  # "gpt" | "moe" | "mlp" | "hf"
     n_layer: int
     n_head: int
     d_model: int
@@ -40,10 +40,12 @@ class ModelConfig:
     top_k: int | None = None
     mlp_ratio: int = MLP_RATIO
     router_aux_weight: float = ROUTER_AUX_WEIGHT
+    hf: dict[str, Any] | None = None  # arch hf: the transformers config (normalized by contract.hf)
 
     @classmethod
     def of(cls, model: ModelSpec, vocab_size: int = BYTE_VOCAB) -> ModelConfig:
-        return cls(**model.model_dump(), vocab_size=vocab_size)
+        fields = model.model_dump()
+        return cls(**fields | {"hf": model.hf.config if model.hf else None}, vocab_size=vocab_size)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ constants; the API calls these functions at admission (app.services.caps).
 
 from __future__ import annotations
 
-from contract import metrics
+from contract import hf, metrics
 from contract.spec import DataSpec, JobSpec, ModelSpec
 
 MLP_RATIO = 4  # feed-forward width: d_model x 4
@@ -30,6 +30,10 @@ STATE_COPIES = 5
 NS_WORK = 3  # copies of the largest matrix that Newton–Schulz works on
 ACT_FLOATS_BLOCK = 10  # per layer x d_model: norms, q k v, attention output, projections, residuals
 ACT_FLOATS_FFN = 12  # per layer x d_model: the feed-forward's up projection and GELU (4 d each) and more
+# arch hf, per layer: x d_model (RMSNorms' fp32 copies, q k v, RoPE's rotated q and k, SDPA's
+# output, projections, residuals) and x intermediate size (gate, up, the gate's SiLU, their product)
+ACT_FLOATS_HF_BLOCK = 16
+ACT_FLOATS_SWIGLU = 7
 ACT_FLOATS_MOE = 10  # per layer x d_model x top_k: each routed copy's gather, up, GELU and down
 ACT_FLOATS_MLP = 2  # per hidden layer x width: the linear output and its GELU
 ATTENTION_TRANSIENT = 3  # score matrices alive at once beyond those kept: scaled, masked, their gradients
@@ -54,6 +58,8 @@ def vocabulary(data: DataSpec, dataset_char_vocab: int | None = None) -> int:
 
 def parameter_count(model: ModelSpec, vocab: int) -> int:
     """Exact parameter count of the engine's model for a JobSpec ``model`` section (tied head)."""
+    if model.hf is not None:
+        return hf.parameter_count(model.hf.config, vocab)
     d, L, T = model.d_model, model.n_layer, model.seq_len
     hidden = MLP_RATIO * d
     if model.arch == "mlp":
@@ -107,18 +113,23 @@ def run_memory_bytes(spec: JobSpec, vocab: int, B: int, on_cuda: bool | None, co
         layer_floats = tokens * (MLP_CONTEXT * d + ACT_FLOATS_MLP * hidden * L)
         attention = 0
     else:
-        ffn = ACT_FLOATS_FFN * d
+        block, ffn = ACT_FLOATS_BLOCK * d, ACT_FLOATS_FFN * d
+        if model.hf is not None:
+            block, ffn = ACT_FLOATS_HF_BLOCK * d, ACT_FLOATS_SWIGLU * hf.Shape.of(model.hf.config).ffn
         if model.arch == "moe":
             ffn = ACT_FLOATS_MOE * d * moe_top_k(model) + moe_experts(model)
-        layer_floats = tokens * L * (ACT_FLOATS_BLOCK * d + ffn)
-        scores = B * model.n_head * T * (min(T, MAX_LOGIT_BLOCK) if on_cuda else T)
-        attention = scores * (L * (0 if on_cuda else 1) + ATTENTION_TRANSIENT)
+        layer_floats = tokens * L * (block + ffn)
+        fused = on_cuda or model.hf is not None  # transformers models use SDPA on the CPU too
+        scores = B * model.n_head * T * (min(T, MAX_LOGIT_BLOCK) if fused else T)
+        attention = scores * (L * (0 if fused else 1) + ATTENTION_TRANSIENT)
     logits = LOGIT_FLOATS * tokens * vocab
     return RUN_OVERHEAD_BYTES + BYTES_PER_FLOAT * (state + layer_floats + attention + logits)
 
 
 def max_matrix(model: ModelSpec, vocab: int) -> int:
     """Elements of the largest weight matrix (the Newton–Schulz work is a few of its size)."""
+    if model.hf is not None:
+        return hf.largest_matrix(model.hf.config, vocab)
     d = model.d_model
     hidden = MLP_RATIO * d
     if model.arch == "mlp":

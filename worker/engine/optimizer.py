@@ -11,6 +11,8 @@ from torch import nn
 import optim
 from contract.spec import OptimizerSpec, TrainSpec
 
+from .models import LanguageModel
+
 NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
 
@@ -83,7 +85,8 @@ def build_optimizer(
     groups = optim.split_params(model)
     if cfg.name == "muonclip":
         tau = {} if cfg.qk_clip_tau is None else {"qk_clip_tau": cfg.qk_clip_tau}  # else MuonClip's default
-        return optim.MuonClip(groups, model, **tau, **options)
+        sources = model.qk_clip_sources() if isinstance(model, LanguageModel) else model
+        return optim.MuonClip(groups, sources, **tau, **options)
     if cfg.name == "muon":
         return optim.Muon(groups, **options)
     raise ValueError(f"unknown optimizer {cfg.name!r}")

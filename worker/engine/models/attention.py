@@ -71,8 +71,9 @@ class CausalSelfAttention(nn.Module):
 
 
 @torch.no_grad()
-def causal_max_logits(q: Tensor, k: Tensor, block: int = MAX_LOGIT_BLOCK) -> Tensor:
-    """Per-head max of q.k / sqrt(d) over batch and causal pairs, in query blocks. q, k: [B, H, T, D] -> [H].
+def causal_max_logits(q: Tensor, k: Tensor, block: int = MAX_LOGIT_BLOCK, scale: float | None = None) -> Tensor:
+    """Per-head max of q.k x scale (default 1 / sqrt(d)) over batch and causal pairs, in query
+    blocks. q, k: [B, H, T, D] -> [H].
 
     Each block of query rows reads the keys before it (all visible: no mask) and its own square
     of keys (the strict upper triangle masked). Every product is exact before its fp32
@@ -92,7 +93,26 @@ def causal_max_logits(q: Tensor, k: Tensor, block: int = MAX_LOGIT_BLOCK) -> Ten
             own = _fp32_logits(rows, k3[:, start:stop])  # [B*H, b, b]
             own.masked_fill_(above[: stop - start, : stop - start], float("-inf"))
             maxima.append(own.view(B, H, -1).amax(dim=(0, 2)))
-    return torch.stack(maxima).amax(dim=0) * (1.0 / math.sqrt(D))
+    return torch.stack(maxima).amax(dim=0) * (1.0 / math.sqrt(D) if scale is None else scale)
+
+
+@torch.no_grad()
+def masked_max_logits(q: Tensor, k: Tensor, allowed: Tensor, scale: float, block: int = MAX_LOGIT_BLOCK) -> Tensor:
+    """Per-head max of q.k x scale over the (query, key) pairs a boolean mask allows, in query blocks.
+
+    q [B, H, T, D], k [B, H, S, D], allowed [B or 1, H or 1, T, S] (True: the query attends to the
+    key; a sliding window's band) -> [H]. A head with no allowed pair reads -inf.
+    """
+    B, H, T, D = q.shape
+    q, k = _exact_operands(q, k)
+    maxima = []
+    with torch.autocast(q.device.type, enabled=False):
+        for start in range(0, T, block):
+            rows = slice(start, min(start + block, T))
+            logits = _fp32_logits(q[:, :, rows].reshape(B * H, -1, D), k.reshape(B * H, -1, D))  # [B*H, b, S]
+            logits = logits.view(B, H, *logits.shape[1:]).masked_fill(~allowed[:, :, rows], float("-inf"))
+            maxima.append(logits.amax(dim=(0, 2, 3)))
+    return torch.stack(maxima).amax(dim=0) * scale
 
 
 def _exact_operands(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:

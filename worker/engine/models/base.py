@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from torch import Tensor, nn
 
-from .attention import CausalSelfAttention
+from optim import QKClipSource
+
 from .moe import MoEFeedForward
+
+
+class AttentionLayer(QKClipSource, Protocol):
+    """An attention layer as the trainer sees it: it records each head's max logit while
+    ``record_max_logits`` is on, and QK-Clip scales its targets."""
+
+    record_max_logits: bool
 
 
 class LanguageModel(nn.Module):
@@ -16,8 +26,12 @@ class LanguageModel(nn.Module):
     either keeps these defaults.
     """
 
-    def attention_layers(self) -> list[CausalSelfAttention]:
+    def attention_layers(self) -> list[AttentionLayer]:
         return []
+
+    def qk_clip_sources(self) -> list[QKClipSource]:
+        """What QK-Clip scales from which maxima: the attention layers, unless a model says otherwise."""
+        return list(self.attention_layers())
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return []

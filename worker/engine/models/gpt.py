@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from .attention import CausalSelfAttention
-from .base import LanguageModel
+from .base import AttentionLayer, LanguageModel
 from .moe import MoEFeedForward
 
 
@@ -71,7 +71,7 @@ class GPT(LanguageModel):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
-    def attention_layers(self) -> list[CausalSelfAttention]:
+    def attention_layers(self) -> list[AttentionLayer]:
         return [b.attn for b in self.blocks if isinstance(b.attn, CausalSelfAttention)]
 
     def moe_layers(self) -> list[MoEFeedForward]:

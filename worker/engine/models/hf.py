@@ -1,0 +1,145 @@
+"""Transformers decoders (``model.arch: hf``), built from their config, their max logits measured.
+
+The model is transformers' own (``AutoModelForCausalLM.from_config``: nothing is downloaded), with
+one change: its attention runs through a function registered in transformers' attention registry,
+which records each head's exact max logit (q.k x scaling, the layer's mask respected: causal,
+sliding window) and then calls transformers' SDPA attention, so the hot path stays the fused
+kernel. QK-Clip scales what bounds a head's logit: the rows of W_q (and W_k, without grouped-query
+attention) of the head, or, for QK-norm families (qwen3), the norms' gains, which every head of the
+layer shares, by the layer's largest factor (docs/engine.md, "Transformers models").
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from contract.hf import Shape
+from optim import QKClipSource, QKClipTarget, separate_qk_targets
+
+from ..config import ModelConfig
+from .attention import causal_max_logits, masked_max_logits
+from .base import AttentionLayer, LanguageModel
+
+ATTENTION = "muonforge_max_logit"  # the name of our function in transformers' attention registry
+PROBE = "_muonforge_probe"  # the attribute of a transformers attention module that holds its HeadProbe
+
+
+class HeadProbe:
+    """One attention layer's per-head max logits, recorded by the registered attention function.
+
+    It implements :class:`optim.QKClipSource` for telemetry (one value per query head); QK-Clip
+    of a QK-norm layer goes through :class:`SharedGainClip` instead.
+    """
+
+    def __init__(self, attention: nn.Module, shape: Shape) -> None:
+        self.attention, self.shape = attention, shape
+        self.record_max_logits = True
+        self._max_logits: Tensor | None = None
+
+    def remember(self, per_head: Tensor) -> None:
+        per_head = per_head.float()
+        self._max_logits = per_head if self._max_logits is None else torch.maximum(self._max_logits, per_head)
+
+    def qk_max_logits(self) -> Tensor | None:
+        return self._max_logits
+
+    def reset_qk_max_logits(self) -> None:
+        self._max_logits = None
+
+    def qk_clip_targets(self) -> list[QKClipTarget]:
+        q, k = cast(nn.Linear, self.attention.q_proj), cast(nn.Linear, self.attention.k_proj)
+        s = self.shape
+        return separate_qk_targets(q.weight, k.weight, s.heads, s.head_dim, s.kv_heads, q.bias, k.bias)
+
+
+class SharedGainClip:
+    """QK-Clip of a QK-norm layer: q = g_q * rmsnorm(W_q x), k = g_k * rmsnorm(W_k x).
+
+    The norm undoes any scaling of W_q and W_k, and the gains g_q, g_k [head_dim] are shared by
+    every head, so the clip scales both gains by sqrt(gamma) of the layer's hottest head: every
+    head's logit is then multiplied by that gamma, the hottest ends at tau and the others below.
+    """
+
+    def __init__(self, probe: HeadProbe) -> None:
+        self.probe = probe
+
+    def qk_max_logits(self) -> Tensor | None:
+        s = self.probe.qk_max_logits()
+        return None if s is None else s.amax().reshape(1)
+
+    def reset_qk_max_logits(self) -> None:
+        self.probe.reset_qk_max_logits()
+
+    def qk_clip_targets(self) -> list[QKClipTarget]:
+        a = self.probe.attention
+        gains = (cast(nn.RMSNorm, a.q_norm).weight, cast(nn.RMSNorm, a.k_norm).weight)
+        return [QKClipTarget(g.view(1, -1), heads=1, rows=1) for g in gains]
+
+
+def _attention_with_max_logits(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' SDPA attention, recording each head's max logit on ``module``'s probe first.
+
+    query [B, H, T, D], key and value [B, H_kv, S, D] (after RoPE and QK-norm); attention_mask None
+    (causal) or a boolean [B or 1, 1, T, S] mask, True where a query may attend.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    probe: HeadProbe | None = getattr(module, PROBE, None)
+    if probe is not None and module.training and probe.record_max_logits:
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        k = key.detach().repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # [B, H, S, D]: GQA groups
+        if attention_mask is None:
+            per_head = causal_max_logits(query.detach(), k, scale=scaling)
+        else:
+            per_head = masked_max_logits(query.detach(), k, attention_mask, scale=scaling)
+        probe.remember(per_head)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _attention_with_max_logits)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks SDPA takes (None where causal)
+
+
+class HFCausalLM(LanguageModel):
+    """A transformers decoder of ``cfg.hf`` (a normalized config), token ids in, logits out."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if cfg.hf is None:
+            raise ValueError("arch hf needs model.hf.config")
+        _register()
+        self.cfg = cfg
+        fields = {k: v for k, v in cfg.hf.items() if k != "model_type"}
+        config = AutoConfig.for_model(cfg.hf["model_type"], vocab_size=cfg.vocab_size, **fields)
+        self.net = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+        shape = Shape.of(cfg.hf)
+        self.probes = [HeadProbe(layer.self_attn, shape) for layer in self.net.model.layers]
+        for probe in self.probes:
+            setattr(probe.attention, PROBE, probe)
+        self.clip_sources: list[QKClipSource] = (
+            [SharedGainClip(p) for p in self.probes] if shape.family.qk_norm else list(self.probes)
+        )
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """idx [B, T] token ids -> logits [B, T, vocab]."""
+        return self.net(input_ids=idx, use_cache=False).logits
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        return list(self.probes)
+
+    def qk_clip_sources(self) -> list[QKClipSource]:
+        return list(self.clip_sources)
+
+
+ARCHITECTURES = {"hf": HFCausalLM}
