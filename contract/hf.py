@@ -17,8 +17,8 @@ from typing import Any
 class Family:
     """How one transformers decoder family names its sizes and which parameters it has.
 
-    ``names`` maps our words (layers, heads, kv_heads, width, ffn, head_dim) to the family's
-    config fields; ``defaults`` are the shape fields a config may omit (a callable takes the
+    ``names`` maps our words (layers, heads, kv_heads, width, ffn, head_dim, positions) to the
+    family's config fields; ``defaults`` are the fields a config may omit (a callable takes the
     config so far).
     """
 
@@ -28,6 +28,9 @@ class Family:
     o_bias: str | bool = False
     mlp_bias: str | bool = False
     qk_norm: bool = False  # per-head RMSNorm of q and k (gains of head_dim each, shared by the heads)
+    gated_mlp: bool = True  # gate, up and down projections (SwiGLU); else up and down (GPT-2's GELU)
+    layer_norm: bool = False  # LayerNorm (gain and bias) rather than RMSNorm (gain)
+    learned_positions: bool = False  # a position embedding table (GPT-2) rather than RoPE
 
 
 _LLAMA_NAMES = {
@@ -37,6 +40,7 @@ _LLAMA_NAMES = {
     "width": "hidden_size",
     "ffn": "intermediate_size",
     "head_dim": "head_dim",
+    "positions": "max_position_embeddings",
 }
 _LLAMA_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": lambda c: c["num_attention_heads"],
@@ -44,7 +48,6 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 SWITCHES = ("attention_bias", "mlp_bias")  # the bias switches a family may read
-POSITIONS = "max_position_embeddings"  # the longest context RoPE is set up for; default: model.seq_len
 
 # The families tested end to end (tests/engine/test_hf_models.py builds each with transformers and
 # checks the parameter count below against it): pre-norm decoders with RoPE, RMSNorm and SwiGLU.
@@ -60,6 +63,23 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(_LLAMA_NAMES, _LLAMA_DEFAULTS, qkv_bias=True),
     "qwen3": Family(
         _LLAMA_NAMES, _LLAMA_DEFAULTS | {"attention_bias": False}, "attention_bias", "attention_bias", qk_norm=True
+    ),
+    "gpt2": Family(
+        {"layers": "n_layer", "heads": "n_head", "width": "n_embd", "ffn": "n_inner", "positions": "n_positions"},
+        {
+            "n_inner": lambda c: 4 * c["n_embd"],
+            "tie_word_embeddings": True,
+            # No dropout, as the engine's own models and today's pretraining (transformers' default: 0.1).
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        gated_mlp=False,
+        layer_norm=True,
+        learned_positions=True,
     ),
 }
 
@@ -87,7 +107,7 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
         if key in config:
             raise ValueError(f"{key} may not be set: {why}")
     family = FAMILIES[model_type]
-    required = [family.names[w] for w in ("layers", "heads", "width", "ffn")]
+    required = [family.names[w] for w in ("layers", "heads", "width", "ffn") if family.names[w] not in family.defaults]
     missing = [k for k in required if k not in config]
     if missing:
         raise ValueError(f"a {model_type} config needs {', '.join(missing)}")
@@ -96,7 +116,7 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
         for key, default in family.defaults.items():
             if fill and out.get(key) is None:
                 out[key] = default(out) if callable(default) else default
-        for key in (*family.names.values(), POSITIONS):
+        for key in family.names.values():
             value = out.get(key, 1)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{key} must be a whole number >= 1 (got {value!r})")
@@ -108,7 +128,14 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"num_attention_heads ({shape.heads}) must be a multiple of num_key_value_heads ({shape.kv_heads})"
         )
+    if shape.head_dim * shape.heads != shape.width and not family.names.get("head_dim"):
+        raise ValueError(f"{family.names['width']} ({shape.width}) must be divisible by {family.names['heads']}")
     return out
+
+
+def positions(config: dict[str, Any]) -> str:
+    """The config field of the longest context the model is set up for (its default: model.seq_len)."""
+    return FAMILIES[config["model_type"]].names["positions"]
 
 
 def sizes(config: dict[str, Any]) -> dict[str, str]:
@@ -128,21 +155,23 @@ class Shape:
     head_dim: int
     width: int
     ffn: int
+    positions: int
     tied: bool
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Shape:
         family = FAMILIES[config["model_type"]]
-        get = {w: config[k] for w, k in family.names.items()}
+        get: dict[str, Any] = {w: config.get(k) for w, k in family.names.items()}
         heads = get["heads"]
         return cls(
             family=family,
             layers=get["layers"],
             heads=heads,
-            kv_heads=get.get("kv_heads", heads),
-            head_dim=get.get("head_dim", get["width"] // heads),
+            kv_heads=get.get("kv_heads") or heads,
+            head_dim=get.get("head_dim") or get["width"] // heads,
             width=get["width"],
             ffn=get["ffn"],
+            positions=get["positions"] or 0,  # filled in from model.seq_len by the spec's validation
             tied=bool(config["tie_word_embeddings"]),
         )
 
@@ -159,10 +188,15 @@ def parameter_count(config: dict[str, Any], vocab: int) -> int:
     attention = d * (q + 2 * kv) + q * d
     attention += (q + 2 * kv) * s.flag(config, f.qkv_bias) + d * s.flag(config, f.o_bias)
     attention += 2 * s.head_dim * f.qk_norm
-    mlp = 3 * d * s.ffn + (2 * s.ffn + d) * s.flag(config, f.mlp_bias)  # gate, up, down (SwiGLU)
-    layer = attention + mlp + 2 * d  # two RMSNorm gains
+    if f.gated_mlp:  # gate, up, down
+        mlp = 3 * d * s.ffn + (2 * s.ffn + d) * s.flag(config, f.mlp_bias)
+    else:  # up, down
+        mlp = 2 * d * s.ffn + (s.ffn + d) * s.flag(config, f.mlp_bias)
+    norm = 2 * d if f.layer_norm else d
+    layer = attention + mlp + 2 * norm
+    embeddings = vocab * d + (s.positions * d if f.learned_positions else 0)
     head = 0 if s.tied else vocab * d
-    return vocab * d + s.layers * layer + d + head
+    return embeddings + s.layers * layer + norm + head
 
 
 def largest_matrix(config: dict[str, Any], vocab: int) -> int:

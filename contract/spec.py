@@ -78,7 +78,7 @@ class ModelSpec(_Strict):
             if data.get(ours) is not None and (theirs is None or data[ours] != config.get(theirs)):
                 where = f"hf.config.{theirs}" if theirs else "nowhere"
                 raise ValueError(f"{ours} is not set for arch hf: it comes from {where}")
-        return data | {ours: config.get(theirs) for ours, theirs in sizes.items()}
+        return data | {ours: config[theirs] for ours, theirs in sizes.items() if theirs in config}
 
     # Cross-field rules are field validators (fields validate in declaration order), so an
     # error names the offending field, e.g. model.top_k.
@@ -116,9 +116,10 @@ class ModelSpec(_Strict):
     def _positions_cover_context(cls, v: int, info: ValidationInfo) -> int:
         spec = info.data.get("hf")
         if spec is not None:
-            positions = spec.config.setdefault(hf.POSITIONS, v)
+            field = hf.positions(spec.config)
+            positions = spec.config.setdefault(field, v)
             if positions < v:
-                raise ValueError(f"seq_len ({v}) exceeds hf.config.{hf.POSITIONS} ({positions})")
+                raise ValueError(f"seq_len ({v}) exceeds hf.config.{field} ({positions})")
         return v
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from contract.hf import FAMILIES
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 
@@ -32,7 +33,8 @@ def main() -> None:
         warm["train"].update(steps=2, batch_size=1)
         if spec["model"]["arch"] == "hf":
             family = spec["model"]["hf"]["config"]["model_type"]
-            sizes = {"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
+            names = FAMILIES[family].names
+            sizes = {names[w]: n for w, n in (("width", 8), ("ffn", 8), ("layers", 1), ("heads", 1))}
             warm["model"] = {"arch": "hf", "seq_len": 8, "hf": {"config": {"model_type": family, **sizes}}}
         else:
             warm["model"].update(n_layer=1, n_head=1, d_model=8, seq_len=8)

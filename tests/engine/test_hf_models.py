@@ -16,6 +16,7 @@ from worker.engine.config import ModelConfig, job_config
 from worker.engine.data import synthetic_task
 from worker.engine.facts import parameter_count
 from worker.engine.models import build_model
+from worker.engine.models.hf import attention_modules, query_key
 from worker.engine.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -24,6 +25,8 @@ VOCAB = 50
 
 
 def hf_config(family: str, **kw) -> dict:
+    if family == "gpt2":
+        return {"model_type": family, "n_embd": 32, "n_layer": 2, "n_head": 4} | kw
     base = {"model_type": family, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
     return base | {"num_attention_heads": 4, "num_key_value_heads": 2} | kw
 
@@ -42,6 +45,11 @@ def random_configs(family: str, n: int) -> list[dict]:
     rng = random.Random(family)
     out = []
     for i in range(n):
+        if family == "gpt2":
+            heads = rng.choice([2, 4, 8])
+            config = hf_config(family, n_embd=8 * heads, n_layer=rng.randint(1, 3), n_head=heads)
+            out.append(config | ({"n_inner": rng.choice([24, 48])} if i % 2 else {"tie_word_embeddings": False}))
+            continue
         heads = rng.choice([2, 4, 8])
         config = hf_config(
             family,
@@ -144,8 +152,9 @@ def reference_max_logits(model, idx: torch.Tensor) -> list[torch.Tensor]:
         hf_config("mistral", sliding_window=5),  # a sliding window shorter than the context
         hf_config("qwen2"),  # q, k, v biases
         hf_config("qwen3", head_dim=12),  # QK-norm, head_dim not hidden / heads
+        hf_config("gpt2"),  # a fused Conv1D c_attn, split in three
     ],
-    ids=["llama-gqa", "mistral-window", "qwen2-bias", "qwen3-qknorm"],
+    ids=["llama-gqa", "mistral-window", "qwen2-bias", "qwen3-qknorm", "gpt2-split"],
 )
 def test_recorded_max_logits_equal_the_full_score_matrix(config):
     model = build(config)
@@ -153,9 +162,10 @@ def test_recorded_max_logits_equal_the_full_score_matrix(config):
     model(idx)
     recorded = [layer.qk_max_logits() for layer in model.attention_layers()]
     expected = reference_max_logits(model, idx)
-    assert len(recorded) == len(expected) == config["num_hidden_layers"]
+    spec = model_spec(config)
+    assert len(recorded) == len(expected) == spec.n_layer
     for got, want in zip(recorded, expected, strict=True):
-        assert got is not None and got.shape == (config["num_attention_heads"],)
+        assert got is not None and got.shape == (spec.n_head,)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -172,15 +182,15 @@ def test_sliding_window_changes_the_maximum():
     assert (a <= b + 1e-6).all() and (a < b - 1e-6).any()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_qk_clip_leaves_every_head_at_or_below_tau(family):
     # One layer: a clip of layer l changes what layer l + 1 reads, so deeper layers' maxima move too.
-    model = build(hf_config(family, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    one = {"n_layer": 1} if family == "gpt2" else {"num_hidden_layers": 1}
+    model = build(hf_config(family, **one))
     idx = torch.randint(0, VOCAB, (4, 16))
     with torch.no_grad():  # make the logits large, as a run that needs the clip has them
-        for layer in model.net.model.layers:
-            a = layer.self_attn
-            for w in (a.q_proj.weight, a.k_proj.weight) if family == "llama" else (a.q_norm.weight, a.k_norm.weight):
+        for a in attention_modules(model.net):
+            for w in (a.q_norm.weight, a.k_norm.weight) if family == "qwen3" else [p.weight for p in query_key(a)]:
                 w.mul_(4.0)
     model(idx)
     before = torch.stack([layer.qk_max_logits() for layer in model.attention_layers()])
@@ -191,29 +201,55 @@ def test_qk_clip_leaves_every_head_at_or_below_tau(family):
     after = torch.stack([layer.qk_max_logits() for layer in model.attention_layers()])
     assert float(after.max()) <= tau * (1 + 1e-5)
     assert float(after.max()) >= tau * (1 - 1e-4)  # the hottest head ends at tau, not below
-    if family == "llama":  # per head: a head already below tau is left alone
+    if family != "qwen3":  # per head: a head already below tau is left alone
         cold = before < tau
         torch.testing.assert_close(after[cold], before[cold], rtol=1e-5, atol=1e-6)
 
 
-def test_routing_sends_hidden_matrices_to_muon_and_the_rest_to_adamw():
-    model = build(hf_config("qwen2", tie_word_embeddings=False))
+def routed(model) -> tuple[set[str], set[str]]:
     groups = optim.split_params(model)
     names = {p: n for n, p in model.named_parameters()}
     muon = {names[p] for g in groups if g["use_muon"] for p in g["params"]}
-    adamw = {names[p] for g in groups if not g["use_muon"] for p in g["params"]}
+    return muon, {names[p] for g in groups if not g["use_muon"] for p in g["params"]}
+
+
+def test_routing_sends_hidden_matrices_to_muon_and_the_rest_to_adamw():
+    model = build(hf_config("qwen2", tie_word_embeddings=False))
+    muon, adamw = routed(model)
     hidden = tuple(f"{m}_proj.weight" for m in ("q", "k", "v", "o", "gate", "up", "down"))
-    assert muon == {n for n in names.values() if n.endswith(hidden)}
+    assert muon == {n for n, _ in model.named_parameters() if n.endswith(hidden)}
     assert {"net.model.embed_tokens.weight", "net.lm_head.weight", "net.model.norm.weight"} <= adamw
-    assert all(n in adamw for n in names.values() if n.endswith("bias") or "norm" in n)
+    assert all(n in adamw for n, _ in model.named_parameters() if n.endswith("bias") or "norm" in n)
 
 
-def test_a_muonclip_run_reports_every_head_and_resumes_bitwise(tmp_path):
+def test_gpt2_conv1d_layers_become_linear_and_its_fused_qkv_three_matrices_for_muon():
+    from transformers import AutoModelForCausalLM
+
+    model = build(hf_config("gpt2"))
+    muon, adamw = routed(model)
+    hidden = ("c_attn.q.weight", "c_attn.k.weight", "c_attn.v.weight", "attn.c_proj.weight", "c_fc.weight")
+    assert muon == {n for n, _ in model.named_parameters() if n.endswith((*hidden, "mlp.c_proj.weight"))}
+    assert len(muon) == 2 * 6
+    mlp = model.net.transformer.h[0].mlp
+    assert mlp.c_fc.weight.shape == (128, 32) and mlp.c_proj.weight.shape == (32, 128)  # [out, in]
+    assert {"net.transformer.wte.weight", "net.transformer.wpe.weight"} <= adamw
+    # The same function as transformers' own GPT-2 with the same weights.
+    spec = model_spec(hf_config("gpt2"))
+    torch.manual_seed(0)
+    fields = {k: v for k, v in spec.hf.config.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model("gpt2", vocab_size=VOCAB, **fields)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    idx = torch.randint(0, VOCAB, (2, 16))
+    torch.testing.assert_close(model.eval()(idx), reference(input_ids=idx).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(hf.FAMILIES))
+def test_a_muonclip_run_reports_every_head_and_resumes_bitwise(tmp_path, family):
     spec = JobSpec.model_validate(
         {
-            "model": {"arch": "hf", "seq_len": 16, "hf": {"config": hf_config("qwen3")}},
+            "model": {"arch": "hf", "seq_len": 16, "hf": {"config": hf_config(family)}},
             "data": {"builtin": "synthetic"},
-            "optimizer": {"name": "muonclip", "qk_clip_tau": 2.0},
+            "optimizer": {"name": "muonclip", "qk_clip_tau": 0.1},
             "train": {"steps": 12, "batch_size": 4, "eval_every": 4, "checkpoint_every": 5},
             "telemetry": {"sample_tokens": 8},
         }

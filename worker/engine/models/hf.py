@@ -1,12 +1,15 @@
 """Transformers decoders (``model.arch: hf``), built from their config, their max logits measured.
 
 The model is transformers' own (``AutoModelForCausalLM.from_config``: nothing is downloaded), with
-one change: its attention runs through a function registered in transformers' attention registry,
+two changes. Its attention runs through a function registered in transformers' attention registry,
 which records each head's exact max logit (q.k x scaling, the layer's mask respected: causal,
 sliding window) and then calls transformers' SDPA attention, so the hot path stays the fused
-kernel. QK-Clip scales what bounds a head's logit: the rows of W_q (and W_k, without grouped-query
-attention) of the head, or, for QK-norm families (qwen3), the norms' gains, which every head of the
-layer shares, by the layer's largest factor (docs/engine.md, "Transformers models").
+kernel. And GPT-2's Conv1D layers ([in, out] weights) become ``nn.Linear`` ([out, in]), its fused
+``c_attn`` three of them (q, k, v): Muon then orthogonalizes each projection on its own, in the
+orientation its shape scale assumes, and QK-Clip finds q and k as in the other families. QK-Clip
+scales what bounds a head's logit: the rows of W_q (and W_k, without grouped-query attention) of
+the head, or, for QK-norm families (qwen3), the norms' gains, which every head of the layer
+shares, by the layer's largest factor (docs/engine.md, "Transformers models").
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class HeadProbe:
         self._max_logits = None
 
     def qk_clip_targets(self) -> list[QKClipTarget]:
-        q, k = cast(nn.Linear, self.attention.q_proj), cast(nn.Linear, self.attention.k_proj)
+        q, k = query_key(self.attention)
         s = self.shape
         return separate_qk_targets(q.weight, k.weight, s.heads, s.head_dim, s.kv_heads, q.bias, k.bias)
 
@@ -109,6 +112,58 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks SDPA takes (None where causal)
 
 
+class SplitQKV(nn.Module):
+    """GPT-2's fused ``c_attn`` as three projections: the same [B, T, 3 x width] output."""
+
+    def __init__(self, fused: nn.Module) -> None:
+        super().__init__()
+        weight, bias = cast(Tensor, fused.weight), cast(Tensor, fused.bias)  # [in, 3 width], [3 width]
+        width = weight.shape[1] // 3
+        self.q, self.k, self.v = (nn.Linear(weight.shape[0], width) for _ in range(3))
+        with torch.no_grad():
+            for i, part in enumerate((self.q, self.k, self.v)):
+                part.weight.copy_(weight[:, i * width : (i + 1) * width].T)
+                part.bias.copy_(bias[i * width : (i + 1) * width])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def as_linear(conv: nn.Module) -> nn.Linear:
+    """A transformers Conv1D (y = x W + b, W [in, out]) as the nn.Linear it is."""
+    weight, bias = cast(Tensor, conv.weight), cast(Tensor, conv.bias)
+    linear = nn.Linear(weight.shape[0], weight.shape[1])
+    with torch.no_grad():
+        linear.weight.copy_(weight.T)
+        linear.bias.copy_(bias)
+    return linear
+
+
+def unfuse_conv1d(net: nn.Module) -> None:
+    """Every Conv1D of a transformers model as nn.Linear, a fused q, k, v one as SplitQKV."""
+    from transformers.pytorch_utils import Conv1D
+
+    for module in list(net.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                setattr(module, name, SplitQKV(child) if name == "c_attn" else as_linear(child))
+
+
+def attention_modules(net: nn.Module) -> list[nn.Module]:
+    """A transformers decoder's self-attention modules, first layer first."""
+    base = cast(nn.Module, net.base_model)
+    layers = cast(nn.ModuleList, getattr(base, "layers", None) or base.h)  # llama-like, GPT-2
+    return [cast(nn.Module, getattr(layer, "self_attn", None) or layer.attn) for layer in layers]
+
+
+def query_key(attention: nn.Module) -> tuple[nn.Linear, nn.Linear]:
+    """The q and k projections of a transformers attention module (GPT-2's once split)."""
+    split = getattr(attention, "c_attn", None)
+    if isinstance(split, SplitQKV):
+        return split.q, split.k
+    return cast(nn.Linear, attention.q_proj), cast(nn.Linear, attention.k_proj)
+
+
 class HFCausalLM(LanguageModel):
     """A transformers decoder of ``cfg.hf`` (a normalized config), token ids in, logits out."""
 
@@ -123,8 +178,9 @@ class HFCausalLM(LanguageModel):
         fields = {k: v for k, v in cfg.hf.items() if k != "model_type"}
         config = AutoConfig.for_model(cfg.hf["model_type"], vocab_size=cfg.vocab_size, **fields)
         self.net = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+        unfuse_conv1d(self.net)
         shape = Shape.of(cfg.hf)
-        self.probes = [HeadProbe(layer.self_attn, shape) for layer in self.net.model.layers]
+        self.probes = [HeadProbe(attention, shape) for attention in attention_modules(self.net)]
         for probe in self.probes:
             setattr(probe.attention, PROBE, probe)
         self.clip_sources: list[QKClipSource] = (
