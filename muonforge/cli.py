@@ -32,10 +32,13 @@ exit status:
   3    cannot reach or authenticate to the server: refused, timed out, server errors (5xx) after
        retries, no API key, a rejected one (401, 403)
   130  interrupted (Ctrl-C); a job being followed goes on
+  141  the reader of the output went away (`muonforge jobs --json | head`): the command stops
+       quietly, as one that SIGPIPE ends (128 + 13)
 
 An error is one line on stderr; --debug adds its traceback and the client's retries.
 environment: MUONFORGE_API_URL (default http://127.0.0.1:8000), MUONFORGE_API_KEY,
 MUONFORGE_DEBUG=1 (as --debug); the service's settings are listed in the README."""
+READER_GONE = 141  # 128 + SIGPIPE (13): what a shell reports of a command that SIGPIPE ended
 
 
 @needs("train")
@@ -93,14 +96,14 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     from app.errors import NotFound
     from app.services.auth import list_api_keys
     from app.settings import get_settings
-    from muonforge.output import console, keys_table
+    from muonforge.output import keys_table, show
 
     try:
         with transaction(get_settings()) as session:
             keys = list_api_keys(session, args.tenant)
     except NotFound as exc:
         raise InputError(exc.message) from None
-    console().print(keys_table([vars(key) for key in keys]))
+    show(keys_table([vars(key) for key in keys]))
     return 0
 
 
@@ -135,12 +138,12 @@ def cmd_tenants_list(args: argparse.Namespace) -> int:
     from app.db.session import transaction
     from app.services.tenants import list_tenants
     from app.settings import get_settings
-    from muonforge.output import console, tenants_table
+    from muonforge.output import show, tenants_table
 
     settings = get_settings()
     with transaction(settings) as session:
         tenants = list_tenants(session)
-    console().print(tenants_table([t._asdict() for t in tenants], settings.tenant_job_cap))
+    show(tenants_table([t._asdict() for t in tenants], settings.tenant_job_cap))
     return 0
 
 
@@ -389,12 +392,24 @@ def show_retries(debug: bool) -> None:
         log.setLevel(logging.WARNING)
 
 
+def reader_gone() -> int:
+    """The exit status once stdout's reader has gone (``| head``): the shell's for a command that
+    SIGPIPE ended, as git's. stdout now leads to /dev/null, so that the flush at exit does not fail
+    again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return READER_GONE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("MUONFORGE_DEBUG") == "1"
     show_retries(debug)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a reader that has gone is caught
+        return status
+    except BrokenPipeError:
+        return reader_gone()
     except KeyboardInterrupt:
         print(f"{after_ctrl_c()}interrupted", file=sys.stderr)
         return 130

@@ -33,6 +33,7 @@ from muonforge.output import (
     metric_rows,
     metrics_csv,
     metrics_table,
+    show,
     sweep_heading,
     sweeps_table,
     trials_table,
@@ -45,6 +46,9 @@ from muonforge.specs import InputError, read_spec, with_source
 # wait is shown as a note), up to a minute.
 CLI_RETRY = Retry(max_retries=2, max_wait=60.0)
 DEFAULT_TIMEOUT = 30.0
+# A run's main curves, as the jobs list shows them: what `metrics` gives without --name (those the
+# job has; an mlp has no attention).
+MAIN_CURVES = (metrics.LOSS, metrics.VAL_LOSS, metrics.ATTN_MAX_LOGIT)
 
 
 def connect(args: argparse.Namespace) -> Client:
@@ -84,7 +88,7 @@ def show_list(args: argparse.Namespace, items: list, table: Callable[[list], Any
     if args.json:
         print_json(items)
     elif items:
-        console().print(table(items))
+        show(table(items))
     else:
         print(empty, file=sys.stderr)
 
@@ -94,7 +98,7 @@ def show_one(args: argparse.Namespace, item: Any, view: Callable[[Any], Any]) ->
     if args.json:
         print_json(item)
     else:
-        console().print(view(item))
+        show(view(item))
 
 
 def print_json(value: Any) -> None:
@@ -168,17 +172,18 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    names = list(dict.fromkeys(n for arg in args.name or [metrics.LOSS] for n in arg.split(",") if n))
+    asked = list(dict.fromkeys(n for arg in args.name or [] for n in arg.split(",") if n))
     with connect(args) as client:
-        series = client.metrics(args.job_id, names, max_points=args.max_points)
-    for name in names:
+        series = client.metrics(args.job_id, asked or MAIN_CURVES, max_points=args.max_points)
+    for name in asked:
         if name not in series:
             print(f"note: {args.job_id} has no points of {name!r}", file=sys.stderr)
+    names = asked or [name for name in MAIN_CURVES if series.get(name)]
     rows = metric_rows(series, names)
     if args.csv:
         metrics_csv(rows, names, sys.stdout)
     else:
-        console().print(metrics_table(rows, names))
+        show(metrics_table(rows, names))
     return 0
 
 
@@ -338,9 +343,9 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     jobs.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
     jobs.add_argument("--json", action="store_true", help="the Job objects as JSON")
 
-    show = command(sub, "show", cmd_show, "one job: status, progress, spec, latest metrics")
-    show.add_argument("job_id")
-    show.add_argument("--json", action="store_true", help="the Job object as JSON")
+    show_job = command(sub, "show", cmd_show, "one job: status, progress, spec, latest metrics")
+    show_job.add_argument("job_id")
+    show_job.add_argument("--json", action="store_true", help="the Job object as JSON")
 
     logs = command(sub, "logs", cmd_logs, "a job's status changes, log lines and checkpoints so far")
     logs.add_argument("job_id")
@@ -351,7 +356,11 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
 
     metrics = command(sub, "metrics", cmd_metrics, "a job's metric history, one column per name")
     metrics.add_argument("job_id")
-    metrics.add_argument("--name", action="append", help="metric name, repeatable or comma-separated (default loss)")
+    metrics.add_argument(
+        "--name",
+        action="append",
+        help=f"metric name, repeatable or comma-separated (default: {', '.join(MAIN_CURVES)}, those the job has)",
+    )
     metrics.add_argument("--csv", action="store_true", help="CSV: step,<name>,... (empty where a series has no point)")
     metrics.add_argument("--max-points", type=int, default=1000, help="points per series, downsampled by the server")
 

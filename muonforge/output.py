@@ -36,6 +36,18 @@ def console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=10_000)
 
 
+def show(renderable: Any) -> None:
+    """``renderable`` on stdout: on a terminal as rich draws it; piped, its lines without the
+    spaces that pad them to their columns' width."""
+    out = console()
+    if sys.stdout.isatty():
+        out.print(renderable)
+        return
+    with out.capture() as captured:
+        out.print(renderable)
+    sys.stdout.writelines(line.rstrip() + "\n" for line in captured.get().splitlines())
+
+
 def age(timestamp: str | None, now: datetime | None = None) -> str:
     """How long ago an ISO 8601 time was: 42s, 5m, 3h, 2d."""
     if not timestamp:

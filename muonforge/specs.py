@@ -26,11 +26,21 @@ def read_spec(path: Path) -> dict[str, Any]:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML too
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path} is not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path} is not valid YAML or JSON: {exc}") from None
+        raise SpecError(yaml_problem(path, exc)) from None
     if not isinstance(raw, dict):
         raise SpecError(f"{path} must hold a mapping (a JobSpec), not {type(raw).__name__}")
     return raw
+
+
+def yaml_problem(path: Path, exc: Exception) -> str:
+    """PyYAML's error on one line, as compilers write theirs: ``spec.yaml:3:5: <the problem>``."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return f"{path}: not valid YAML or JSON: {' '.join(str(exc).split())}"
+    return f"{path}:{mark.line + 1}:{mark.column + 1}: {problem}"
 
 
 def with_source(raw: dict[str, Any], **source: str) -> dict[str, Any]:
@@ -51,5 +61,5 @@ def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
     try:
         return JobSpec.model_validate(raw).model_dump()
     except pydantic.ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in exc.errors()]
-        raise SpecError(f"{path} is not a valid job spec:\n" + "\n".join(lines)) from None
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in exc.errors())
+        raise SpecError(f"{path} is not a valid job spec: {fields}") from None

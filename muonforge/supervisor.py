@@ -15,6 +15,8 @@ import ctypes
 import errno
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -275,9 +277,28 @@ def write_private(path: Path, text: str) -> None:
     os.replace(part, path)
 
 
+def client_setup(url: str, key: str) -> list[str]:
+    """The shell lines that point the command line at this server.
+
+    Where ``muonforge`` on the PATH is not this one (`make run` installs it into .venv), the
+    activation of this environment first.
+    """
+    here = Path(sys.executable).parent
+    lines = [f"export MUONFORGE_API_URL={shlex.quote(url)} MUONFORGE_API_KEY={shlex.quote(key)}"]
+    if (found := shutil.which("muonforge")) and Path(found).resolve() == (here / "muonforge").resolve():
+        return lines
+    activate = here / "activate"
+    with contextlib.suppress(ValueError):
+        activate = activate.relative_to(Path.cwd())
+    on_path = f"export PATH={shlex.quote(str(here))}:$PATH"
+    setup = f". {shlex.quote(str(activate))}" if (here / "activate").exists() else on_path
+    return [setup, *lines]
+
+
 def run_up(host: str, port: int, workers: int) -> int:
-    """Check the port, migrate, start the API and the workers, print the URL and the local API
-    key (``local_api_key``), then run until Ctrl-C, SIGTERM or SIGHUP (0) or until a child exits (UpFailed)."""
+    """Check the port, migrate, start the API and the workers, print the URL, the local API key
+    (``local_api_key``) and the shell lines for the command line (``client_setup``), then run until
+    Ctrl-C, SIGTERM or SIGHUP (0) or until a child exits (UpFailed)."""
     check_port(host, port)
     with Signals() as signals:
         from app.db.migrate import upgrade
@@ -302,7 +323,8 @@ def run_up(host: str, port: int, workers: int) -> int:
                 return 0
             key = local_api_key(settings, VAR / KEY_FILE)
             print(f"URL: {url}", flush=True)
-            print(f"API key: {key}", flush=True)
+            print(f"API key: {key} (kept in {VAR / KEY_FILE})", flush=True)
+            print("The command line, in another shell:", *client_setup(url, key), sep="\n  ", flush=True)
             while not signals.wait(0.2):
                 check_children(children, host, port, ready=True)
             return 0

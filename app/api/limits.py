@@ -20,6 +20,7 @@ from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import SESSION_COOKIE, authenticated, request_key
+from app.api.streams import serve_stream
 from app.errors import DomainError, Unauthorized, error_response
 from app.services.auth import MISSING_KEY, KeyCache, TenantRef, bearer_digest, cached_tenant
 from app.services.quotas import TenantLimits
@@ -70,7 +71,7 @@ class Limits:
                     # burst of stream requests, only those that get a slot reach the routes.
                     async with self.tenant_limits.stream_slot(tenant.id):
                         scope["state"]["stream_slot"] = tenant.id
-                        return await self.app(scope, receive, send)
+                        return await serve_stream(self.app, scope, receive, send)
             except DomainError as exc:
                 response = error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
                 retry_after = float(exc.headers.get("Retry-After", 0))

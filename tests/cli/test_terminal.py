@@ -9,9 +9,11 @@ import json
 import re
 import threading
 import time
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from contract.status import JobStatus, SweepStatus
 from tests.support.http_stub import Reply, Request, StubServer, scripted
 from tests.support.net import closed_port_url
 from tests.support.terminal import assert_one_error, environment, finish, run, spawn
@@ -189,6 +191,31 @@ def test_every_invalid_field_is_named_with_its_message(spec):
         "error: optimizer.lr: Input should be greater than 0; train.steps: Input should be greater than 0"
         " (422 validation_error)",
     )
+
+
+@pytest.mark.parametrize("command", [["submit"], ["sweep"], ["train", "--out", "run"]])
+def test_a_spec_that_is_not_yaml_is_one_line_naming_where(command, tmp_path):
+    """PyYAML's message (several lines, with the file's text) is said on one line: file, line,
+    column and the problem, as a compiler says it; nothing is sent (no server here)."""
+    (tmp_path / "bad.yaml").write_text("name: tiny\nmodel:\n  arch: gpt\n  n_layer: 2: 3\n")
+    (tmp_path / "bad.json").write_text('{"model": {"arch": "gpt"],\n "data": {}}\n')
+    env = environment(closed_port_url(), KEY)
+    screen = run(command[0], "bad.yaml", *command[1:], env=env, cwd=tmp_path)
+    assert_one_error(screen, 2, "error: bad.yaml:4:13: mapping values are not allowed here")
+    screen = run(command[0], "bad.json", *command[1:], env=env, cwd=tmp_path)
+    assert_one_error(screen, 2, "error: bad.json:1:25: expected ',' or '}', but got ']'")
+
+
+@pytest.mark.parametrize("command, statuses", [(["jobs"], JobStatus), (["sweeps", "list"], SweepStatus)])
+def test_status_takes_every_status_of_the_contract(command, statuses):
+    """``--status`` takes each status the API filters by (paused included: a sweep's trial that
+    waits at a rung) and asks the server for it."""
+    empty = Reply(200, {"data": [], "has_more": False, "next_after": None})
+    with StubServer(scripted(empty)) as server:
+        for status in statuses:
+            screen = run(*command, "--status", status, env=environment(server.url, KEY))
+            assert screen.status == 0, screen.lines
+    assert [parse_qs(urlsplit(r.path).query)["status"] for r in server.requests] == [[s] for s in statuses]
 
 
 CAP = "this tenant already has 2 queued or running jobs (the cap)"
@@ -380,5 +407,6 @@ def test_help_lists_the_exit_statuses():
         "2    bad input",
         "3    cannot reach",
         "130  interrupted",
+        "141  the reader of the output went away",
     ):
         assert status in shown.text, shown.text

@@ -9,6 +9,8 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -104,8 +106,33 @@ def start_up(tmp_path: Path):
     up = spawn("up", "--port", free_port(), env=environment(), cwd=tmp_path, timeout=90)
     up.expect(r"URL: (\S+)\r\n")
     url = up.match.group(1).decode()
-    up.expect(r"API key: (\S+)\r\n")
+    up.expect(r"API key: (\S+) \(kept in var/api-key\)\r\n")
     return up, url, up.match.group(1).decode()
+
+
+def test_up_prints_the_lines_that_point_a_shell_at_it(tmp_path):
+    """Pasted into a new shell whose PATH lacks this environment's `muonforge` (as after `make
+    run`, which installs into .venv), the lines `up` prints make the command line work."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if d != bin_dir)
+    up = spawn("up", "--port", free_port(), env=environment(PATH=path), cwd=tmp_path, timeout=90)
+    up.expect(r"URL: (\S+)\r\n")
+    url = up.match.group(1).decode()
+    up.expect(r"API key: (\S+) \(kept in var/api-key\)\r\n")
+    key = up.match.group(1).decode()
+    up.expect(r"The command line, in another shell:\r\n  (.+)\r\n  (export .+)\r\n")
+    setup, export = (group.decode() for group in up.match.groups())
+    assert export == f"export MUONFORGE_API_URL={url} MUONFORGE_API_KEY={key}"
+    shell = subprocess.run(
+        ["bash", "-c", f"{setup}\n{export}\nmuonforge jobs --json"],
+        env=environment(PATH=path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (shell.returncode, shell.stdout, shell.stderr) == (0, "[]\n", "")
+    stop_up(up)
 
 
 def test_sigterm_stops_the_api_and_the_worker(tmp_path):

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pty
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from app.db.session import transaction
+from app.messaging.live_bus import NoBus
+from app.services.job_journal import record_log
+from app.services.metric_history import store_metrics
 from muonforge import Client
 from tests.engine.test_export import logits
 from tests.service.test_client import stored_checkpoint
@@ -25,6 +30,7 @@ from tests.support.cli import client_env, command, muonforge
 from tests.support.net import closed_port_url, wait_for
 from tests.support.services import ROOT, Worker
 from tests.support.specs import tiny_spec
+from tests.support.telemetry import stored_job, synthetic_run
 from worker.engine.export import model_from_config
 
 pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
@@ -62,6 +68,7 @@ def finished(tenant, api_url, tmp_path_factory) -> dict:
 def test_jobs_lists_a_table_and_json(finished, tenant, api_url):
     table = muonforge("jobs", url=api_url, key=tenant)
     assert table.returncode == 0, table.stderr
+    assert [line for line in table.stdout.splitlines() if line != line.rstrip()] == [], "no padding when piped"
     header, row = table.stdout.splitlines()[:2]
     assert header.split() == ["id", "name", "status", "step", "loss", "val_loss", "age"]
     assert row.split()[:4] == [finished["id"], "tiny", "succeeded", "20/20"]
@@ -74,6 +81,7 @@ def test_jobs_lists_a_table_and_json(finished, tenant, api_url):
 def test_show_details_and_json(finished, tenant, api_url):
     shown = muonforge("show", finished["id"], url=api_url, key=tenant)
     assert shown.returncode == 0, shown.stderr
+    assert [line for line in shown.stdout.splitlines() if line != line.rstrip()] == [], "no padding when piped"
     fields = {k: v.strip() for k, v in (line.split(None, 1) for line in shown.stdout.splitlines())}
     assert fields["status"] == "succeeded" and fields["progress"] == "20/20 steps, attempt 1"
     assert set(fields["model"].split()) == {"arch=gpt", "n_layer=1", "n_head=2", "d_model=16", "seq_len=16"}
@@ -113,6 +121,31 @@ def test_metrics_as_csv_read_back_and_as_a_table(finished, tenant, api_url):
     assert table.returncode == 0 and table.stderr == f"note: {finished['id']} has no points of 'nope'\n"
     header, *lines = table.stdout.splitlines()
     assert header.split() == ["step", "loss", "nope"] and 0 < len(lines) <= 6
+
+
+def test_metrics_without_a_name_has_the_main_curves(finished, tenant, api_url, settings):
+    result = muonforge("metrics", finished["id"], "--csv", url=api_url, key=tenant)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    header, *rows = list(csv.reader(io.StringIO(result.stdout)))
+    assert header == ["step", "loss", "val_loss", "attn_max_logit"]
+    with Client(api_url, tenant) as client:
+        history = client.metrics(finished["id"], names=header[1:])
+    for column, name in enumerate(header[1:], 1):
+        assert [[int(row[0]), float(row[column])] for row in rows if row[column]] == history[name]
+
+    table = muonforge("metrics", finished["id"], url=api_url, key=tenant)
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[0].split() == header
+
+    key = new_key(settings)  # a job without the attention logit (an mlp has none): no such column
+    job_id = stored_job(settings, key, tiny_spec())  # no task sent: no worker takes it
+    with Client(api_url, key) as client:
+        assert client.cancel_job(job_id)["status"] == "cancelled"
+    with transaction(settings) as session:
+        store_metrics(session, job_id, [(0, {"loss": 4.0, "val_loss": 4.1}), (1, {"loss": 3.0})], None)
+    result = muonforge("metrics", job_id, "--csv", url=api_url, key=key)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines() == ["step,loss,val_loss", "0,4.0,4.1", "1,3.0,"]
 
 
 def test_download_writes_the_servers_checkpoint(finished, tenant, api_url, settings, tmp_path):
@@ -229,6 +262,34 @@ def test_ctrl_c_detaches_from_a_followed_job_which_goes_on(tenant, api_url, tmp_
     follow = muonforge("logs", job_id, "--follow", url=api_url, key=tenant)
     assert follow.returncode == 1, "a followed job that ends cancelled exits 1"
     assert follow.stdout.splitlines()[-1].startswith("status      cancelled")
+
+
+def piped(args: list[object], reader: str, url: str, key: str) -> subprocess.CompletedProcess:
+    """``muonforge ARGS | READER`` in bash with pipefail: its status is muonforge's unless that is 0."""
+    line = f"{shlex.join(command(*args))} | {reader}"
+    return subprocess.run(
+        ["bash", "-o", "pipefail", "-c", line], env=client_env(url, key), cwd=ROOT, capture_output=True, timeout=60
+    )
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(settings, api_url):
+    """``| head`` closes the pipe after what it wants, long before the command has written all
+    (more than a pipe holds): the command stops without a word, as git does (SIGPIPE: 141)."""
+    key = new_key(settings)
+    job_id = synthetic_run(settings, key, tiny_spec(steps=2))
+    with transaction(settings) as session:
+        for n in range(2000):
+            record_log(session, NoBus(), job_id, "info", f"line {n} " + "x" * 100, step=None)
+    for _ in range(60):
+        synthetic_run(settings, key, tiny_spec(steps=2))
+    for args, reader, kept in (
+        (["logs", job_id], "head -2", lambda out: b"".join(out.splitlines(keepends=True)[:2])),
+        (["jobs", "--json", "--limit", "100"], "head -c 50", lambda out: out[:50]),
+    ):
+        whole = muonforge(*args, url=api_url, key=key)
+        assert whole.returncode == 0 and len(whole.stdout) > 2**17, "more than a pipe holds"
+        cut = piped(args, reader, api_url, key)
+        assert (cut.returncode, cut.stderr.decode(), cut.stdout) == (141, "", kept(whole.stdout.encode()))
 
 
 def test_a_transfer_draws_a_progress_bar_on_a_terminal(settings, api_url, tmp_path):

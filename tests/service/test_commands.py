@@ -123,7 +123,7 @@ def test_up_with_nothing_configured_runs_a_job_end_to_end(tmp_path):
             if line.startswith("URL: "):
                 url = line.split(" ", 1)[1].strip()
             if line.startswith("API key: "):
-                key = line.split(" ", 2)[2].strip()
+                key = line.split()[2]
         assert url == f"http://127.0.0.1:{port}" and key, "".join(lines)
         headers = {"Authorization": f"Bearer {key}"}
         job = httpx.post(f"{url}/v1/jobs", json=tiny_spec(steps=20), headers=headers).json()
