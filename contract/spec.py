@@ -56,13 +56,13 @@ class ModelSpec(_Strict):
     a transformers decoder whose sizes its ``hf.config`` gives."""
 
     arch: Literal["gpt", "moe", "mlp", "hf"] = Field(description="Architecture.")
-    hf: HFSpec | None = Field(None, description="arch hf only: the transformers model.")
     n_layer: int = Field(4, ge=1, le=64, description="Transformer blocks (hidden layers for mlp).")
     n_head: int = Field(4, ge=1, le=64, description="Attention heads (gpt, moe).")
     d_model: int = Field(128, ge=8, le=8192, description="Residual width.")
     seq_len: int = Field(128, ge=2, le=8192, description="Context length in tokens.")
     n_experts: int | None = Field(None, ge=2, le=256, description="Experts per MoE layer (moe only; default 8).")
     top_k: int | None = Field(None, ge=1, le=16, description="Experts each token is routed to (moe only; default 2).")
+    hf: HFSpec | None = Field(None, description="arch hf only: the transformers model.")
 
     @model_validator(mode="before")
     @classmethod
@@ -82,13 +82,6 @@ class ModelSpec(_Strict):
 
     # Cross-field rules are field validators (fields validate in declaration order), so an
     # error names the offending field, e.g. model.top_k.
-    @field_validator("hf")
-    @classmethod
-    def _hf_only(cls, v: HFSpec | None, info: ValidationInfo) -> HFSpec | None:
-        if (info.data.get("arch") == "hf") != (v is not None):
-            raise ValueError("arch hf needs model.hf (and only arch hf takes it)")
-        return v
-
     @field_validator("d_model")
     @classmethod
     def _heads_divide_width(cls, v: int, info: ValidationInfo) -> int:
@@ -111,15 +104,17 @@ class ModelSpec(_Strict):
             raise ValueError(f"top_k ({v}) must not exceed n_experts ({n_experts})")
         return v
 
-    @field_validator("seq_len")
+    @field_validator("hf")
     @classmethod
-    def _positions_cover_context(cls, v: int, info: ValidationInfo) -> int:
-        spec = info.data.get("hf")
-        if spec is not None:
-            field = hf.positions(spec.config)
-            positions = spec.config.setdefault(field, v)
-            if positions < v:
-                raise ValueError(f"seq_len ({v}) exceeds hf.config.{field} ({positions})")
+    def _hf_only(cls, v: HFSpec | None, info: ValidationInfo) -> HFSpec | None:
+        if (info.data.get("arch") == "hf") != (v is not None):
+            raise ValueError("arch hf needs model.hf (and only arch hf takes it)")
+        seq_len = info.data.get("seq_len")
+        if v is not None and seq_len is not None:  # the context RoPE or the position table is set up for
+            field = hf.positions(v.config)
+            positions = v.config.setdefault(field, seq_len)
+            if positions < seq_len:
+                raise ValueError(f"model.seq_len ({seq_len}) exceeds config.{field} ({positions})")
         return v
 
 

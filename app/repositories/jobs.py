@@ -51,14 +51,25 @@ class JobRepository:
         query = select(Job).where(Job.id == job_id).with_for_update().execution_options(populate_existing=True)
         return self.session.scalars(query).one_or_none()
 
-    def page(self, tenant_id: str, limit: int, after: str | None, status: str | None) -> list[Job]:
-        """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
+    def page(
+        self, tenant_id: str, limit: int, after: str | None, status: str | None, trials: bool | None = None
+    ) -> list[Job]:
+        """Newest first; ``limit + 1`` rows so the caller can tell whether there is more. ``trials``:
+        False leaves out sweeps' trials, True keeps only them."""
         query = select(Job).where(Job.tenant_id == tenant_id)
         if status:
             query = query.where(Job.status == status)
+        if trials is not None:
+            query = query.where(Job.sweep_id.is_not(None) if trials else Job.sweep_id.is_(None))
         if after:
             query = query.where(Job.id < after)
         return list(self.session.scalars(query.order_by(Job.id.desc()).limit(limit + 1)))
+
+    def queued_ahead(self, job: Job) -> int:
+        """The queued jobs of ``job``'s queue, every tenant's, submitted before it (ids sort by
+        creation time): those the workers of that queue take first."""
+        query = select(func.count()).where(Job.status == JobStatus.QUEUED, Job.queue == job.queue, Job.id < job.id)
+        return self.session.scalar(query) or 0
 
     def by_idempotency_key(self, tenant_id: str, key: str) -> Job | None:
         query = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key)

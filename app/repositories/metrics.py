@@ -112,6 +112,15 @@ class MetricRepository:
         self.session.execute(update(Job).where(Job.id == job_id).values(telemetry_mark=mark))
 
     # -- reads ----------------------------------------------------------------------------------
+    def last_steps(self, job_ids: Sequence[str], name: str) -> dict[str, int]:
+        """The last stored step of the series ``name`` of each of these jobs that has it, by job."""
+        if not job_ids:
+            return {}
+        query = select(MetricSeries.job_id, MetricSeries.last_step).where(
+            MetricSeries.job_id.in_(list(job_ids)), MetricSeries.name == name
+        )
+        return {row.job_id: row.last_step for row in self.session.execute(query)}
+
     def series(self, job_id: str, names: Sequence[str] | None = None) -> list[MetricSeries]:
         query = select(MetricSeries).where(MetricSeries.job_id == job_id)
         if names is not None:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract import metrics
+from contract.spec import in_field_order
 from contract.status import JobStatus, SweepStatus, TrialStatus
 from contract.webhooks import DeliveryStatus, WebhookEventType
 from worker.engine.facts import CHAR_VOCAB_MAX
@@ -77,7 +78,9 @@ class Job(BaseModel):
     id: str
     name: str | None
     status: JobStatus
-    spec: dict[str, Any] = Field(description="The validated JobSpec, defaults filled in.")
+    spec: dict[str, Any] = Field(
+        description="The validated JobSpec, defaults filled in, its keys in the order the JobSpec declares its fields."
+    )
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -89,14 +92,22 @@ class Job(BaseModel):
         description="A warm start (`init_from`): the job and checkpoint step it started from; else null."
     )
     sweep_id: str | None = Field(None, description="A sweep's trial: its sweep; else null.")
+    val_loss_step: int | None = Field(
+        None, description="The step of the summary's val_loss (the latest evaluation); null before the first."
+    )
+    queue_position: int | None = Field(
+        None,
+        description="A queued job, as `GET /v1/jobs/{id}` reads it: the queued jobs of its queue (every tenant's) "
+        "submitted before it, which workers take first. Null otherwise, and in lists, events and webhook bodies.",
+    )
 
     @classmethod
-    def of(cls, job: Any) -> Job:
+    def of(cls, job: Any, *, val_loss_step: int | None = None, queue_position: int | None = None) -> Job:
         return cls(
             id=job.id,
             name=job.name,
             status=job.status,
-            spec=job.spec,
+            spec=in_field_order(job.spec),
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
@@ -106,6 +117,8 @@ class Job(BaseModel):
             error=job.error,
             parent=JobParent(job_id=job.parent_job_id, step=job.parent_step) if job.parent_job_id else None,
             sweep_id=getattr(job, "sweep_id", None),
+            val_loss_step=val_loss_step,
+            queue_position=queue_position,
         )
 
 

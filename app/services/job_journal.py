@@ -23,8 +23,10 @@ from app.messaging.live_bus import LiveBus
 from app.repositories.checkpoints import CheckpointRepository
 from app.repositories.job_events import JobEventRepository
 from app.repositories.jobs import JobRepository
+from app.repositories.metrics import MetricRepository
 from app.schemas import api as schemas
 from app.services import webhooks
+from contract import metrics
 from contract.status import is_finished
 from contract.webhooks import job_event_type
 
@@ -35,7 +37,7 @@ def record_status(session: Session, bus: LiveBus, job_id: str) -> Job:
     change (after a compare-and-set that changed the row), so an event is queued once. The row is
     read again first: a compare-and-set UPDATE bypasses loaded objects."""
     job = JobRepository(session).fresh(job_id)
-    payload = status_payload(job)
+    payload = status_payload(job, MetricRepository(session).last_steps([job_id], metrics.VAL_LOSS).get(job_id))
     _record(session, bus, job_id, "status", payload, step=job.progress_step)
     if is_finished(job.status) and (event_type := job_event_type(job.status)) is not None:
         webhooks.enqueue(session, job.tenant_id, event_type, payload)
@@ -76,8 +78,9 @@ def record_first_statuses(session: Session, jobs: list[Job]) -> None:
     JobEventRepository(session).add_first_events([(job.id, 0, "status", status_payload(job)) for job in jobs])
 
 
-def status_payload(job: Job) -> dict[str, Any]:
-    return schemas.Job.of(job).model_dump(mode="json")
+def status_payload(job: Job, val_loss_step: int | None = None) -> dict[str, Any]:
+    """The Job as the API shows it (its place in the queue aside: read when asked for)."""
+    return schemas.Job.of(job, val_loss_step=val_loss_step).model_dump(mode="json")
 
 
 def _record(session: Session, bus: LiveBus, job_id: str, kind: str, payload: dict[str, Any], step: int | None) -> None:

@@ -11,10 +11,12 @@ from app.db.models import Job
 from app.errors import Conflict, NotFound
 from app.messaging.live_bus import LiveBus
 from app.repositories.jobs import JobRepository
+from app.repositories.metrics import MetricRepository
 from app.schemas import api as schemas
 from app.services import lifecycle
 from app.services.auth import TenantRef
 from app.services.metric_history import history
+from contract import metrics
 from contract.status import JobStatus
 
 MAX_LIMIT = 100
@@ -27,13 +29,28 @@ def get_job(session: Session, tenant: TenantRef, job_id: str) -> Job:
     return job
 
 
+def show_job(session: Session, tenant: TenantRef, job_id: str) -> schemas.Job:
+    """The job as the API shows it: with the step of its val_loss, and while it is queued, the
+    queued jobs ahead of it."""
+    job = get_job(session, tenant, job_id)
+    ahead = JobRepository(session).queued_ahead(job) if job.status == JobStatus.QUEUED else None
+    return schemas.Job.of(job, val_loss_step=val_loss_steps(session, [job]).get(job.id), queue_position=ahead)
+
+
+def val_loss_steps(session: Session, jobs: list[Job]) -> dict[str, int]:
+    """The step of each job's latest val_loss (the one its summary holds), by job; one query."""
+    return MetricRepository(session).last_steps([j.id for j in jobs], metrics.VAL_LOSS)
+
+
 def list_jobs(
-    session: Session, tenant: TenantRef, limit: int, after: str | None, status: str | None
+    session: Session, tenant: TenantRef, limit: int, after: str | None, status: str | None, trials: bool | None = None
 ) -> schemas.JobList:
-    rows = JobRepository(session).page(tenant.id, limit, after, status)
+    """Newest first; ``trials``: False leaves out sweeps' trials, True keeps only them."""
+    rows = JobRepository(session).page(tenant.id, limit, after, status, trials)
     page = rows[:limit]
+    steps = val_loss_steps(session, page)
     return schemas.JobList(
-        data=[schemas.Job.of(j) for j in page],
+        data=[schemas.Job.of(j, val_loss_step=steps.get(j.id)) for j in page],
         has_more=len(rows) > limit,
         next_after=page[-1].id if len(rows) > limit else None,
     )

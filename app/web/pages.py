@@ -18,11 +18,13 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
 
 from app.api.deps import Work
 from app.errors import Unauthorized
 from app.services.auth import tenant_name
 from contract import metrics, status
+from contract.spec import JobSpec
 from contract.spec import choices as spec_choices
 
 log = logging.getLogger("muonforge.web")
@@ -69,6 +71,53 @@ def presets() -> list[dict]:
     return out
 
 
+def _flat(obj: dict, prefix: str = "") -> dict:
+    """A nested mapping as {dotted path: leaf value}."""
+    out: dict = {}
+    for key, value in obj.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@cache
+def spec_defaults() -> dict:
+    """What the server makes of each field a spec leaves out, by its path, for the new-job form.
+
+    ``base`` holds the values for the first architecture and the default optimizer; ``by``, keyed
+    "ARCH OPTIMIZER", those that differ for a pair (lr, the MoE and QK-Clip fields). The
+    architecture and the data source, which every spec gives, have none; nor has a section that
+    cannot be filled in from the architecture alone (null: the form shows no default there).
+    """
+    given = ("model.arch", "data.builtin")
+
+    def filled(arch: str, optimizer: str | None = None) -> dict:
+        spec = {"model": {"arch": arch}, "data": {"builtin": "synthetic"}}
+        if optimizer:
+            spec["optimizer"] = {"name": optimizer}
+        return {k: v for k, v in _flat(JobSpec.model_validate(spec).stored()).items() if k not in given}
+
+    options = spec_choices()
+    base = filled(options["model.arch"][0])
+    by: dict[str, dict] = {}
+    for arch in options["model.arch"]:
+        for name in options["optimizer.name"]:
+            try:
+                values = filled(arch, name)
+            except ValidationError as exc:  # as the first architecture's, but the sections in error
+                sections = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+                values = {
+                    k: None if k.split(".")[0] in sections else v
+                    for k, v in filled(options["model.arch"][0], name).items()
+                }
+            diff = {k: v for k, v in values.items() if k != "optimizer.name" and (k not in base or base[k] != v)}
+            if diff:
+                by[f"{arch} {name}"] = diff
+    return {"base": base, "by": by}
+
+
 async def page(request: Request, work: Work, template: str, **context) -> HTMLResponse:
     """The page for a signed-in browser; the sign-in form otherwise."""
     try:
@@ -106,7 +155,9 @@ async def sweep_page(request: Request, work: Work, sweep_id: str) -> HTMLRespons
 
 @router.get("/new", response_class=HTMLResponse)
 async def new_job_page(request: Request, work: Work) -> HTMLResponse:
-    return await page(request, work, "new.html", page="new", presets=presets(), choices=spec_choices())
+    return await page(
+        request, work, "new.html", page="new", presets=presets(), choices=spec_choices(), defaults=spec_defaults()
+    )
 
 
 def install_web(app: FastAPI) -> None:

@@ -103,7 +103,7 @@ def test_spec_fills_sizes_from_the_config_and_refuses_what_it_cannot_honour():
     assert "it comes from hf.config.num_hidden_layers" in refused(
         {"arch": "hf", "n_layer": 3, "hf": {"config": hf_config("llama")}}
     )
-    assert "exceeds hf.config.max_position_embeddings" in refused(
+    assert "exceeds config.max_position_embeddings" in refused(
         {"arch": "hf", "seq_len": 64, "hf": {"config": hf_config("llama", max_position_embeddings=32)}}
     )
     assert "multiple of num_key_value_heads" in refused(

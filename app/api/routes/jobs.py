@@ -59,14 +59,18 @@ async def list_jobs(
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=service.MAX_LIMIT)] = 20,
     after: After = None,
+    trials: Annotated[
+        bool | None, Query(description="false: leave out sweeps' trials; true: only them; omitted: every job.")
+    ] = None,
 ) -> schemas.JobList:
     """Newest first. Pass the previous page's `next_after` as `after`."""
-    return await work(service.list_jobs, limit, after, status)
+    return await work(service.list_jobs, limit, after, status, trials)
 
 
 @router.get("/{job_id}", response_model=schemas.Job, responses=ERRORS)
 async def get_job(job_id: JobId, work: Work) -> schemas.Job:
-    return schemas.Job.of(await work(service.get_job, job_id))
+    """The job; while it is queued, `queue_position` says how many queued jobs are ahead of it."""
+    return await work(service.show_job, job_id)
 
 
 @router.post("/{job_id}/cancel", response_model=schemas.Job, responses=ERRORS)

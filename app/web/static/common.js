@@ -83,6 +83,16 @@
     time(iso) {
       return iso ? new Date(iso).toLocaleString() : "–";
     },
+    // A hyperparameter: a fraction to 4 significant digits (an lr of 0.006160940191909269 is
+    // 0.006161), whole numbers and words as they are, anything else as JSON.
+    param(v) {
+      if (typeof v === "number" && Number.isFinite(v) && !Number.isInteger(v)) return fmt.num(v);
+      return v !== null && typeof v === "object" ? JSON.stringify(v) : String(v);
+    },
+    // A spec's network in a few words: "gpt 2×64", a transformers model by its family ("llama 2×64").
+    model(m) {
+      return `${m.hf ? m.hf.config.model_type : m.arch} ${m.n_layer}×${m.d_model}`;
+    },
   };
 
   // The server's statuses and metric names (contract.status, contract.metrics), embedded in

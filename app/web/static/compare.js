@@ -17,7 +17,7 @@
 
   function label(job) {
     const o = job.spec.optimizer;
-    return `${job.name || job.id} · ${o.name} lr ${o.lr}`;
+    return `${job.name || job.id} · ${o.name} lr ${fmt.param(o.lr)}`;
   }
 
   function axisOf(job) {
@@ -36,9 +36,8 @@
   }
 
   function view() {
-    const axis = MF.xAxis($("x-axis").value, 1, []);
-    const xLabel = $("x-axis").value === "time" ? "wall time (s)" : axis.xLabel;
-    return { smoothing: Number($("smoothing").value), logY: $("log-y").checked, xLabel, x: (v) => v, step: (v) => v };
+    const labels = MF.xAxisLabels($("x-axis").value);
+    return { smoothing: Number($("smoothing").value), logY: $("log-y").checked, ...labels, x: (v) => v, step: (v) => v };
   }
 
   async function series(id, name, range) {
@@ -46,7 +45,7 @@
     const params = new URLSearchParams({ names: name, max_points: String(Math.max(3, width)) });
     if (range) params.set("from_step", range[0]), params.set("to_step", range[1]);
     const data = await api(`/v1/jobs/${encodeURIComponent(id)}/metrics?${params}`);
-    return data.series.length ? data.series[0].points : [];
+    return data.series.length ? data.series[0].points : null; // null: the job reports no such series
   }
 
   async function fetchAll(name, ranges, list = jobs.map((j) => j.id)) {
@@ -56,6 +55,49 @@
 
   const metricName = () => $("metric").value.trim() || M.LOSS;
 
+  // -- a metric the jobs do not report --------------------------------------------------------
+  // The metric goes into the URL (?metric=). Where some jobs do not report it, a note names them;
+  // where none does, the chart gives way to the names they report. Returns whether any does.
+  async function noteMetric(metric, points) {
+    const params = new URLSearchParams(location.search);
+    params.set("metric", metric);
+    history.replaceState(null, "", `?${params.toString().replace(/%2C/gi, ",")}`);
+    const missing = jobs.filter((j) => points[j.id] === null);
+    const note = $("metric-note") || el("div", { id: "metric-note", class: "note-box metric-note" });
+    if (!note.isConnected) $("chart").closest("section").before(note);
+    note.hidden = !missing.length;
+    $("chart").closest("section").hidden = missing.length > 0 && missing.length === jobs.length;
+    if (!missing.length) return true;
+    if (missing.length < jobs.length) {
+      note.replaceChildren(`Not reported by ${missing.map((j) => j.name || j.id).join(", ")}: “${metric}”.`);
+      return true;
+    }
+    const lists = await Promise.all(
+      // from_step after to_step: every series of the job, without points
+      jobs.map((j) => api(`/v1/jobs/${encodeURIComponent(j.id)}/metrics?from_step=1&to_step=0`).catch(() => null))
+    );
+    const reported = new Set(lists.flatMap((d) => (d ? d.series.map((s) => s.name) : [])));
+    const offered = [...document.querySelectorAll("#metric-names option")].map((o) => o.value);
+    const whole = offered.filter((n) => reported.has(n)); // the series of a whole run, in the list's order
+    const others = [...reported].filter((n) => !whole.includes(n)).sort();
+    const link = (name) => {
+      const to = new URLSearchParams(params);
+      to.set("metric", name);
+      return el("a", { href: `?${to.toString().replace(/%2C/gi, ",")}` }, name);
+    };
+    const names = whole.flatMap((n, i) => (i ? [", ", link(n)] : [link(n)]));
+    const they = jobs.length > 1 ? ["They report ", "They have reported no metrics yet."] : ["It reports ", "It has reported no metrics yet."];
+    note.replaceChildren(
+      el("strong", {}, `Unknown metric “${metric}”`),
+      `: ${jobs.length > 1 ? "none of these jobs reports" : "this job does not report"} it. `,
+      reported.size ? they[0] : they[1],
+      ...names,
+      others.length ? `${whole.length ? ", and " : ""}${others.length} other series (such as ${others[0]})` : "",
+      reported.size ? "." : ""
+    );
+    return false;
+  }
+
   // ``prefetched``: the metric's points, asked for together with the jobs themselves.
   async function load(prefetched) {
     const metric = metricName();
@@ -64,7 +106,9 @@
     const [points, times] = await Promise.all([prefetched || fetchAll(metric), needTime ? fetchAll(M.ELAPSED_S) : null]);
     if (times) Object.assign(elapsed, times);
     overview = points;
-    const spec = { title: metric, series: jobs.map((j) => ({ name: j.id, label: label(j) })), height: 420 };
+    if (!(await noteMetric(metric, points))) return MF.markDrawn("mf:compare-drawn");
+    const series = jobs.map((j) => ({ name: j.id, label: label(j) }));
+    const spec = { title: metric, series, height: 420, y: { label: MF.metricLabel(metric) } };
     if (!chart) chart = new MF.Chart($("chart"), spec, view(), zoom);
     MF.shown = { charts: [chart] }; // what the page draws, for tests and the console
     chart.spec = spec;
@@ -105,8 +149,8 @@
           el("td", { class: "id" }, job.id),
           el("td", {}, statusBadge(job.status)),
           el("td", {}, o.name),
-          el("td", { class: "num" }, String(o.lr)),
-          el("td", {}, `${m.arch} ${m.n_layer}×${m.d_model}`),
+          el("td", { class: "num" }, fmt.param(o.lr)),
+          el("td", {}, fmt.model(m)),
           el("td", { class: "num" }, `${fmt.int(job.progress.step)} / ${fmt.int(job.progress.total_steps)}`),
           el("td", { class: "num" }, fmt.num(s[M.LOSS])),
           el("td", { class: "num" }, fmt.num(s[M.VAL_LOSS])),
@@ -118,6 +162,7 @@
   }
 
   async function main() {
+    if (MF.query("metric")) $("metric").value = MF.query("metric"); // a link's metric (?metric=)
     if (!ids.length) {
       $("no-jobs").hidden = false;
       return;

@@ -1,6 +1,8 @@
 // MF.Heatmap: the per-head max attention logit of every layer and head (rows) over the steps
 // (columns) on a canvas. A cell shows the largest value of its head in its step range, coloured
-// from 0 to the largest value seen (at most QK-Clip's tau); cells above tau are red. Live points land in their column; the canvas is redrawn at most 4 times a second.
+// from 0 to the largest value seen (at most QK-Clip's tau); cells above tau are red. Rows are
+// labelled by layer and head (every head while rows are tall enough for a label), the columns by a
+// step axis. Live points land in their column; the canvas is redrawn at most 4 times a second.
 "use strict";
 
 (function () {
@@ -8,8 +10,25 @@
     [68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37],
   ];
   const OVER = [214, 40, 40];
-  const ROW_PX = 8;
-  const LABEL_PX = 56;
+  const LABEL_PX = 72; // the row labels' gutter: "layer 11" then "h15"
+  const AXIS_PX = 34; // the step axis under the cells: ticks, their labels and its title
+  const FONT_PX = 10;
+  const TICK_SPACE_PX = 70; // step ticks at least this far apart
+  const STEP_INCRS = Array.from({ length: 16 }, (_, e) => [1, 2, 5].map((m) => m * 10 ** e)).flat();
+
+  // Rows tall enough to label every head while there are few, down to 3 px each for many.
+  function rowHeight(rows) {
+    return Math.max(3, Math.min(14, Math.floor(360 / rows)));
+  }
+
+  // The step ticks of [0, total] over ``width`` pixels: multiples of the smallest whole-number
+  // spacing (1, 2, 5, 10, ...) that keeps them TICK_SPACE_PX apart.
+  function stepTicks(total, width) {
+    const incr = STEP_INCRS.find((i) => (i / (total + 1)) * width >= TICK_SPACE_PX) || total;
+    const out = [];
+    for (let s = 0; s <= total; s += incr) out.push(s);
+    return out;
+  }
 
   function colorOf(t) {
     if (t > 1) return OVER;
@@ -27,6 +46,7 @@
       this.heads = heads;
       this.total = Math.max(1, totalSteps);
       this.reference = reference;
+      this.rowPx = rowHeight(layers * heads);
       this.canvas = document.createElement("canvas");
       this.tip = document.createElement("div");
       this.tip.className = "muted";
@@ -108,7 +128,8 @@
     draw() {
       const rows = this.layers * this.heads;
       const width = LABEL_PX + this.columns;
-      const height = rows * ROW_PX;
+      const cellsHeight = rows * this.rowPx;
+      const height = cellsHeight + AXIS_PX;
       const dpr = window.devicePixelRatio || 1;
       this.canvas.width = width * dpr;
       this.canvas.height = height * dpr;
@@ -132,22 +153,52 @@
       const off = new OffscreenCanvas(this.columns, rows);
       off.getContext("2d").putImageData(image, 0, 0);
       ctx.imageSmoothingEnabled = false;
-      ctx.drawImage(off, LABEL_PX, 0, this.columns, height);
+      ctx.drawImage(off, LABEL_PX, 0, this.columns, cellsHeight);
+      ctx.font = `${FONT_PX}px system-ui`;
+      ctx.fillStyle = "#ffffff";
+      for (let l = 1; l < this.layers; l++) ctx.fillRect(LABEL_PX, l * this.heads * this.rowPx, this.columns, 1);
+      this.drawRowLabels(ctx);
+      this.drawStepAxis(ctx, cellsHeight);
+    }
+
+    // "layer l" in the middle of its rows, then "h0", "h1", ... at each row while rows are tall
+    // enough for a label (else the hover names the head).
+    drawRowLabels(ctx) {
+      const groupPx = this.heads * this.rowPx;
       ctx.fillStyle = "#667085";
-      ctx.font = "10px system-ui";
       ctx.textBaseline = "middle";
       for (let l = 0; l < this.layers; l++) {
-        ctx.fillText(`layer ${l}`, 2, (l * this.heads + this.heads / 2) * ROW_PX);
-        ctx.fillStyle = "#ffffff";
-        ctx.fillRect(LABEL_PX, l * this.heads * ROW_PX, this.columns, l ? 1 : 0);
-        ctx.fillStyle = "#667085";
+        if (groupPx >= FONT_PX) {
+          ctx.textAlign = "left";
+          ctx.fillText(`layer ${l}`, 2, (l + 0.5) * groupPx);
+        }
+        if (this.rowPx < FONT_PX) continue;
+        ctx.textAlign = "right";
+        for (let h = 0; h < this.heads; h++) ctx.fillText(`h${h}`, LABEL_PX - 4, l * groupPx + (h + 0.5) * this.rowPx);
       }
+    }
+
+    // Ticks at whole steps under the cells (a step's tick at the left edge of its first column),
+    // their labels, and the axis title.
+    drawStepAxis(ctx, top) {
+      const per = this.columns / (this.total + 1);
+      ctx.fillStyle = "#667085";
+      ctx.textBaseline = "top";
+      for (const s of stepTicks(this.total, this.columns)) {
+        const x = LABEL_PX + Math.floor(s * per);
+        ctx.fillRect(x, top, 1, 4);
+        ctx.textAlign = s === 0 ? "left" : x + 20 > LABEL_PX + this.columns ? "right" : "center";
+        ctx.fillText(MF.fmt.int(s), x, top + 6);
+      }
+      ctx.textAlign = "center";
+      ctx.font = `600 ${FONT_PX + 1}px system-ui`;
+      ctx.fillText("step", LABEL_PX + this.columns / 2, top + 6 + FONT_PX + 4);
     }
 
     hover(event) {
       const rect = this.canvas.getBoundingClientRect();
       const x = event.clientX - rect.left - LABEL_PX;
-      const row = Math.floor((event.clientY - rect.top) / ROW_PX);
+      const row = Math.floor((event.clientY - rect.top) / this.rowPx);
       if (x < 0 || row < 0 || row >= this.layers * this.heads) return (this.tip.textContent = "");
       const col = Math.min(this.columns - 1, Math.floor(x));
       const v = this.cells[row * this.columns + col];

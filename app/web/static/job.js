@@ -27,6 +27,11 @@
   let retryMs = RETRY_MS;
   let refused = false; // the server refused the last stream: the banner says so
   let poller = null; // polls while the stream is refused and the job runs
+  let known = null; // [attempt, steps recorded] of the newest Job read: the stream replays older ones first
+  let queueAhead = null; // queued: the queued jobs ahead of it, as last read
+  let queuePoller = null; // reads that again while the job waits
+  let following = false; // the history is drawn (if any): the rest comes from the stream
+  const QUEUE_POLL_MS = 5000;
 
   // -- head, facts, spec ----------------------------------------------------------------------
   function fact(label, value) {
@@ -58,8 +63,8 @@
       fact(M.VAL_LOSS, fmt.num(s[M.VAL_LOSS])),
       fact("max attention logit", fmt.num(s[M.ATTN_MAX_LOGIT])),
       fact("tokens/s", fmt.int(s[M.TOKENS_PER_S])),
-      fact("optimizer", `${opt.name}, lr ${opt.lr}${opt.qk_clip_tau ? `, tau ${opt.qk_clip_tau}` : ""}`),
-      fact("model", `${model.arch} ${model.n_layer}×${model.d_model}, ${model.n_head} heads, seq ${model.seq_len}`),
+      fact("optimizer", `${opt.name}, lr ${fmt.param(opt.lr)}${opt.qk_clip_tau ? `, tau ${opt.qk_clip_tau}` : ""}`),
+      fact("model", `${fmt.model(model)}, ${model.n_head} heads, seq ${model.seq_len}`),
       fact("created", fmt.time(job.created_at)),
       fact("started", fmt.time(job.started_at)),
       fact("duration", fmt.duration(jobDuration(job)))
@@ -80,19 +85,68 @@
     stopped.hidden = summary.stopped_at === undefined;
     const how = job.status === STATUS.job.PAUSED ? "Paused" : "Stopped early";
     if (!stopped.hidden) stopped.textContent = `${how} at step ${summary.stopped_at}: ${summary.stop_reason}`;
+    renderState();
+  }
+
+  // -- before the first step ------------------------------------------------------------------
+  // Curves once the job has run a step or a worker holds it; before that, the page says why there
+  // are none (waiting in the queue, cancelled or failed before it ran) instead of empty charts.
+  function hasCurves() {
+    return charts.length > 0 || job.progress.step > 0 || job.status === STATUS.job.RUNNING || job.status === STATUS.job.CANCELLING;
+  }
+
+  function renderState() {
+    const curves = hasCurves();
+    let title = "";
+    let detail = "";
+    if (job.status === STATUS.job.QUEUED) {
+      title = queueAhead === null ? "Waiting in queue" : `Waiting in queue, ${queueAhead ? fmt.int(queueAhead) : "none"} ahead`;
+      detail = curves
+        ? "It goes on from its latest checkpoint once a worker takes it."
+        : "Its curves appear here once a worker takes it.";
+    } else if (!curves && job.status === STATUS.job.CANCELLED) {
+      title = job.started_at ? "Cancelled before its first step" : "Cancelled before it started";
+    } else if (!curves && job.status === STATUS.job.FAILED) {
+      title = job.started_at ? "Failed before its first step" : "Failed before it started";
+      detail = job.error ? `${job.error.code}: ${job.error.message}` : "";
+      $("job-error").hidden = true; // said here
+    } else if (!curves) {
+      title = "No steps ran";
+    }
+    $("job-state").hidden = !title;
+    $("job-state-title").textContent = title;
+    $("job-state-detail").textContent = detail;
+    $("job-state-detail").hidden = !detail;
+    $("chart-controls").hidden = !curves;
+    $("charts").hidden = !curves;
+    if (curves && !charts.length) showCurves();
+  }
+
+  function showCurves() {
+    buildCharts();
+    MF.shown = { charts, heatmap }; // what the page draws, for tests and the console
+    if (!following) return; // the page's first load draws the history next
+    charts.forEach((c) => c.setHistory({})); // a job that has just started: its steps arrive live
+    if (heatmap) heatmap.setHistory({});
+  }
+
+  // While the job waits in the queue: the jobs ahead of it, read again every few seconds (the
+  // stream says when it starts).
+  function followQueue() {
+    queuePoller = MF.poll(
+      async () => {
+        if (job.status !== STATUS.job.QUEUED) return queuePoller && queuePoller.stop();
+        const now = await api(`/v1/jobs/${jobId}`);
+        queueAhead = now.queue_position ?? null;
+        onStatus(now);
+      },
+      { visible: QUEUE_POLL_MS, hidden: QUEUE_POLL_MS * 6 }
+    );
   }
 
   let headPending = null;
   function renderHeadSoon() {
     if (!headPending) headPending = setTimeout(() => ((headPending = null), renderHead()), 1000);
-  }
-
-  // The JobSpec's sections in the order people write them (a stored spec's keys come back sorted);
-  // within a section, its name first, then alphabetical.
-  const SECTIONS = ["name", "model", "data", "optimizer", "train", "telemetry", "resources", "init_from"];
-  function specOrder(a, b) {
-    const rank = (k) => (SECTIONS.includes(k) ? SECTIONS.indexOf(k) : SECTIONS.length);
-    return rank(a) - rank(b) || (a < b ? -1 : a > b ? 1 : 0);
   }
 
   // -- charts ---------------------------------------------------------------------------------
@@ -109,6 +163,9 @@
       },
       clip && {
         title: "QK-Clip",
+        // A count of heads (at most every head of every layer), and gamma, the factor in (0, 1].
+        y: { label: "heads clipped", range: [0, spec.model.n_layer * spec.model.n_head], whole: true },
+        y2: { label: "min gamma", range: [0, 1] },
         series: [
           { name: M.QK_CLIP_HEADS_CLIPPED, label: "heads clipped" },
           { name: M.QK_CLIP_MIN_GAMMA, label: "min gamma", scale: "y2" },
@@ -205,6 +262,7 @@
 
   function onMetrics(step, values) {
     if (step <= lastStep) return; // drawn already (the history and the stream overlap)
+    if (!charts.length) showCurves(); // the first step of a job that was waiting
     lastStep = Math.max(lastStep, step);
     Object.assign(latest, values);
     if (values[M.ELAPSED_S] !== undefined) elapsed.push([step, values[M.ELAPSED_S]]);
@@ -218,6 +276,10 @@
   function onStatus(next) {
     // The stream replays the job's history: a finished job's earlier snapshots must not replace it.
     if (FINISHED.has(job.status) && !FINISHED.has(next.status)) return;
+    // Nor an unfinished job's older ones: an earlier attempt's, or fewer steps recorded in the same one.
+    const [attempt, steps] = known;
+    if (next.attempt < attempt || (next.attempt === attempt && next.progress.step < steps)) return;
+    known = [next.attempt, next.progress.step];
     job = next;
     renderHead();
   }
@@ -326,9 +388,9 @@
   // The fallback while there is no stream: the job and its new metrics every POLL_MS, until it
   // has finished.
   function pollInstead() {
-    const names = [...new Set(charts.flatMap((c) => c.names).concat(heatmap ? heatmap.names() : [], [M.ELAPSED_S]))];
     const p = MF.poll(async () => {
       onStatus(await api(`/v1/jobs/${jobId}`));
+      const names = [...new Set(charts.flatMap((c) => c.names).concat(heatmap ? heatmap.names() : [], [M.ELAPSED_S]))];
       const params = new URLSearchParams({ names: names.join(","), max_points: "100000", from_step: lastStep + 1 });
       const data = await api(`/v1/jobs/${jobId}/metrics?${params}`);
       const byStep = new Map();
@@ -372,13 +434,16 @@
       throw e;
     }
     $("content").hidden = false;
+    MF.shown = { charts, heatmap }; // none until the job has curves
+    queueAhead = job.queue_position ?? null;
+    known = [job.attempt, job.progress.step];
     renderHead();
-    $("spec").textContent = jsyaml.dump(job.spec, { sortKeys: specOrder, lineWidth: 100 });
+    $("spec").textContent = jsyaml.dump(job.spec, { lineWidth: 100 }); // in the API's order: the JobSpec's fields
     $("smoothing-value").textContent = Number($("smoothing").value).toFixed(2);
-    buildCharts();
-    MF.shown = { charts, heatmap }; // what the page draws, for tests and the console
-    await loadHistory();
+    if (charts.length) await loadHistory(); // drawn by renderHead where the job has curves
+    following = true;
     openStream();
+    if (job.status === STATUS.job.QUEUED) followQueue();
     await loadCheckpoints();
   }
 

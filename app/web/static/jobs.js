@@ -1,5 +1,6 @@
-// The jobs page: newest first, a status filter, "load more", polling while the tab is visible
-// (slower while hidden), and checkboxes that open the compare page.
+// The jobs page: newest first, a status filter and one that hides sweeps' trials, "load more",
+// polling while the tab is visible (slower while hidden), and checkboxes that open the compare
+// page. A trial links its sweep, named once its sweep has been read.
 "use strict";
 
 (function () {
@@ -9,18 +10,55 @@
   const MAX_COMPARE = 20;
   const body = document.querySelector("#jobs tbody");
   const filter = document.getElementById("status-filter");
+  const hideTrials = document.getElementById("hide-trials");
   const more = document.getElementById("load-more");
   const compare = document.getElementById("compare");
   const selectAll = document.getElementById("select-all");
   let jobs = []; // newest first
   let nextAfter = null;
   const selected = new Set();
+  const sweepNames = new Map(); // sweep id -> its name (null: unnamed or unreadable), once asked
 
   function listUrl(limit, after) {
     const params = new URLSearchParams({ limit: String(limit) });
     if (filter.value) params.set("status", filter.value);
+    if (hideTrials.checked) params.set("trials", "false");
     if (after) params.set("after", after);
     return `/v1/jobs?${params}`;
+  }
+
+  // The trial's sweep: a link named after the sweep once it is known (its id until then).
+  function sweepCell(job) {
+    if (!job.sweep_id) return el("td", { class: "sweep" });
+    const name = sweepNames.get(job.sweep_id);
+    return el(
+      "td",
+      { class: "sweep" },
+      el("a", { href: `/sweeps/${encodeURIComponent(job.sweep_id)}`, title: `A trial of sweep ${job.sweep_id}` }, name || job.sweep_id)
+    );
+  }
+
+  // The latest val_loss and the step it was measured at.
+  function valLossCell(job) {
+    const value = (job.summary || {})[M.VAL_LOSS];
+    const step = job.val_loss_step;
+    const at = value !== undefined && value !== null && step !== undefined && step !== null;
+    return el(
+      "td",
+      { class: "num", title: at ? `at step ${fmt.int(step)}` : null },
+      fmt.num(value),
+      at ? el("span", { class: "at-step" }, ` @ ${fmt.int(step)}`) : null
+    );
+  }
+
+  // Reads the name of every sweep not asked for yet, then draws the rows again.
+  async function nameSweeps() {
+    const unknown = [...new Set(jobs.map((j) => j.sweep_id).filter((id) => id && !sweepNames.has(id)))];
+    if (!unknown.length) return;
+    for (const id of unknown) sweepNames.set(id, null); // asked once
+    const found = await Promise.all(unknown.map((id) => api(`/v1/sweeps/${encodeURIComponent(id)}`).catch(() => null)));
+    found.forEach((sweep, i) => sweepNames.set(unknown[i], sweep ? sweep.name : null));
+    render();
   }
 
   function row(job) {
@@ -37,10 +75,11 @@
       el("td", {}, box),
       el("td", { class: "name", title: job.name || "" }, el("a", { href: `/jobs/${job.id}` }, job.name || "(unnamed)")),
       el("td", { class: "id" }, el("a", { href: `/jobs/${job.id}` }, job.id)),
+      sweepCell(job),
       el("td", {}, statusBadge(job.status)),
       el("td", {}, progressBar(job)),
       el("td", { class: "num" }, fmt.num(s[M.LOSS])),
-      el("td", { class: "num" }, fmt.num(s[M.VAL_LOSS])),
+      valLossCell(job),
       el("td", { class: "num" }, fmt.num(s[M.ATTN_MAX_LOGIT])),
       el("td", { class: "num" }, fmt.int(s[M.TOKENS_PER_S])),
       el("td", { title: fmt.time(job.created_at) }, fmt.age(job.created_at)),
@@ -50,7 +89,11 @@
 
   function render() {
     body.replaceChildren(...jobs.map(row));
-    document.getElementById("empty").hidden = jobs.length > 0;
+    const filtered = Boolean(filter.value) || hideTrials.checked;
+    document.getElementById("empty").hidden = jobs.length > 0 || filtered; // the tenant has no job at all
+    document.getElementById("no-match").hidden = jobs.length > 0 || !filtered;
+    const outside = hideTrials.checked ? " outside sweeps" : "";
+    document.getElementById("no-match-text").textContent = `No ${filter.value ? `${filter.value.replace("_", " ")} ` : ""}jobs${outside}.`;
     more.hidden = !nextAfter;
     document.getElementById("count").textContent = jobs.length ? `${jobs.length} shown` : "";
     selectAll.checked = jobs.length > 0 && jobs.every((j) => selected.has(j.id));
@@ -73,6 +116,7 @@
     jobs = page.data.concat(tail);
     if (!tail.length) nextAfter = page.next_after;
     render();
+    await nameSweeps();
   }
 
   async function reload() {
@@ -80,6 +124,7 @@
     jobs = page.data;
     nextAfter = page.next_after;
     render();
+    await nameSweeps();
   }
 
   more.addEventListener("click", async () => {
@@ -87,8 +132,15 @@
     jobs = jobs.concat(page.data);
     nextAfter = page.next_after;
     render();
+    await nameSweeps();
   });
   filter.addEventListener("change", () => reload().catch(MF.showError));
+  hideTrials.addEventListener("change", () => reload().catch(MF.showError));
+  document.getElementById("clear-filters").addEventListener("click", () => {
+    filter.value = "";
+    hideTrials.checked = false;
+    reload().catch(MF.showError);
+  });
   selectAll.addEventListener("change", () => {
     for (const j of jobs) selectAll.checked ? selected.add(j.id) : selected.delete(j.id);
     render();

@@ -1,6 +1,11 @@
 // New job: a form for the common fields and the raw spec (YAML or JSON) beside it, kept in step
 // both ways; the examples as presets; dataset upload with a progress bar. The spec text is what
 // is submitted, and the API decides what is valid: a 422 is shown at the field it names.
+//
+// The form shows exactly the spec: a field the spec leaves out shows what the server makes of it
+// (the page's spec-defaults), marked "(default)", and editing a control changes that field alone.
+// Switching the architecture or optimizer also removes the fields that apply only to the one left
+// (experts, top_k, tau), which the API would reject.
 "use strict";
 
 (function () {
@@ -10,7 +15,10 @@
   const raw = $("raw");
   const fields = [...form.querySelectorAll("[data-path]")];
   const presets = JSON.parse($("presets").textContent);
+  const defaults = JSON.parse($("spec-defaults").textContent);
   const BLANK = { model: { arch: "gpt" }, data: { builtin: "synthetic" }, optimizer: { name: "muon" } };
+  const SOURCES = ["builtin", "dataset_id", "path"]; // a spec gives exactly one
+  const EXCLUSIVE = ".moe-only [data-path], .clip-only [data-path]";
   let spec = {};
   let idempotencyKey = null; // one per spec text: a double click submits one job
 
@@ -19,75 +27,117 @@
     return path.split(".").reduce((o, k) => (o && typeof o === "object" ? o[k] : undefined), obj);
   }
 
+  // Sets one field; undefined removes it, and the sections it leaves empty.
   function set(obj, path, value) {
     const keys = path.split(".");
-    let o = obj;
-    for (const k of keys.slice(0, -1)) {
-      if (typeof o[k] !== "object" || o[k] === null) o[k] = {};
-      o = o[k];
-    }
-    if (value === undefined) delete o[keys[keys.length - 1]];
-    else o[keys[keys.length - 1]] = value;
-  }
-
-  function prune(obj) {
-    for (const [k, v] of Object.entries(obj)) {
-      if (v && typeof v === "object" && !Array.isArray(v)) {
-        prune(v);
-        if (!Object.keys(v).length) delete obj[k];
+    const last = keys.pop();
+    const chain = [obj];
+    for (const k of keys) {
+      const o = chain[chain.length - 1];
+      if (typeof o[k] !== "object" || o[k] === null || Array.isArray(o[k])) {
+        if (value === undefined) return;
+        o[k] = {};
       }
+      chain.push(o[k]);
     }
-    return obj;
+    if (value !== undefined) return void (chain[chain.length - 1][last] = value);
+    delete chain[chain.length - 1][last];
+    for (let i = keys.length - 1; i >= 0 && !Object.keys(chain[i + 1]).length; i--) delete chain[i][keys[i]];
   }
 
-  // -- form <-> spec ------------------------------------------------------------------------------
+  // What the server makes of a field the spec leaves out; null where nothing.
+  function defaultOf(path) {
+    const name = get(spec, "optimizer.name") ?? defaults.base["optimizer.name"];
+    const by = defaults.by[`${get(spec, "model.arch")} ${name}`] || {};
+    return (path in by ? by[path] : defaults.base[path]) ?? null;
+  }
+
+  // -- spec -> form -------------------------------------------------------------------------------
   function visible(node) {
     return !node.closest("[hidden]");
   }
 
   function updateVisibility() {
     const show = (selector, on) => form.querySelectorAll(selector).forEach((n) => (n.hidden = !on));
-    show(".moe-only", $("f-arch").value === "moe");
-    show(".clip-only", $("f-optimizer").value === "muonclip");
-    show(".muon-only", $("f-optimizer").value !== "adamw");
+    const optimizer = get(spec, "optimizer.name") ?? defaultOf("optimizer.name");
+    show(".moe-only", get(spec, "model.arch") === "moe");
+    show(".clip-only", optimizer === "muonclip");
+    show(".muon-only", optimizer !== "adamw");
     show(".dataset-only", $("f-source").value === "dataset");
+    show(".corpus-only", $("f-source").value !== "builtin:synthetic"); // the task has its own tokens
   }
 
+  // Selects the option for `value`, adding one (class extra) where the select has none.
+  function choose(select, value, text) {
+    select.querySelectorAll("option.extra").forEach((o) => o.remove());
+    if (![...select.options].some((o) => o.value === value)) select.append(el("option", { value, class: "extra" }, text));
+    select.value = value;
+  }
+
+  function showField(node) {
+    const value = get(spec, node.dataset.path);
+    const text = value === undefined || value === null ? "" : String(value);
+    const fallback = defaultOf(node.dataset.path);
+    if (node.tagName === "SELECT") {
+      node.options[0].textContent = fallback === null ? "(not set)" : `${fallback} (default)`;
+      if (node.id === "f-dataset" && text) ensureDatasetOption(text, text);
+      choose(node, text, `${text} (not a choice)`);
+      return;
+    }
+    node.value = text;
+    node.classList.toggle("unshown", node.value !== text); // a number input refuses other text
+    if (node.value !== text) node.placeholder = `${JSON.stringify(value)} in the spec`;
+    else if (node.dataset.type) node.placeholder = fallback === null ? "" : `${fallback} (default)`;
+  }
+
+  function showSource() {
+    const data = get(spec, "data") || {};
+    const given = SOURCES.filter((k) => data[k] !== undefined && data[k] !== null);
+    const select = $("f-source");
+    if (given.length > 1) choose(select, "several", `several: ${given.join(", ")}`);
+    else if (!given.length) {
+      if (select.value !== "dataset") choose(select, "", "(not set)"); // else: no dataset chosen yet
+    } else if (given[0] === "dataset_id") choose(select, "dataset");
+    else if (given[0] === "path") choose(select, "path", `path: ${data.path} (muonforge train only)`);
+    else choose(select, `builtin:${data.builtin}`, `builtin: ${data.builtin} (not a choice)`);
+  }
+
+  // Shows the spec in every control but `except` (the one being edited, which shows what was typed).
+  function specToForm(except) {
+    if (except !== $("f-source")) showSource();
+    updateVisibility();
+    for (const node of fields) if (node !== except) showField(node);
+  }
+
+  // -- form -> spec -------------------------------------------------------------------------------
   function readField(node) {
-    const text = node.value.trim();
-    if (text === "") return undefined;
+    const text = node.value;
+    if (text.trim() === "") return undefined;
     if (node.dataset.type === "int") return Number.isInteger(Number(text)) ? Number(text) : text;
     if (node.dataset.type === "float") return Number.isFinite(Number(text)) ? Number(text) : text;
     return text;
   }
 
-  function formToSpec() {
-    updateVisibility();
-    const next = structuredClone(spec);
-    for (const node of fields) set(next, node.dataset.path, visible(node) ? readField(node) : undefined);
-    const source = $("f-source").value;
-    for (const key of ["builtin", "dataset_id", "path"]) set(next, `data.${key}`, undefined);
-    if (source.startsWith("builtin:")) set(next, "data.builtin", source.slice(8));
-    else set(next, "data.dataset_id", $("f-dataset").value || undefined);
-    spec = prune(next);
-    writeRaw();
+  function setSource(value) {
+    $("f-source").querySelectorAll("option.extra").forEach((o) => o.remove());
+    const data = get(spec, "data");
+    if (data && typeof data === "object") SOURCES.forEach((key) => delete data[key]); // data keeps its place
+    const first = [...$("f-dataset").options].find((o) => o.value);
+    if (value.startsWith("builtin:")) set(spec, "data.builtin", value.slice(8));
+    else if (value === "dataset" && first) set(spec, "data.dataset_id", $("f-dataset").value || first.value);
+    else if (data && typeof data === "object" && !Object.keys(data).length) delete spec.data;
   }
 
-  function specToForm() {
-    for (const node of fields) {
-      const value = get(spec, node.dataset.path);
-      if (node.tagName === "SELECT" && node.id !== "f-dataset") {
-        if (value !== undefined) node.value = String(value);
-      } else node.value = value === undefined || value === null ? "" : String(value);
+  // Takes one control's edit into the spec and the spec text.
+  function edit(node) {
+    if (node.id === "f-source") setSource(node.value);
+    else set(spec, node.dataset.path, readField(node));
+    if (node.id === "f-arch" || node.id === "f-optimizer") {
+      updateVisibility();
+      for (const n of form.querySelectorAll(EXCLUSIVE)) if (!visible(n)) set(spec, n.dataset.path, undefined);
     }
-    const data = spec.data || {};
-    if (data.builtin) $("f-source").value = `builtin:${data.builtin}`;
-    else if (data.dataset_id) {
-      $("f-source").value = "dataset";
-      ensureDatasetOption(data.dataset_id, data.dataset_id);
-      $("f-dataset").value = data.dataset_id;
-    }
-    updateVisibility();
+    writeRaw();
+    specToForm(node);
   }
 
   function writeRaw() {
@@ -96,10 +146,10 @@
     idempotencyKey = null;
   }
 
-  function readRaw() {
+  function readRaw(except) {
     let parsed;
     try {
-      parsed = jsyaml.load(raw.value);
+      parsed = jsyaml.load(raw.value, { schema: jsyaml.CORE_SCHEMA }); // JSON's types: no dates
     } catch (e) {
       return showRawError(`Not valid YAML or JSON: ${e.reason || e.message}`);
     }
@@ -107,7 +157,7 @@
     $("raw-error").hidden = true;
     spec = parsed;
     idempotencyKey = null;
-    specToForm();
+    specToForm(except);
     return true;
   }
 
@@ -120,7 +170,9 @@
   // -- datasets -----------------------------------------------------------------------------------
   function ensureDatasetOption(id, text) {
     const select = $("f-dataset");
-    if (![...select.options].some((o) => o.value === id)) select.append(el("option", { value: id }, text));
+    const option = [...select.options].find((o) => o.value === id);
+    if (!option) select.append(el("option", { value: id }, text));
+    else if (option.text === id) option.text = text; // a spec's id, named once the list has loaded
   }
 
   async function loadDatasets() {
@@ -152,7 +204,7 @@
         ensureDatasetOption(d.id, `${d.name} (${MF.fmt.bytes(d.bytes)}, ${d.id})`);
         $("f-source").value = "dataset";
         $("f-dataset").value = d.id;
-        formToSpec();
+        edit($("f-source"));
       } else {
         const e = (xhr.response && xhr.response.error) || { message: `HTTP ${xhr.status}` };
         status.textContent = `Upload failed: ${e.message}`;
@@ -241,30 +293,43 @@
   // Typing in the editor is read 300 ms after the last key; a form edit first takes in what was
   // typed, so neither side overwrites the other.
   let rawTimer = null;
-  function flushRaw() {
+  function flushRaw(except) {
     if (rawTimer === null) return;
     clearTimeout(rawTimer);
     rawTimer = null;
-    readRaw();
+    readRaw(except);
   }
   raw.addEventListener("input", () => {
     clearTimeout(rawTimer);
     rawTimer = setTimeout(() => ((rawTimer = null), readRaw()), 300);
   });
   form.addEventListener("change", (e) => {
-    flushRaw();
-    if (e.target.id === "preset") return usePreset(e.target.value);
-    if (e.target.id !== "f-file") formToSpec();
+    if (e.target.id === "preset") {
+      clearTimeout(rawTimer);
+      rawTimer = null;
+      return usePreset(e.target.value);
+    }
+    if (e.target.tagName !== "SELECT") return; // inputs are taken in as they are typed
+    flushRaw(e.target);
+    edit(e.target);
   });
   form.addEventListener("input", (e) => {
     if (!e.target.matches("input[data-path]")) return;
-    flushRaw();
-    formToSpec();
+    flushRaw(e.target);
+    edit(e.target);
   });
   form.addEventListener("submit", submit);
   $("upload").addEventListener("click", upload);
 
-  const first = presets.find((p) => p.spec && p.spec.data && p.spec.data.builtin) || presets[0];
+  // Opens on the quickest preset that runs as it is: a builtin corpus, one process, and the least
+  // work (tokens trained x layers x width squared).
+  function work(s) {
+    const value = (path) => Number(get(s, path) ?? defaults.base[path]);
+    if (!get(s, "data.builtin") || value("resources.nproc") * value("resources.nnodes") > 1) return Infinity;
+    const tokens = value("train.steps") * value("train.batch_size") * value("model.seq_len");
+    return tokens * value("model.n_layer") * value("model.d_model") ** 2;
+  }
+  const first = presets.reduce((best, p) => (best && !(work(p.spec) < work(best.spec)) ? best : p), null);
   if (first) $("preset").value = first.name;
   usePreset(first ? first.name : "");
   loadDatasets().catch(MF.showError);

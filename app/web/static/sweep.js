@@ -19,8 +19,7 @@
   let plots = [];
   let poller = null;
 
-  // An x tick: 1e-5 rather than 0.00001 (or a rounded 0) below 0.001, three digits otherwise.
-  const tick = (v) => (v === null ? "" : v !== 0 && Math.abs(v) < 1e-3 ? v.toExponential(0) : String(Number(v.toPrecision(3))));
+  const decade = (v) => Math.abs(Math.log10(v) - Math.round(Math.log10(v))) < 1e-9;
   const better = (a, b) => (sweep.mode === "min" ? a - b : b - a);
   const isNum = (v) => typeof v === "number" && Number.isFinite(v);
 
@@ -37,9 +36,7 @@
     return trial.params[key];
   }
 
-  function paramText(v) {
-    return isNum(v) && !Number.isInteger(v) ? fmt.num(v) : typeof v === "object" ? JSON.stringify(v) : String(v);
-  }
+  const paramText = fmt.param;
 
   function renderHead(paths) {
     const cols = [["number", "#"], ["job", "Job"], ...paths.map((p) => [p, p]), ["status", "Status"],
@@ -166,11 +163,11 @@
             values: words
               ? (u, ticks) => ticks.map((t) => (Number.isInteger(t) && words[t] !== undefined ? JSON.parse(words[t]) : ""))
               : log
-                ? (u, ticks) => ticks.map((t) => (Math.abs(Math.log10(t) - Math.round(Math.log10(t))) < 1e-9 ? tick(t) : ""))
-                : undefined,
+                ? (u, ticks, ...rest) => MF.axisValues(u, ticks.map((t) => (decade(t) ? t : null)), ...rest) // decades only
+                : MF.axisValues,
             splits: words ? () => words.map((_, i) => i) : undefined,
           },
-          { label: sweep.metric, size: 60 },
+          { label: MF.metricLabel(sweep.metric), values: MF.axisValues, size: MF.axisWidth },
         ],
         series: [
           { label: path, value: (u, v) => (v === null || v === undefined ? "–" : words ? JSON.parse(words[Math.round(v)] ?? "null") : fmt.num(v)) },
