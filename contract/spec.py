@@ -118,6 +118,19 @@ class ModelSpec(_Strict):
         return v
 
 
+class BPESpec(_Strict):
+    """A byte-level BPE trained on the job's text with the tokenizers library (docs/engine.md)."""
+
+    type: Literal["bpe"] = Field(description="Byte-level BPE (GPT-2's byte alphabet, its pre-tokenizer).")
+    vocab_size: int = Field(
+        8192,
+        ge=512,
+        le=65536,
+        description="The model's vocabulary: 256 bytes, <|endoftext|> and the merges learned (a small text may "
+        "give fewer; their rows stay unused).",
+    )
+
+
 class DataSpec(_Strict):
     """Exactly one source: an uploaded dataset, a builtin task, or (local runs only) a file path."""
 
@@ -131,8 +144,10 @@ class DataSpec(_Strict):
         "(its char vocabulary is the 128 ASCII characters; docs/engine.md).",
     )
     path: str | None = Field(None, min_length=1, description="A UTF-8 text file (`muonforge train` only).")
-    tokenizer: Literal["byte", "char"] = Field(
-        "byte", description="byte: vocab 256; char: the corpus's distinct characters (at most 65,536)."
+    tokenizer: Literal["byte", "char"] | BPESpec = Field(
+        "byte",
+        description="byte: vocab 256; char: the corpus's distinct characters (at most 65,536); "
+        "{type: bpe, vocab_size: N}: a byte-level BPE trained on the corpus.",
     )
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of the corpus held out for validation.")
 

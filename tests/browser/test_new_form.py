@@ -127,6 +127,21 @@ def test_a_preset_without_a_schedule_keeps_it_out_when_the_name_is_edited(browse
     assert shown_spec(page) == expected
 
 
+def test_a_transformers_model_shows_its_config_and_a_bpe_tokenizer_and_keeps_both(browser, key):
+    page = open_form(browser, key)
+    page.locator("#preset").select_option("llama-pysource-bpe")
+    assert shown_spec(page) == example("llama-pysource-bpe")
+    for size in ("#f-n_layer", "#f-n_head", "#f-d_model"):  # an hf model's sizes are its config's
+        assert not page.locator(size).is_visible()
+    assert page.locator("#hf-summary").inner_text().startswith("llama: 2 layers × 128, 4 heads (2 key/value)")
+    assert selected_text(page, "#f-tokenizer") == "bpe, 4,096 tokens (set in the spec)"
+    page.get_by_label("Steps", exact=True).fill("20")
+    expected = put(example("llama-pysource-bpe"), "train.steps", 20)
+    assert shown_spec(page) == expected and submitted(page, browser) == expected
+    page.locator("#f-arch").select_option("gpt")
+    assert page.locator("#f-n_layer").is_visible() and not page.locator("#hf-summary").is_visible()
+
+
 def test_a_pasted_spec_without_a_schedule_shows_the_default(browser, key):
     page = open_form(browser, key)
     page.locator("#preset").select_option("moe-muonclip")

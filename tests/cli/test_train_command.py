@@ -25,7 +25,7 @@ def test_every_example_validates(example, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("hello world\n" * 100)
     spec = load_spec(example, corpus if example.stem == "pysource-adamw" else None)
-    assert spec["model"]["arch"] in ("gpt", "moe", "mlp")
+    assert spec["model"]["arch"] in ("gpt", "moe", "mlp", "hf")
 
 
 def test_train_runs_a_spec_and_writes_its_outputs(tmp_path):

@@ -19,6 +19,7 @@ from worker.engine.data import (
     load_data,
     pysource_sha256,
     pysource_text,
+    text_chunks,
 )
 
 ENGINE_DOC = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
@@ -76,3 +77,39 @@ def test_char_tokenizer_ids_follow_its_alphabet_and_refuse_other_characters():
     assert tok.encode("").tolist() == []
     with pytest.raises(ValueError, match="'d' is not in the tokenizer's vocabulary"):
         tok.encode("abd")
+
+
+def test_bpe_is_learned_once_per_text_deterministically_and_round_trips(tmp_path):
+    spec = DataSpec(builtin="pysource", tokenizer={"type": "bpe", "vocab_size": 2048})
+    data = load_data(spec, 0, tmp_path)
+    assert data.vocab_size == 2048 and data.tokenizer.kind == "bpe"
+    text = pysource_text()
+    tokens = np.concatenate([data.train, data.val])
+    assert tokens.dtype == np.uint16 and 0 < tokens.max() < 2048
+    assert len(tokens) < len(text) / 3  # merges learned: fewer tokens than a third of the bytes
+    assert data.decode(tokens) == text  # every piece decodes back exactly
+    # The same text and size: the cached BPE and ids, with no second training; learned again from
+    # scratch, the same merges.
+    cached = sorted(p.name for p in tmp_path.iterdir())
+    again = load_data(spec, 0, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == cached and np.array_equal(again.val, data.val)
+    assert Tokenizer.train_bpe(text, 2048).bpe == data.tokenizer.bpe
+    # Any text, the alphabet's bytes included, round trips; an id it never learned reads as nothing.
+    sample = "héllo wörld — 日本語 🎉\n\tdef f(x):\n        return x ** 2\n"
+    assert data.tokenizer.decode(data.tokenizer.encode(sample)) == sample
+    tiny = Tokenizer.train_bpe("ab ab ab abc\n" * 10, 512)  # learns far fewer than 512 tokens
+    assert tiny.vocab_size == 512 and tiny._fast.get_vocab_size() < 300
+    assert tiny.decode([*tiny.encode("ab").tolist(), 511]) == "ab"
+    # Another vocabulary size is another tokenizer, cached beside the first.
+    smaller = load_data(DataSpec(builtin="pysource", tokenizer={"type": "bpe", "vocab_size": 1024}), 0, tmp_path)
+    assert smaller.vocab_size == 1024 and len(smaller.train) > len(data.train)
+    restored = Tokenizer(**data.tokenizer.to_dict())
+    assert np.array_equal(restored.encode(sample), data.tokenizer.encode(sample))
+
+
+def test_text_chunks_cut_after_newlines_and_lose_nothing():
+    text = "".join(f"line {i} " + "x" * (i % 50) + "\n" for i in range(5000)) + "tail without newline"
+    pieces = list(text_chunks(text, size=1000))
+    assert "".join(pieces) == text and len(pieces) > 10
+    assert all(p.endswith("\n") for p in pieces[:-1]) and all(len(p) <= 1000 for p in pieces)
+    assert list(text_chunks("y" * 2500, size=1000)) == ["y" * 1000, "y" * 1000, "y" * 500]  # no newline: cut at size

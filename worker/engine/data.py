@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from contract.spec import DataSpec
+from contract.spec import BPESpec, DataSpec
 
 from .facts import CHAR_VOCAB_MAX, PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB
 
@@ -30,6 +31,9 @@ SYNTHETIC_ALPHABET = (
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
 PYSOURCE_BYTES = 4 << 20  # the builtin pysource corpus: the first 4 MiB
+END_OF_TEXT = "<|endoftext|>"  # a BPE's one special token (GPT-2's name for it)
+BPE_CHUNK = 1 << 18  # characters of text per piece the BPE learns from and encodes (text_chunks)
+BPE_BATCH = 16  # pieces encoded at once: the library's work in flight stays a few MiB of text
 # Directories left out: installed packages (not the stdlib), tests (fixtures, deliberately broken
 # files) and the codecs' generated character tables.
 PYSOURCE_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings"})
@@ -41,11 +45,21 @@ PYSOURCE_CHARS = "".join(map(chr, range(PYSOURCE_CHAR_VOCAB)))
 
 class Tokenizer:
     """byte: UTF-8 bytes, vocab 256. char: the corpus's distinct characters, sorted (or a fixed
-    alphabet, for the builtin pysource text), at most CHAR_VOCAB_MAX of them."""
+    alphabet, for the builtin pysource text), at most CHAR_VOCAB_MAX of them. bpe: a byte-level
+    BPE (``bpe``: the tokenizers library's JSON of it) in a vocabulary of ``vocab_size`` ids."""
 
-    def __init__(self, kind: str, chars: str | None = None) -> None:
-        if kind not in ("byte", "char"):
+    def __init__(self, kind: str, chars: str | None = None, bpe: str | None = None, vocab_size: int = 0) -> None:
+        if kind not in ("byte", "char", "bpe"):
             raise ValueError(f"unknown tokenizer {kind!r}")
+        if kind == "bpe":
+            if not bpe or vocab_size < 1:
+                raise ValueError("a bpe tokenizer needs its trained model and its vocabulary size")
+            from tokenizers import Tokenizer as Fast
+
+            self._fast = Fast.from_str(bpe)
+            if self._fast.get_vocab_size() > vocab_size:
+                raise ValueError(f"the BPE has {self._fast.get_vocab_size()} tokens, more than its {vocab_size}")
+        self.bpe, self._vocab_size = bpe, vocab_size
         if kind == "char":
             if not chars:
                 raise ValueError("a char tokenizer needs its character set")
@@ -65,13 +79,40 @@ class Tokenizer:
     def fit(cls, kind: str, text: str) -> Tokenizer:
         return cls(kind, "".join(sorted(set(text))) if kind == "char" else None)
 
+    @classmethod
+    def train_bpe(cls, text: str, vocab_size: int) -> Tokenizer:
+        """A byte-level BPE of at most ``vocab_size`` tokens learned from ``text`` (deterministic)."""
+        from tokenizers import Tokenizer as Fast
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        fast = Fast(models.BPE())
+        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        fast.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[END_OF_TEXT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        fast.train_from_iterator(text_chunks(text), trainer=trainer, length=None)
+        return cls("bpe", bpe=fast.to_str(), vocab_size=vocab_size)
+
     @property
     def vocab_size(self) -> int:
+        if self.kind == "bpe":
+            return self._vocab_size
         return 256 if self.kind == "byte" else len(self._alphabet)
 
     def encode(self, text: str) -> np.ndarray:
         if self.kind == "byte":
             return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        if self.kind == "bpe":  # in pieces, BPE_BATCH at a time encoded in parallel by the library
+            dtype = np.uint16 if self._vocab_size <= 1 << 16 else np.uint32
+            parts, pieces = [], list(text_chunks(text))
+            for start in range(0, len(pieces), BPE_BATCH):
+                encodings = self._fast.encode_batch_fast(pieces[start : start + BPE_BATCH])
+                parts += [np.asarray(e.ids, dtype=dtype) for e in encodings]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         at = np.minimum(np.searchsorted(self._codes, codes), len(self._codes) - 1)
         unknown = np.flatnonzero(self._codes[at] != codes)
@@ -83,10 +124,30 @@ class Tokenizer:
         ids = np.asarray(ids, dtype=np.int64)
         if self.kind == "byte":
             return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        if self.kind == "bpe":  # an id the BPE did not learn (an unused row of the model) reads as nothing
+            return self._fast.decode([int(i) for i in ids if i < self._fast.get_vocab_size()])
         return "".join(self._alphabet[i] for i in ids)
 
     def to_dict(self) -> dict:
+        if self.kind == "bpe":
+            return {"kind": self.kind, "chars": None, "bpe": self.bpe, "vocab_size": self._vocab_size}
         return {"kind": self.kind, "chars": self.chars}
+
+
+def text_chunks(text: str, size: int = BPE_CHUNK) -> Iterator[str]:
+    """``text`` in pieces of about ``size`` characters, each cut after a newline where one is near.
+
+    The BPE learns and encodes piece by piece, so no token spans a cut (a cut falls between lines,
+    where GPT-2's pre-tokenizer splits anyway, unless a line is longer than a piece).
+    """
+    start = 0
+    while start < len(text):
+        stop = min(start + size, len(text))
+        if stop < len(text):
+            newline = text.rfind("\n", start, stop)
+            stop = newline + 1 if newline > start else stop
+        yield text[start:stop]
+        start = stop
 
 
 @dataclass
@@ -138,20 +199,28 @@ def load_corpus(cfg: DataSpec, corpus: Path, cache_dir: Path) -> TokenData:
 
 
 def load_text(cfg: DataSpec, raw: bytes, cache_dir: Path, chars: str | None = None) -> TokenData:
-    """UTF-8 text tokenized once into ``cache_dir`` (named by its sha256) and memory-mapped; a char
-    tokenizer over ``chars`` when given, else over the text's own characters."""
+    """UTF-8 text tokenized once into ``cache_dir`` (named by its sha256 and the tokenizer) and
+    memory-mapped; a char tokenizer over ``chars`` when given, else over the text's own characters;
+    a BPE learned from the text (and kept with its ids: every job that asks for the same one on
+    the same text reuses both)."""
     digest = hashlib.sha256(raw).hexdigest()[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
+    bpe = cfg.tokenizer if isinstance(cfg.tokenizer, BPESpec) else None
     alphabet = chars if cfg.tokenizer == "char" else None
     suffix = f"-{hashlib.sha256(alphabet.encode()).hexdigest()[:8]}" if alphabet else ""
-    stem = cache_dir / f"{digest}-{cfg.tokenizer}{suffix}"
+    kind = f"bpe{bpe.vocab_size}" if bpe else cfg.tokenizer
+    stem = cache_dir / f"{digest}-{kind}{suffix}"
     meta_path, bin_path = stem.with_suffix(".json"), stem.with_suffix(".bin")
     if meta_path.exists() and bin_path.exists():
         meta = json.loads(meta_path.read_text())
-        tokenizer = Tokenizer(meta["kind"], meta["chars"])
+        tokenizer = Tokenizer(**{k: meta[k] for k in ("kind", "chars", "bpe", "vocab_size") if k in meta})
     else:
         text = raw.decode("utf-8")
-        tokenizer = Tokenizer(cfg.tokenizer, alphabet) if alphabet else Tokenizer.fit(cfg.tokenizer, text)
+        if bpe:
+            tokenizer = Tokenizer.train_bpe(text, bpe.vocab_size)
+        else:
+            kind = str(cfg.tokenizer)
+            tokenizer = Tokenizer(kind, alphabet) if alphabet else Tokenizer.fit(kind, text)
         ids = tokenizer.encode(text)
         tmp = bin_path.with_suffix(".tmp")
         ids.tofile(tmp)

@@ -61,10 +61,30 @@
     const show = (selector, on) => form.querySelectorAll(selector).forEach((n) => (n.hidden = !on));
     const optimizer = get(spec, "optimizer.name") ?? defaultOf("optimizer.name");
     show(".moe-only", get(spec, "model.arch") === "moe");
+    show(".sized-only", get(spec, "model.arch") !== "hf"); // an hf model's sizes are its config's
+    show(".hf-only", get(spec, "model.arch") === "hf");
+    $("hf-summary").textContent = hfSummary(get(spec, "model.hf.config"));
     show(".clip-only", optimizer === "muonclip");
     show(".muon-only", optimizer !== "adamw");
     show(".dataset-only", $("f-source").value === "dataset");
     show(".corpus-only", $("f-source").value !== "builtin:synthetic"); // the task has its own tokens
+  }
+
+  // A transformers config in a line; it is edited in the spec.
+  function hfSummary(config) {
+    if (!config || typeof config !== "object") return "model.hf.config: not set (write it in the spec)";
+    const layers = config.num_hidden_layers ?? config.n_layer;
+    const width = config.hidden_size ?? config.n_embd;
+    const heads = config.num_attention_heads ?? config.n_head;
+    const kv = config.num_key_value_heads;
+    const grouped = kv && kv !== heads ? ` (${kv} key/value)` : "";
+    return `${config.model_type}: ${layers} layers × ${width}, ${heads} heads${grouped}; its config is edited in the spec`;
+  }
+
+  // A value the form has no control for (an object: a BPE tokenizer), in a few words.
+  function summary(value) {
+    if (value.type === "bpe" && Number.isInteger(value.vocab_size)) return `bpe, ${value.vocab_size.toLocaleString("en-US")} tokens`;
+    return JSON.stringify(value);
   }
 
   // Selects the option for `value`, adding one (class extra) where the select has none.
@@ -81,7 +101,8 @@
     if (node.tagName === "SELECT") {
       node.options[0].textContent = fallback === null ? "(not set)" : `${fallback} (default)`;
       if (node.id === "f-dataset" && text) ensureDatasetOption(text, text);
-      choose(node, text, `${text} (not a choice)`);
+      if (value !== null && typeof value === "object") choose(node, "(object)", `${summary(value)} (set in the spec)`);
+      else choose(node, text, `${text} (not a choice)`);
       return;
     }
     node.value = text;
