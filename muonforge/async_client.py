@@ -6,18 +6,19 @@ Its methods are Client's (muonforge.client), awaited; its lists and events are a
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import httpx
 
-from contract.export import EXPORT_FILE
+from contract.export import EXPORT_FILE, FORMATS
 from muonforge import api
 from muonforge.api import FINISHED, Call, Event, SseParser
 from muonforge.client import DEFAULT_RETRY, PAGE_SIZE, ClientBase, Json
 from muonforge.retry import Retry
-from muonforge.transfer import Download, Progress, open_upload, write_export_config
+from muonforge.transfer import Download, Progress, extract_export, open_upload, write_export_config
 
 
 class AsyncClient(ClientBase):
@@ -120,11 +121,24 @@ class AsyncClient(ClientBase):
         return await self._run(api.checkpoint_file(job_id, step, format), save)
 
     async def export_checkpoint(
-        self, job_id: str, step: int, directory: str | Path, progress: Progress | None = None
+        self,
+        job_id: str,
+        step: int,
+        directory: str | Path,
+        progress: Progress | None = None,
+        format: str = "safetensors",
     ) -> Path:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        weights = await self.download_checkpoint(job_id, step, Path(directory) / EXPORT_FILE, progress, "safetensors")
-        return write_export_config(weights).parent
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)} (got {format!r})")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if format == "safetensors":
+            weights = await self.download_checkpoint(job_id, step, directory / EXPORT_FILE, progress, format)
+            return write_export_config(weights).parent
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=directory) as temp:
+            archive = await self.download_checkpoint(job_id, step, Path(temp) / "hf.tar", progress, format)
+            extract_export(archive, directory)
+        return directory
 
     # -- datasets ---------------------------------------------------------------------------------
     async def upload_dataset(

@@ -17,6 +17,7 @@ in ``muonforge.api``; the methods here only send them.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -24,12 +25,12 @@ from typing import Any, BinaryIO, TypedDict
 
 import httpx
 
-from contract.export import EXPORT_FILE
+from contract.export import EXPORT_FILE, FORMATS
 from muonforge import api
 from muonforge.api import ACTIVE, FINISHED, STATUSES, Call, Event, SseParser
 from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError
 from muonforge.retry import NO_RETRY, Attempts, Retry
-from muonforge.transfer import Download, Progress, open_upload, write_export_config
+from muonforge.transfer import Download, Progress, extract_export, open_upload, write_export_config
 
 __all__ = [
     "ACTIVE",
@@ -195,16 +196,32 @@ class Client(ClientBase):
         return self._run(api.checkpoint_file(job_id, step, format), save)
 
     def export_checkpoint(
-        self, job_id: str, step: int, directory: str | Path, progress: Progress | None = None
+        self,
+        job_id: str,
+        step: int,
+        directory: str | Path,
+        progress: Progress | None = None,
+        format: str = "safetensors",
     ) -> Path:
-        """The weights of the checkpoint written after ``step`` steps, for use without the service.
+        """The weights of the checkpoint written after ``step`` steps, for use without the service,
+        written in ``directory`` (created if need be); returns the directory.
 
-        ``model.safetensors`` and ``config.json`` (the model's config) go in ``directory``. Returns the
-        directory.
+        ``format="safetensors"``: ``model.safetensors`` and ``config.json`` (the model's config), for
+        the engine's model code. ``format="hf"``: a transformers model directory (config.json,
+        model.safetensors, generation_config.json and the tokenizer's files), unpacked from the
+        server's tar archive; ValidationError (``format``) for an arch transformers lacks (moe, mlp).
         """
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        weights = self.download_checkpoint(job_id, step, Path(directory) / EXPORT_FILE, progress, "safetensors")
-        return write_export_config(weights).parent
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)} (got {format!r})")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if format == "safetensors":
+            weights = self.download_checkpoint(job_id, step, directory / EXPORT_FILE, progress, format)
+            return write_export_config(weights).parent
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=directory) as temp:
+            archive = self.download_checkpoint(job_id, step, Path(temp) / "hf.tar", progress, format)
+            extract_export(archive, directory)
+        return directory
 
     # -- datasets ---------------------------------------------------------------------------------
     def upload_dataset(

@@ -18,7 +18,7 @@ from rich.console import Group
 from rich.live import Live
 
 from contract import metrics
-from contract.export import CONFIG_FILE, EXPORT_FILE
+from contract.export import CONFIG_FILE, EXPORT_FILE, FORMATS
 from contract.status import JobStatus, SweepStatus
 from contract.webhooks import WebhookEventType
 from muonforge.api import SWEEP_STATUSES
@@ -212,9 +212,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     with connect(args) as client:
         step = checkpoint_step(client, args.job_id, args.step)
         with transfer_bar(f"step {step}") as progress:
-            directory = client.export_checkpoint(args.job_id, step, args.out, progress)
-    print(directory / EXPORT_FILE)
-    print(directory / CONFIG_FILE)
+            directory = client.export_checkpoint(args.job_id, step, args.out, progress, args.format)
+    if args.format == "hf":
+        print(directory)  # what AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained take
+    else:
+        print(directory / EXPORT_FILE)
+        print(directory / CONFIG_FILE)
     return 0
 
 
@@ -370,11 +373,22 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     download.add_argument("--out", type=Path, help="file or directory (default: ./<job>-step<N>.pt)")
 
     export = command(
-        sub, "export", cmd_export, "a checkpoint's weights for use without the service: model.safetensors, config.json"
+        sub,
+        "export",
+        cmd_export,
+        "a checkpoint's weights for use without the service: model.safetensors and config.json, "
+        "or a transformers model directory (--format hf)",
     )
     export.add_argument("job_id")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     export.add_argument("--out", type=Path, required=True, help="the directory to write them in (created if need be)")
+    export.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="safetensors",
+        help="safetensors (default): for the engine's model code; hf: config.json, model.safetensors, "
+        "generation_config.json and tokenizer files that transformers loads (arch gpt and hf)",
+    )
 
     sweep = command(sub, "sweep", cmd_sweep, "submit a sweep file (base spec and search space); prints its id")
     sweep.add_argument("spec", type=Path, help="sweep spec, YAML or JSON (examples/sweeps/lr-and-optimizer.yaml)")

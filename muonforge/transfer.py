@@ -9,6 +9,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import shutil
+import tarfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +21,7 @@ from contract.export import CONFIG_FILE, EXPORT_KEY
 
 Progress = Callable[[int, "int | None"], None]
 HEADER_LIMIT = 100_000_000  # bytes: the limit the safetensors format sets on a header
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")  # an archive member: a file name, no path
 
 
 class ProgressReader:
@@ -118,3 +122,31 @@ def write_export_config(weights: Path) -> Path:
     path = weights.with_name(CONFIG_FILE)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
+
+
+def extract_export(archive: Path, directory: Path) -> list[Path]:
+    """Write the files of a transformers export's tar archive (``format=hf``) into ``directory``;
+    returns them.
+
+    Every member must be a plain file whose name is a file name alone (letters, digits, ``.``, ``_``
+    and ``-``, no path, not hidden): anything else (a directory, a link, a device, ``../x``, an
+    absolute path) is refused with ValueError before any file is written. Each file is written
+    through ``<name>.part``, so it appears only complete.
+    """
+    written = []
+    with tarfile.open(archive, mode="r:") as tar:
+        members = tar.getmembers()
+        for member in members:
+            if not member.isfile() or not SAFE_NAME.fullmatch(member.name):
+                raise ValueError(f"{archive}: member {member.name!r} is not a plain file with a safe name")
+        directory.mkdir(parents=True, exist_ok=True)
+        for member in members:
+            source = tar.extractfile(member)
+            assert source is not None  # a regular file's member always has its data
+            path = directory / member.name
+            part = path.with_name(path.name + ".part")
+            with source, part.open("wb") as out:
+                shutil.copyfileobj(source, out)
+            part.replace(path)
+            written.append(path)
+    return written

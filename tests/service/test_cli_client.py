@@ -16,11 +16,13 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from app.db.session import transaction
 from app.messaging.live_bus import NoBus
 from app.services.job_journal import record_log
 from app.services.metric_history import store_metrics
+from contract.export import CONFIG_FILE, EXPORT_FILE, GENERATION_FILE
 from muonforge import Client
 from tests.engine.test_export import logits
 from tests.service.test_client import stored_checkpoint
@@ -184,6 +186,18 @@ def test_export_writes_weights_that_reload_to_the_checkpoints_logits(finished, t
     assert missing.returncode == 2
     assert one_error_line(missing) == f"error: job {job_id} has no checkpoint at step 15 (404 not_found)"
     assert not list((tmp_path / "none").glob("*.safetensors"))
+
+
+def test_export_format_hf_writes_a_directory_transformers_loads(finished, tenant, api_url, settings, tmp_path):
+    job_id = finished["id"]
+    result = muonforge("export", job_id, "--format", "hf", "--out", tmp_path / "hf", url=api_url, key=tenant)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(tmp_path / "hf")]
+    # the synthetic task's token ids have no tokenizer; the archive itself is not left behind
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [CONFIG_FILE, GENERATION_FILE, EXPORT_FILE]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    expected = checkpoint_logits(stored_checkpoint(settings, job_id, 20))  # the latest
+    assert torch.allclose(logits(lambda x: model(input_ids=x).logits, 64, 16), expected, rtol=0, atol=1e-5)
 
 
 def test_datasets_upload_and_list(settings, api_url, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from app.db.session import transaction
 from app.repositories.checkpoints import CheckpointRepository
+from contract.export import CONFIG_FILE, EXPORT_FILE, GENERATION_FILE
 from muonforge import AsyncClient, Client
 from muonforge.errors import Conflict, NotFound, Unauthorized, ValidationError
 from tests.support.api import new_key
@@ -87,7 +89,10 @@ def test_jobs_create_get_list_cancel_wait(run, settings):
         assert (await done(client.create_job(tiny_spec(), idempotency_key="same")))["id"] == b["id"]  # replayed
         await raises(Conflict, lambda: client.create_job(tiny_spec(steps=21), idempotency_key="same"))
         c = await done(client.create_job(tiny_spec()))
-        assert a["status"] == "queued" and (await done(client.get_job(a["id"]))) == a
+        got = await done(client.get_job(a["id"]))
+        # The one difference: a queued job's place in the queue, read when it is asked for.
+        assert a["status"] == "queued" and a["queue_position"] is None and isinstance(got["queue_position"], int)
+        assert got | {"queue_position": None} == a
 
         assert [j["id"] for j in await done(client.list_jobs(page_size=2))] == [c["id"], b["id"], a["id"]]
         first = await done(client.list_jobs_page(limit=2))
@@ -176,6 +181,19 @@ def test_a_finished_jobs_events_metrics_and_checkpoints(run, trained, settings, 
         assert reports[-1] == (checkpoints[0]["bytes"], checkpoints[0]["bytes"])
         await raises(NotFound, lambda: client.download_checkpoint(job["id"], 15, tmp_path / "step15.pt"))
         assert not list(tmp_path.glob("step15*")), "nothing left behind by a failed download"
+
+        exported = await done(client.export_checkpoint(job["id"], 20, tmp_path / "export"))
+        assert sorted(p.name for p in exported.iterdir()) == [CONFIG_FILE, EXPORT_FILE]
+        hf = await done(client.export_checkpoint(job["id"], 20, tmp_path / "hf", format="hf"))
+        assert hf == tmp_path / "hf" and sorted(p.name for p in hf.iterdir()) == [
+            CONFIG_FILE,
+            GENERATION_FILE,
+            EXPORT_FILE,
+        ]
+        assert json.loads((hf / CONFIG_FILE).read_text())["architectures"] == ["GPT2LMHeadModel"]
+        await raises(NotFound, lambda: client.export_checkpoint(job["id"], 15, tmp_path / "none", format="hf"))
+        assert list((tmp_path / "none").iterdir()) == [], "nothing left behind by a failed export"
+        await raises(ValueError, lambda: client.export_checkpoint(job["id"], 20, tmp_path / "onnx", format="onnx"))
 
     run(key, scenario)
 
