@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from contract.spec import error_path
+
 log = logging.getLogger("muonforge.api")
 
 
@@ -115,10 +117,9 @@ async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
 def _field(error: dict) -> FieldError:
     """One pydantic error as ``{"param": "optimizer.lr", "message": "..."}``."""
     loc = [str(p) for p in error.get("loc", ())]
-    if loc and loc[0] in ("body", "query", "path", "header"):
-        loc = loc[1:]
+    where, loc = (loc[0], loc[1:]) if loc and loc[0] in ("body", "query", "path", "header") else (None, loc)
     message = str(error.get("msg", "invalid request")).removeprefix("Value error, ")
-    return {"param": ".".join(loc) or None, "message": message}
+    return {"param": (error_path(loc) if where == "body" else ".".join(loc)) or None, "message": message}
 
 
 async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -7,13 +7,16 @@ documented default. A validated spec's ``model_dump()`` is what the engine consu
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Self, get_args, get_origin
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     ModelWrapValidatorHandler,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -131,6 +134,19 @@ class BPESpec(_Strict):
     )
 
 
+def _tokenizer_kind(value: Any) -> str:
+    """Which member of the tokenizer union a value is read as (a word, or a BPE's section)."""
+    return "BPE" if isinstance(value, dict | BPESpec) else "Word"
+
+
+# One member is tried, chosen by the value's type, so an error speaks of that one alone (a member's
+# tag is capitalized: error_path leaves it out of the field's path).
+TokenizerChoice = Annotated[
+    Annotated[Literal["byte", "char"], Tag("Word")] | Annotated[BPESpec, Tag("BPE")],
+    Discriminator(_tokenizer_kind),
+]
+
+
 class DataSpec(_Strict):
     """Exactly one source: an uploaded dataset, a builtin task, or (local runs only) a file path."""
 
@@ -144,7 +160,7 @@ class DataSpec(_Strict):
         "(its char vocabulary is the 128 ASCII characters; docs/engine.md).",
     )
     path: str | None = Field(None, min_length=1, description="A UTF-8 text file (`muonforge train` only).")
-    tokenizer: Literal["byte", "char"] | BPESpec = Field(
+    tokenizer: TokenizerChoice = Field(
         "byte",
         description="byte: vocab 256; char: the corpus's distinct characters (at most 65,536); "
         "{type: bpe, vocab_size: N}: a byte-level BPE trained on the corpus.",
@@ -409,12 +425,23 @@ class JobSpec(_Strict):
     )
 
 
+def error_path(loc: Sequence[int | str]) -> str:
+    """A validation error's location as the spec's dotted path (``data.tokenizer``).
+
+    pydantic puts the member of a union it tried into the location (``literal['byte','char']``,
+    ``BPESpec``); those are not fields and are left out. Fields are snake_case, members are not.
+    """
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and (p.startswith("literal[") or p[:1].isupper())))
+
+
 def choices(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, list[str]]:
     """Every field of the spec that takes one of a fixed set of words, by its path
     (``{"model.arch": ["gpt", "moe", "mlp"], …}``): what the new-job form offers."""
     out: dict[str, list[str]] = {}
     for name, field in model.model_fields.items():
         for arg in (field.annotation, *get_args(field.annotation)):
+            if get_origin(arg) is Annotated:  # a tagged member of a union
+                arg = get_args(arg)[0]
             if get_origin(arg) is Literal:
                 out[f"{prefix}{name}"] = [str(v) for v in get_args(arg)]
             elif isinstance(arg, type) and issubclass(arg, BaseModel):

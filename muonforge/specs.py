@@ -53,7 +53,7 @@ def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
     """Read a job spec, apply ``--data``, validate it with JobSpec; return its dict."""
     import pydantic
 
-    from contract.spec import JobSpec
+    from contract.spec import JobSpec, error_path
 
     raw = read_spec(path)
     if data is not None:
@@ -61,5 +61,5 @@ def load_spec(path: Path, data: Path | None = None) -> dict[str, Any]:
     try:
         return JobSpec.model_validate(raw).model_dump()
     except pydantic.ValidationError as exc:
-        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(spec)'}: {e['msg']}" for e in exc.errors())
+        fields = "; ".join(f"{error_path(e['loc']) or '(spec)'}: {e['msg']}" for e in exc.errors())
         raise SpecError(f"{path} is not a valid job spec: {fields}") from None

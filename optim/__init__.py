@@ -17,7 +17,7 @@ from .qk_clip import (
     qk_clip_sources,
     separate_qk_targets,
 )
-from .routing import split_params
+from .routing import Route, routes, split_params
 from .scratch import Scratch
 from .stats import StepStats
 
@@ -28,6 +28,7 @@ __all__ = [
     "MuonClip",
     "QKClipSource",
     "QKClipTarget",
+    "Route",
     "Scratch",
     "StepStats",
     "adamw_update",
@@ -43,6 +44,7 @@ __all__ = [
     "qk_clip",
     "qk_clip_sources",
     "resolve_coefficients",
+    "routes",
     "scalar_map",
     "separate_qk_targets",
     "singular_value_band",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
@@ -27,33 +28,67 @@ _ADAMW_MODULES = (
 )
 _MATRIX_MODULES = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
 
+# Why a parameter lands where it does, one per rule of :func:`routes`.
+DECLARED = "declared by its module"  # muon_param_roles(): an MoE layer's expert weights
+HEAD = "output head"
+TABLE = "embedding or norm"
+MATRIX = "hidden matrix"  # the weight of a Linear or conv layer
+VECTOR = "bias or vector"  # 1-D: biases, gains, a layer's own vectors
+UNRECOGNIZED = "matrix of an unrecognized module"  # > 1-D, neither a Linear/conv weight nor declared
+REASONS = (DECLARED, HEAD, TABLE, MATRIX, VECTOR, UNRECOGNIZED)
 
-def split_params(model: nn.Module, output_head: nn.Module | None = None) -> list[dict[str, Any]]:
-    """Param groups for :class:`optim.Muon`: hidden matrices to Muon, the rest to AdamW.
 
-    Roles, in order of precedence:
+@dataclass(frozen=True)
+class Route:
+    """Where one parameter goes: its name (the first, for a tied one), shape, group, and why."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: str  # one of ROLES
+    reason: str  # one of REASONS
+
+
+def routes(model: nn.Module, output_head: nn.Module | None = None) -> list[Route]:
+    """Every parameter of ``model`` with its group and the rule that put it there.
+
+    Rules, in order of precedence:
     1. a module's own ``muon_param_roles()`` -> {param name: "muon" | "experts" | "adamw"}
        (how an MoE layer marks its [E, out, in] expert weights);
     2. embeddings, norms and the output head -> AdamW. The head is ``output_head`` if given,
        else a Linear whose weight is tied to an embedding or whose out_features equals an
        embedding's vocabulary, else the last Linear registered;
-    3. weights of Linear and conv layers -> Muon; biases and anything else -> AdamW.
-    Tied parameters are routed once. Asserts every parameter lands in exactly one group.
+    3. weights of Linear and conv layers -> Muon; 1-D parameters (biases, gains) -> AdamW;
+    4. any other parameter of more than one dimension -> AdamW: a matrix whose role Muon cannot
+       tell (a custom module's own weight, a table held as a bare parameter) is never
+       orthogonalized on a guess. Its reason is ``UNRECOGNIZED``, and the engine logs a warning.
+    A tied parameter is routed once, under its first name; a tie to an embedding keeps AdamW.
     """
     head = output_head if output_head is not None else _find_output_head(model)
-    roles: dict[Tensor, str] = {}
-    for module in model.modules():
+    found: dict[Tensor, Route] = {}
+    for prefix, module in model.named_modules():
         declared = module.muon_param_roles() if isinstance(module, DeclaresRoles) else {}
         for name, p in module.named_parameters(recurse=False):
-            role = declared.get(name) or _role(module, name, head)
-            if role not in ROLES:
-                raise ValueError(f"unknown role {role!r} for parameter {name!r} of {type(module).__name__}")
-            previous = roles.get(p)
-            roles[p] = "adamw" if "adamw" in (previous, role) else role  # a tie to an embedding keeps AdamW
+            group, reason = (declared[name], DECLARED) if name in declared else _role(module, name, p, head)
+            if group not in ROLES:
+                raise ValueError(f"unknown role {group!r} for parameter {name!r} of {type(module).__name__}")
+            first = found.get(p)
+            if first is not None and first.group == "adamw":  # a tie to an embedding keeps AdamW
+                continue
+            if first is not None and group != "adamw":
+                continue
+            found[p] = Route(first.name if first else f"{prefix}.{name}".lstrip("."), tuple(p.shape), group, reason)
+    return list(found.values())
+
+
+def split_params(model: nn.Module, output_head: nn.Module | None = None) -> list[dict[str, Any]]:
+    """Param groups for :class:`optim.Muon` by :func:`routes`: hidden matrices to Muon, expert
+    weights to Muon per expert, the rest to AdamW. Asserts every parameter lands in exactly one group."""
+    by_name = dict(model.named_parameters())
+    table = routes(model, output_head)
     groups: list[dict[str, Any]] = [
-        {"params": [p for p, r in roles.items() if r == "muon"], "use_muon": True},
-        {"params": [p for p, r in roles.items() if r == "experts"], "use_muon": True, "experts": True},
-        {"params": [p for p, r in roles.items() if r == "adamw"], "use_muon": False},
+        {"params": [by_name[r.name] for r in table if r.group == "muon"], "use_muon": True},
+        {"params": [by_name[r.name] for r in table if r.group == "experts"], "use_muon": True, "experts": True},
+        {"params": [by_name[r.name] for r in table if r.group == "adamw"], "use_muon": False},
     ]
     groups = [g for g in groups if g["params"]]
     routed = [id(p) for g in groups for p in g["params"]]
@@ -62,12 +97,14 @@ def split_params(model: nn.Module, output_head: nn.Module | None = None) -> list
     return groups
 
 
-def _role(module: nn.Module, name: str, head: nn.Module | None) -> str:
-    if module is head or isinstance(module, _ADAMW_MODULES):
-        return "adamw"
+def _role(module: nn.Module, name: str, p: Tensor, head: nn.Module | None) -> tuple[str, str]:
+    if module is head:
+        return "adamw", HEAD
+    if isinstance(module, _ADAMW_MODULES):
+        return "adamw", TABLE
     if isinstance(module, _MATRIX_MODULES) and name == "weight":
-        return "muon"
-    return "adamw"
+        return "muon", MATRIX
+    return "adamw", VECTOR if p.ndim < 2 else UNRECOGNIZED
 
 
 def _find_output_head(model: nn.Module) -> nn.Module | None:

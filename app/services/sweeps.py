@@ -38,7 +38,7 @@ from app.services.intake import insert_submissions
 from app.services.submission import check_spec, prepare_submission, request_hash
 from app.services.tenants import job_cap
 from app.settings import Settings
-from contract.spec import JobSpec
+from contract.spec import JobSpec, error_path
 from contract.status import JobStatus, SweepStatus, TrialStatus
 from contract.webhooks import WebhookEventType
 
@@ -77,7 +77,7 @@ def trial_spec(spec: SweepSpec, number: int, params: search.Params) -> JobSpec:
         job = JobSpec.model_validate(merged)
     except ValidationError as exc:
         error = exc.errors()[0]
-        loc = ".".join(str(p) for p in error["loc"])
+        loc = error_path(error["loc"])
         swept = next((p for p in params if loc == p or loc.startswith(p + ".") or p.startswith(loc + ".")), None)
         param = f"space.{swept}" if swept else f"base.{loc}" if loc else "base"
         value = f" ({swept} = {params[swept]!r}, trial {number})" if swept else ""

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from optim import Muon, split_params
+from optim import Muon, routes, routing, split_params
 
 
 class Experts(nn.Module):
@@ -82,3 +82,47 @@ def test_unknown_declared_role_is_an_error():
     m.moe.muon_param_roles = lambda: {"w_in": "sgd"}
     with pytest.raises(ValueError, match="sgd"):
         split_params(m)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_routes_name_every_parameter_once_with_the_rule_that_placed_it(tied):
+    m = TinyLM(tied=tied)
+    m.table = nn.Parameter(torch.zeros(4, 16))  # a matrix no rule knows the role of
+    table = {r.name: r for r in routes(m)}
+    assert set(table) == {n for n, _ in m.named_parameters()}  # a tied weight once, under its first name
+    expect = {
+        "wte.weight": ("adamw", routing.TABLE),
+        "attn.weight": ("muon", routing.MATRIX),
+        "attn.bias": ("adamw", routing.VECTOR),
+        "conv.weight": ("muon", routing.MATRIX),
+        "moe.w_in": ("experts", routing.DECLARED),
+        "moe.router.weight": ("muon", routing.MATRIX),
+        "gain": ("adamw", routing.VECTOR),
+        "table": ("adamw", routing.UNRECOGNIZED),
+    }
+    if not tied:
+        expect["lm_head.weight"] = ("adamw", routing.HEAD)
+    assert {name: (table[name].group, table[name].reason) for name in expect} == expect
+    assert table["table"].shape == (4, 16)
+    groups = groups_by_role(split_params(m))  # the groups are the table's
+    for name, p in m.named_parameters():
+        assert id(p) in groups[table[name].group], name
+
+
+def test_a_run_logs_the_routing_and_warns_of_a_matrix_no_rule_knows(tmp_path):
+    from tests.engine.test_trainer import ListSink, spec, trainer
+
+    sink = ListSink()
+    t = trainer(spec("gpt", "muon", steps=2), tmp_path, sink)
+    t.model.register_parameter("extra", nn.Parameter(torch.zeros(3, 5)))  # not in any Linear or norm
+    t.optimizer.add_param_group({"params": [t.model.extra], "use_muon": False})
+    t.run()
+    info = [m for level, m in sink.logs if m.startswith("parameters:")]
+    # 2 layers of 4 matrices 16 x 16 (q, k, v fused: 48 x 16) and 4 x 16 x 16 feed-forwards; the
+    # tied embedding, the positions, 5 LayerNorms (weight and bias) and the extra matrix.
+    assert info == [
+        "parameters: Muon takes 8 (6,144 values: hidden matrix 8); "
+        "AdamW takes 13 (1,455 values: embedding or norm 12, matrix of an unrecognized module 1)"
+    ]
+    warning = "parameter extra [3x5] is a matrix of an unrecognized module: AdamW takes it, not Muon"
+    assert ("warning", warning) in sink.logs

@@ -145,6 +145,7 @@ INVALID = [
     ({**tiny_spec(), "data": {}}, "data"),
     ({**tiny_spec(), "data": {"builtin": "synthetic", "dataset_id": "ds_x"}}, "data"),
     (_with("data.tokenizer", "bpe"), "data.tokenizer"),
+    (_with("data.tokenizer", {"type": "bpe", "vocab_size": 100}), "data.tokenizer.vocab_size"),
     (_with("data.val_fraction", 0.9), "data.val_fraction"),
     (_with("data.path", "/etc/passwd") | {"data": {"path": "/etc/passwd"}}, "data.path"),
     (_with("optimizer.name", "sgd"), "optimizer.name"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import TypedDict
 
 import torch
@@ -90,3 +91,25 @@ def build_optimizer(
     if cfg.name == "muon":
         return optim.Muon(groups, **options)
     raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def routing_lines(model: nn.Module) -> list[tuple[str, str]]:
+    """What the job's log says of the routing: one info line (each optimizer's share, by rule) and a
+    warning for each matrix whose role no rule knows (AdamW takes it: optim.routes, rule 4)."""
+    table = optim.routes(model)
+    share: dict[str, list[optim.Route]] = {"Muon": [], "AdamW": []}
+    for route in table:
+        share["AdamW" if route.group == "adamw" else "Muon"].append(route)
+
+    def part(name: str, taken: list[optim.Route]) -> str:
+        values = sum(math.prod(r.shape) for r in taken)
+        reasons = Counter(r.reason for r in taken)
+        why = ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
+        return f"{name} takes {len(taken)} ({values:,} values{': ' + why if why else ''})"
+
+    lines = [("info", f"parameters: {part('Muon', share['Muon'])}; {part('AdamW', share['AdamW'])}")]
+    for r in table:
+        if r.reason == optim.routing.UNRECOGNIZED:
+            shape = "x".join(map(str, r.shape))
+            lines.append(("warning", f"parameter {r.name} [{shape}] is a {r.reason}: AdamW takes it, not Muon"))
+    return lines

@@ -26,7 +26,7 @@ from .data import TokenData
 from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
 from .models import build_model
-from .optimizer import build_optimizer, lr_factor
+from .optimizer import build_optimizer, lr_factor, routing_lines
 from .outcome import RunResult, TimeLimitReached, TrainingError
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import Report, TelemetrySink, model_metrics, to_floats
@@ -130,6 +130,9 @@ class Trainer:
         if not (resume and self._resume()) and init_from is not None:
             self._warm_start(init_from)
         first = self.step
+        if first == 0 and self.job.optimizer.name != "adamw":
+            for level, line in routing_lines(self.model):
+                self.sink.log(level, line)
         # elapsed_s continues from the checkpoint: the run's wall time, attempts end to end.
         self._clock = (start_wall, self.last.get(metrics.ELAPSED_S, 0.0))
         tokens = step_seconds = 0.0
