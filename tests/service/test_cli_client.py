@@ -94,6 +94,7 @@ def test_logs_of_a_finished_job(finished, tenant, api_url):
     expected = [
         "status      queued (attempt 0)",
         "status      running (attempt 1)",
+        "info        parameters: Muon takes 4 (",  # the routing, first of the run's log
         "sample      step 0: ",
         "sample      step 10: ",
         "checkpoint  step 10",
@@ -269,7 +270,8 @@ def test_ctrl_c_detaches_from_a_followed_job_which_goes_on(tenant, api_url, tmp_
             assert so_far.returncode == 0, so_far.stderr
             lines = so_far.stdout.splitlines()
             assert lines[:2] == ["status      queued (attempt 0)", "status      running (attempt 1)"]
-            assert all(line.startswith("sample      step ") for line in lines[2:])  # at evaluations, so far
+            assert lines[2].startswith("info        parameters: Muon takes")
+            assert all(line.startswith("sample      step ") for line in lines[3:])  # at evaluations, so far
         finally:
             client.cancel_job(job_id)
             wait_for(lambda: client.get_job(job_id)["status"] == "cancelled", timeout=60)
