@@ -28,6 +28,8 @@ class Family:
     o_bias: str | bool = False
     mlp_bias: str | bool = False
     qk_norm: bool = False  # per-head RMSNorm of q and k (gains of head_dim each, shared by the heads)
+    norms_per_layer: int = 2  # RMSNorm gains of width per layer (Gemma 3: before and after each sublayer)
+    gain_offset: float = 0.0  # Gemma's RMSNorm multiplies by (offset + weight): 1.0
     gated_mlp: bool = True  # gate, up and down projections (SwiGLU); else up and down (GPT-2's GELU)
     layer_norm: bool = False  # LayerNorm (gain and bias) rather than RMSNorm (gain)
     learned_positions: bool = False  # a position embedding table (GPT-2) rather than RoPE
@@ -63,6 +65,22 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(_LLAMA_NAMES, _LLAMA_DEFAULTS, qkv_bias=True),
     "qwen3": Family(
         _LLAMA_NAMES, _LLAMA_DEFAULTS | {"attention_bias": False}, "attention_bias", "attention_bias", qk_norm=True
+    ),
+    "gemma": Family(
+        _LLAMA_NAMES,
+        _LLAMA_DEFAULTS | {"attention_bias": False, "tie_word_embeddings": True},
+        "attention_bias",
+        "attention_bias",
+        gain_offset=1.0,
+    ),
+    "gemma3_text": Family(
+        _LLAMA_NAMES,
+        _LLAMA_DEFAULTS | {"attention_bias": False, "tie_word_embeddings": True},
+        "attention_bias",
+        "attention_bias",
+        qk_norm=True,
+        norms_per_layer=4,
+        gain_offset=1.0,
     ),
     "gpt2": Family(
         {"layers": "n_layer", "heads": "n_head", "width": "n_embd", "ffn": "n_inner", "positions": "n_positions"},
@@ -193,7 +211,7 @@ def parameter_count(config: dict[str, Any], vocab: int) -> int:
     else:  # up, down
         mlp = 2 * d * s.ffn + (s.ffn + d) * s.flag(config, f.mlp_bias)
     norm = 2 * d if f.layer_norm else d
-    layer = attention + mlp + 2 * norm
+    layer = attention + mlp + f.norms_per_layer * norm
     embeddings = vocab * d + (s.positions * d if f.learned_positions else 0)
     head = 0 if s.tied else vocab * d
     return embeddings + s.layers * layer + norm + head

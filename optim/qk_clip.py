@@ -28,7 +28,9 @@ class QKClipTarget:
     """Rows of one tensor that belong to each head, and the power of gamma they take.
 
     Head h owns rows [offset + h * stride, offset + h * stride + rows). On a clip, they are
-    multiplied by gamma_h ** exponent.
+    multiplied by gamma_h ** exponent; with a ``shift``, the values they stand for are: a gain
+    stored as ``w`` and applied as ``shift + w`` (Gemma's RMSNorm, shift 1) becomes
+    ``(shift + w) * factor - shift``.
     """
 
     tensor: Tensor
@@ -37,6 +39,7 @@ class QKClipTarget:
     offset: int = 0
     stride: int | None = None  # defaults to rows (heads stacked back to back)
     exponent: float = 0.5
+    shift: float = 0.0
 
     def head_view(self) -> Tensor:
         """[heads, rows, *rest] view into the tensor (no copy), for in-place scaling."""
@@ -161,7 +164,11 @@ def qk_clip(sources: Sequence[QKClipSource], tau: float) -> tuple[Tensor, Tensor
         for target in src.qk_clip_targets():
             view = target.head_view()  # [heads, rows, ...]
             factor = g.pow(target.exponent).to(device=view.device, dtype=view.dtype)
-            view.mul_(factor.view(-1, *([1] * (view.ndim - 1))))
+            factor = factor.view(-1, *([1] * (view.ndim - 1)))
+            if target.shift:
+                view.add_(target.shift).mul_(factor).sub_(target.shift)
+            else:
+                view.mul_(factor)
         src.reset_qk_max_logits()
     return clipped.sum(), gamma.min()
 

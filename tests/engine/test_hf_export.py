@@ -40,6 +40,8 @@ CONFIGS = {  # arch hf: a config of each family, with what sets it apart
     "mistral-sliding-window": {"model_type": "mistral", **SIZES, **GQA, "sliding_window": 4},
     "qwen2-qkv-bias": {"model_type": "qwen2", **SIZES, **GQA},
     "qwen3-qk-norm": {"model_type": "qwen3", **SIZES, **GQA},
+    "gemma-unit-offset-norms": {"model_type": "gemma", **SIZES, **GQA},
+    "gemma3-qk-norm-sliding": {"model_type": "gemma3_text", **SIZES, **GQA, "sliding_window": 4},
     "gpt2-tied": {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2},
     "gpt2-untied": {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 2, "tie_word_embeddings": False},
 }

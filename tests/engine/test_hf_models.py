@@ -153,8 +153,9 @@ def reference_max_logits(model, idx: torch.Tensor) -> list[torch.Tensor]:
         hf_config("qwen2"),  # q, k, v biases
         hf_config("qwen3", head_dim=12),  # QK-norm, head_dim not hidden / heads
         hf_config("gpt2"),  # a fused Conv1D c_attn, split in three
+        hf_config("gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     ],
-    ids=["llama-gqa", "mistral-window", "qwen2-bias", "qwen3-qknorm", "gpt2-split"],
+    ids=["llama-gqa", "mistral-window", "qwen2-bias", "qwen3-qknorm", "gpt2-split", "gemma3-mixed"],
 )
 def test_recorded_max_logits_equal_the_full_score_matrix(config):
     model = build(config)
@@ -182,16 +183,17 @@ def test_sliding_window_changes_the_maximum():
     assert (a <= b + 1e-6).all() and (a < b - 1e-6).any()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "gpt2"])
 def test_qk_clip_leaves_every_head_at_or_below_tau(family):
     # One layer: a clip of layer l changes what layer l + 1 reads, so deeper layers' maxima move too.
     one = {"n_layer": 1} if family == "gpt2" else {"num_hidden_layers": 1}
     model = build(hf_config(family, **one))
+    qk_norm, shift = hf.FAMILIES[family].qk_norm, hf.FAMILIES[family].gain_offset
     idx = torch.randint(0, VOCAB, (4, 16))
     with torch.no_grad():  # make the logits large, as a run that needs the clip has them
         for a in attention_modules(model.net):
-            for w in (a.q_norm.weight, a.k_norm.weight) if family == "qwen3" else [p.weight for p in query_key(a)]:
-                w.mul_(4.0)
+            for w in (a.q_norm.weight, a.k_norm.weight) if qk_norm else [p.weight for p in query_key(a)]:
+                w.add_(shift).mul_(4.0).sub_(shift)  # the gain applied is shift + w (Gemma: 1 + w)
     model(idx)
     before = torch.stack([layer.qk_max_logits() for layer in model.attention_layers()])
     tau = float(before.max()) / 3
@@ -201,7 +203,7 @@ def test_qk_clip_leaves_every_head_at_or_below_tau(family):
     after = torch.stack([layer.qk_max_logits() for layer in model.attention_layers()])
     assert float(after.max()) <= tau * (1 + 1e-5)
     assert float(after.max()) >= tau * (1 - 1e-4)  # the hottest head ends at tau, not below
-    if family != "qwen3":  # per head: a head already below tau is left alone
+    if not qk_norm:  # per head: a head already below tau is left alone
         cold = before < tau
         torch.testing.assert_close(after[cold], before[cold], rtol=1e-5, atol=1e-6)
 

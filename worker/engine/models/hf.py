@@ -59,7 +59,8 @@ class HeadProbe:
 
 
 class SharedGainClip:
-    """QK-Clip of a QK-norm layer: q = g_q * rmsnorm(W_q x), k = g_k * rmsnorm(W_k x).
+    """QK-Clip of a QK-norm layer: q = g_q * rmsnorm(W_q x), k = g_k * rmsnorm(W_k x) (Gemma 3
+    stores each gain as g - 1).
 
     The norm undoes any scaling of W_q and W_k, and the gains g_q, g_k [head_dim] are shared by
     every head, so the clip scales both gains by sqrt(gamma) of the layer's hottest head: every
@@ -77,9 +78,9 @@ class SharedGainClip:
         self.probe.reset_qk_max_logits()
 
     def qk_clip_targets(self) -> list[QKClipTarget]:
-        a = self.probe.attention
+        a, shift = self.probe.attention, self.probe.shape.family.gain_offset
         gains = (cast(nn.RMSNorm, a.q_norm).weight, cast(nn.RMSNorm, a.k_norm).weight)
-        return [QKClipTarget(g.view(1, -1), heads=1, rows=1) for g in gains]
+        return [QKClipTarget(g.view(1, -1), heads=1, rows=1, shift=shift) for g in gains]
 
 
 def _attention_with_max_logits(
