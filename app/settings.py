@@ -67,8 +67,16 @@ class Settings(BaseSettings):
     max_nnodes: int = Field(4, ge=1, description="Workers one job may train on together (resources.nnodes).")
     tenant_job_cap: int = Field(8, description="Queued plus running jobs per tenant; more answers 429.")
     upload_limit_bytes: int = Field(256 * 2**20, description="Largest dataset upload.")
+    max_model_bytes: int = Field(
+        4 * 2**30,
+        description="Largest model upload: the archive, and the sum of the sizes its members declare (more: 413 "
+        "for the archive, 422 for its declared contents).",
+    )
+    max_model_members: int = Field(64, ge=1, description="Most members a model archive may hold (more answers 422).")
     tenant_storage_bytes: int = Field(
-        10 * 2**30, ge=0, description="Bytes of datasets a tenant may store in all (0: no uploads); more answers 413."
+        10 * 2**30,
+        ge=0,
+        description="Bytes of datasets and models a tenant may store in all (0: no uploads); more answers 413.",
     )
     max_body_bytes: int = Field(
         1 << 20, description="Largest request body other than an upload (a job spec is a few kB); more answers 413."

@@ -148,6 +148,26 @@ def delete_dataset(dataset_id: str) -> Call:
     return Call("DELETE", f"/v1/datasets/{_id(dataset_id)}", repeat=Repeat.UNSENT)
 
 
+# -- models ---------------------------------------------------------------------------------------
+def upload_model(filename: str, reader: Any, name: str | None) -> Call:
+    # As a dataset's: a repeat after a lost answer may store the model twice, which is harmless.
+    repeat = Repeat.SAFE if reader.seekable() else Repeat.NEVER
+    return Call("POST", "/v1/models", files={"file": (filename, reader)}, data=_query(name=name), repeat=repeat)
+
+
+def models_page(limit: int, after: str | None) -> Call:
+    return Call("GET", "/v1/models", params=_query(limit=limit, after=after))
+
+
+def get_model(model_id: str) -> Call:
+    return Call("GET", f"/v1/models/{_id(model_id)}")
+
+
+def delete_model(model_id: str) -> Call:
+    # Not repeated after an unanswered attempt: had it deleted the model, the repeat would answer 404.
+    return Call("DELETE", f"/v1/models/{_id(model_id)}", repeat=Repeat.UNSENT)
+
+
 # -- webhooks -------------------------------------------------------------------------------------
 def create_webhook(url: str, events: Iterable[str]) -> Call:
     # Not repeated after an unanswered attempt: had it created the endpoint, a repeat would make a

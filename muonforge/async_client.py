@@ -18,12 +18,19 @@ from muonforge import api
 from muonforge.api import FINISHED, Call, Event, SseParser
 from muonforge.client import DEFAULT_RETRY, PAGE_SIZE, ClientBase, Json
 from muonforge.retry import Retry
-from muonforge.transfer import Download, Progress, extract_export, open_upload, write_export_config
+from muonforge.transfer import (
+    Download,
+    Progress,
+    extract_export,
+    open_model_upload,
+    open_upload,
+    write_export_config,
+)
 
 
 class AsyncClient(ClientBase):
     """Client's twin on httpx.AsyncClient: the same methods, awaited; ``list_jobs``,
-    ``list_datasets``, ``list_webhooks``, ``webhook_deliveries`` and ``events`` are async iterators."""
+    ``list_datasets``, ``list_models``, ``list_webhooks``, ``webhook_deliveries`` and ``events`` are async iterators."""
 
     def __init__(
         self,
@@ -158,6 +165,23 @@ class AsyncClient(ClientBase):
 
     async def delete_dataset(self, dataset_id: str) -> None:
         await self._call(api.delete_dataset(dataset_id))
+
+    # -- models -----------------------------------------------------------------------------------
+    async def upload_model(self, path: str | Path, name: str | None = None, progress: Progress | None = None) -> Json:
+        with open_model_upload(path, progress) as (filename, reader):
+            return await self._call(api.upload_model(filename, reader, name or Path(path).name))
+
+    def list_models(self, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
+        return self._each(lambda after: api.models_page(page_size, after))
+
+    async def list_models_page(self, limit: int = 20, after: str | None = None) -> Json:
+        return await self._call(api.models_page(limit, after))
+
+    async def get_model(self, model_id: str) -> Json:
+        return await self._call(api.get_model(model_id))
+
+    async def delete_model(self, model_id: str) -> None:
+        await self._call(api.delete_model(model_id))
 
     # -- webhooks ---------------------------------------------------------------------------------
     async def create_webhook(self, url: str, events: Iterable[str]) -> Json:

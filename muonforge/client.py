@@ -30,7 +30,14 @@ from muonforge import api
 from muonforge.api import ACTIVE, FINISHED, STATUSES, Call, Event, SseParser
 from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError
 from muonforge.retry import NO_RETRY, Attempts, Retry
-from muonforge.transfer import Download, Progress, extract_export, open_upload, write_export_config
+from muonforge.transfer import (
+    Download,
+    Progress,
+    extract_export,
+    open_model_upload,
+    open_upload,
+    write_export_config,
+)
 
 __all__ = [
     "ACTIVE",
@@ -245,6 +252,29 @@ class Client(ClientBase):
         """Delete a dataset and its file; Conflict (``dataset_in_use``) while a queued or running
         job trains on it, NotFound for an unknown one."""
         self._call(api.delete_dataset(dataset_id))
+
+    # -- models -----------------------------------------------------------------------------------
+    def upload_model(self, path: str | Path, name: str | None = None, progress: Progress | None = None) -> Json:
+        """Upload a transformers model: a directory (sent as a tar of its files, archived on the
+        fly) or a .tar, .tar.gz or .zip of one, sent as it is. It needs config.json and safetensors
+        weights; ValidationError (``file``) says what the server refused. ``progress(done, total)``
+        is called in bytes as it is sent. Returns the Model, with its sizes and config."""
+        with open_model_upload(path, progress) as (filename, reader):
+            return self._call(api.upload_model(filename, reader, name or Path(path).name))
+
+    def list_models(self, page_size: int = PAGE_SIZE) -> Iterator[Json]:
+        return self._each(lambda after: api.models_page(page_size, after))
+
+    def list_models_page(self, limit: int = 20, after: str | None = None) -> Json:
+        return self._call(api.models_page(limit, after))
+
+    def get_model(self, model_id: str) -> Json:
+        """A model: its files, sizes, parameters and config.json; NotFound for an unknown one."""
+        return self._call(api.get_model(model_id))
+
+    def delete_model(self, model_id: str) -> None:
+        """Delete a model and its files; NotFound for an unknown one."""
+        self._call(api.delete_model(model_id))
 
     # -- webhooks ---------------------------------------------------------------------------------
     def create_webhook(self, url: str, events: Iterable[str]) -> Json:

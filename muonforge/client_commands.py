@@ -33,6 +33,8 @@ from muonforge.output import (
     metric_rows,
     metrics_csv,
     metrics_table,
+    model_details,
+    models_table,
     show,
     sweep_heading,
     sweeps_table,
@@ -248,6 +250,42 @@ def cmd_datasets_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_upload(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    if not path.exists():
+        raise InputError(f"{path}: No such file or directory")
+    with connect(args) as client, transfer_bar(path.name) as progress:
+        model = client.upload_model(path, args.name, progress)
+    print(
+        f"uploaded {path} as {model['id']} ({model['model_type']}, {model['parameters']:,} parameters, "
+        f"{model['bytes']:,} bytes)",
+        file=sys.stderr,
+    )
+    print(model["id"])
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        models = list(islice(client.list_models(page_size=min(args.limit, PAGE_SIZE)), args.limit))
+    show_list(args, models, models_table, "no models")
+    return 0
+
+
+def cmd_models_show(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        model = client.get_model(args.model_id)
+    show_one(args, model, model_details)
+    return 0
+
+
+def cmd_models_delete(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.delete_model(args.model_id)
+    print(f"{args.model_id}: deleted")
+    return 0
+
+
 def sweep_view(sweep: dict[str, Any]) -> Group:
     return Group(sweep_heading(sweep), trials_table(sweep))
 
@@ -419,6 +457,27 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     listing.add_argument("--json", action="store_true", help="the Dataset objects as JSON")
     delete = command(datasets, "delete", cmd_datasets_delete, "delete a corpus (refused while a job uses it)")
     delete.add_argument("dataset_id")
+
+    models = sub.add_parser("models", help="upload, list, show and delete transformers models").add_subparsers(
+        dest="models_command", required=True
+    )
+    upload_ = command(
+        models,
+        "upload",
+        cmd_models_upload,
+        "upload a transformers model directory (config.json, safetensors weights, tokenizer files) or a .tar, "
+        ".tar.gz or .zip of one; prints its id",
+    )
+    upload_.add_argument("path", type=Path, metavar="DIR|ARCHIVE")
+    upload_.add_argument("--name", help="default: the directory's or the archive's name")
+    listing = command(models, "list", cmd_models_list, "list uploaded models, newest first")
+    listing.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
+    listing.add_argument("--json", action="store_true", help="the Model objects as JSON")
+    show_ = command(models, "show", cmd_models_show, "one model: its sizes, parameters and files")
+    show_.add_argument("model_id")
+    show_.add_argument("--json", action="store_true", help="the Model object as JSON, its config.json included")
+    delete = command(models, "delete", cmd_models_delete, "delete a model and its files")
+    delete.add_argument("model_id")
 
     webhooks = sub.add_parser("webhooks", help="signed callbacks when jobs end").add_subparsers(
         dest="webhooks_command", required=True

@@ -1,6 +1,6 @@
 """What the commands print: tables, one job's details, the lines of ``muonforge logs``, and CSV.
 
-The tables list jobs, datasets, sweeps and their trials, webhooks and their deliveries, metrics,
+The tables list jobs, datasets, models, sweeps and their trials, webhooks and their deliveries, metrics,
 API keys and tenants; the CSV holds metrics.
 """
 
@@ -115,6 +115,42 @@ def datasets_table(datasets: list[dict[str, Any]]) -> Table:
     table = Table("id", "name", "bytes", "sha256", "age", box=None, header_style="bold")
     for d in datasets:
         table.add_row(Text(d["id"]), Text(d["name"]), f"{d['bytes']:,}", d["sha256"][:12], age(d["created_at"]))
+    return table
+
+
+def models_table(models: list[dict[str, Any]]) -> Table:
+    table = Table("id", "name", "type", "parameters", "bytes", "age", box=None, header_style="bold")
+    for m in models:
+        table.add_row(
+            Text(m["id"]),
+            Text(m["name"]),
+            Text(m["model_type"]),
+            f"{m['parameters']:,}",
+            f"{m['bytes']:,}",
+            age(m["created_at"]),
+        )
+    return table
+
+
+def model_details(model: dict[str, Any]) -> Table:
+    """One model: its sizes, its files, its tokenizer's."""
+    sizes = model["sizes"]
+    rows = [
+        ("id", model["id"]),
+        ("name", model["name"]),
+        ("type", model["model_type"]),
+        ("parameters", f"{model['parameters']:,}"),
+        ("sizes", settings({k: v for k, v in sizes.items() if k != "tied_embeddings"})),
+        ("tied embeddings", "yes" if sizes["tied_embeddings"] else "no"),
+        ("files", ", ".join(model["files"])),
+        ("tokenizer", ", ".join(model["tokenizer_files"]) or "-"),
+        ("bytes", f"{model['bytes']:,}"),
+        ("sha256", model["sha256"]),
+        ("created", f"{model['created_at']} ({age(model['created_at'])} ago)"),
+    ]
+    table = Table.grid(padding=(0, 2))
+    for name, value in rows:
+        table.add_row(Text(name, style="bold"), Text(value))
     return table
 
 

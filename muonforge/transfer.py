@@ -1,4 +1,4 @@
-"""Files going up (dataset uploads) and down (checkpoint downloads and exports), with progress.
+"""Files going up (dataset and model uploads) and down (checkpoint downloads and exports), with progress.
 
 Progress is reported as ``progress(done_bytes, total_bytes_or_None)``; shared by Client and
 AsyncClient.
@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,6 +69,25 @@ def open_upload(file: str | os.PathLike | BinaryIO, progress: Progress | None) -
             yield path.name, ProgressReader(f, progress)
     else:
         yield Path(str(getattr(file, "name", "dataset.txt"))).name, ProgressReader(file, progress)
+
+
+@contextmanager
+def open_model_upload(path: str | os.PathLike, progress: Progress | None) -> Iterator[tuple[str, ProgressReader]]:
+    """The file name and a counting reader of a model to upload: an archive file as it is, or a
+    model directory archived here, as a tar of its files (written to a temporary file and removed
+    once sent; its subdirectories are left out: a model directory has none)."""
+    path = Path(path)
+    if not path.is_dir():
+        with open_upload(path, progress) as upload:
+            yield upload
+        return
+    with tempfile.TemporaryFile(prefix="muonforge-model-", suffix=".tar") as archive:
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            for file in sorted(path.iterdir()):
+                if file.is_file():
+                    tar.add(file, arcname=file.name, recursive=False)
+        archive.seek(0)
+        yield f"{path.name}.tar", ProgressReader(archive, progress)
 
 
 class Download:

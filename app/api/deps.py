@@ -121,6 +121,7 @@ Work = Annotated[UnitOfWork, Depends(unit_of_work)]
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 JobId = Annotated[str, Path(pattern=ID_PATTERN, description="A job's id (`job_…`).")]
 DatasetId = Annotated[str, Path(pattern=ID_PATTERN, description="A dataset's id (`ds_…`).")]
+ModelId = Annotated[str, Path(pattern=ID_PATTERN, description="An uploaded model's id (`mdl_…`).")]
 SweepId = Annotated[str, Path(pattern=ID_PATTERN, description="A sweep's id (`swp_…`).")]
 WebhookId = Annotated[str, Path(pattern=ID_PATTERN, description="A webhook endpoint's id (`wh_…`).")]
 After = Annotated[str | None, Query(pattern=ID_PATTERN, description="The previous page's `next_after`.")]

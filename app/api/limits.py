@@ -29,6 +29,7 @@ from app.settings import Settings
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 SIGN_IN = "/v1/session"  # its body is the key: bounded, not authenticated beforehand
 UPLOAD_PATHS = frozenset({"/v1/datasets"})
+MODEL_UPLOAD_PATH = "/v1/models"  # a model archive: MUONFORGE_MAX_MODEL_BYTES
 EVENTS_PATH = re.compile(r"^/v1/jobs/[^/]+/events$")  # a stream: it takes one of the tenant's stream slots
 MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fields
 
@@ -47,6 +48,8 @@ class Limits:
     def limit_for(self, path: str) -> int:
         if path in UPLOAD_PATHS:
             return self.settings.upload_limit_bytes + MULTIPART_SLACK
+        if path == MODEL_UPLOAD_PATH:
+            return self.settings.max_model_bytes + MULTIPART_SLACK
         return self.settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -59,6 +59,25 @@ class Dataset(Timestamped, Base):
     __table_args__ = (Index("ix_datasets_tenant_id_id", "tenant_id", "id"),)
 
 
+class UploadedModel(Timestamped, Base):
+    """A transformers model directory a tenant uploaded (app.services.models): its files live under
+    ``path``, its config.json is kept here for reads."""
+
+    __tablename__ = "models"
+    id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("mdl"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    model_type: Mapped[str] = mapped_column(String(64))
+    parameters: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)  # the extracted files' sizes: what the storage quota counts
+    sha256: Mapped[str] = mapped_column(String(64))  # of the archive as uploaded
+    config: Mapped[dict[str, Any]] = mapped_column(JSONDoc)  # its config.json
+    files: Mapped[list[str]] = mapped_column(JSONDoc)  # the directory's file names, sorted
+    path: Mapped[str] = mapped_column(String(500))  # a directory, relative to MUONFORGE_ARTIFACT_DIR
+
+    __table_args__ = (Index("ix_models_tenant_id_id", "tenant_id", "id"),)
+
+
 class Job(Timestamped, Base):
     """One training job.
 

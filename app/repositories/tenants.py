@@ -9,7 +9,7 @@ from typing import NamedTuple
 from sqlalchemy import BigInteger, cast, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.db.models import ApiKey, Dataset, Tenant
+from app.db.models import ApiKey, Dataset, Tenant, UploadedModel
 
 
 class TenantFigures(NamedTuple):
@@ -113,6 +113,14 @@ class TenantRepository:
             query = query.where(Tenant.id == tenant_id)
         return [TenantFigures(*row) for row in self.session.execute(query)]
 
+    def stored_bytes(self, tenant_id: str) -> int:
+        """The bytes of the tenant's stored datasets and models together (what its storage quota bounds)."""
+        total = 0
+        for model in (Dataset, UploadedModel):
+            query = select(func.coalesce(func.sum(model.bytes), 0)).where(model.tenant_id == tenant_id)
+            total += self.session.execute(query).scalar_one()
+        return total
+
     def set_job_cap(self, tenant_id: str, job_cap: int | None) -> None:
         self.session.execute(update(Tenant).where(Tenant.id == tenant_id).values(job_cap=job_cap))
 
@@ -132,11 +140,6 @@ class DatasetRepository:
 
     def get_any(self, dataset_id: str) -> Dataset | None:
         return self.session.get(Dataset, dataset_id)
-
-    def bytes_used(self, tenant_id: str) -> int:
-        """The bytes of the tenant's stored datasets."""
-        query = select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant_id == tenant_id)
-        return self.session.execute(query).scalar_one()
 
     def existing_ids(self, dataset_ids: Collection[str]) -> set[str]:
         """Those of ``dataset_ids`` that name a stored dataset."""

@@ -157,6 +157,43 @@ class DatasetList(BaseModel):
     next_after: str | None
 
 
+class Model(BaseModel):
+    id: str
+    name: str
+    model_type: str = Field(description="Its transformers family (config.json's `model_type`).")
+    parameters: int
+    bytes: int = Field(description="The extracted files' sizes: what the tenant's storage quota counts.")
+    sha256: str = Field(description="Of the archive as uploaded.")
+    files: list[str] = Field(description="The model directory's files.")
+    tokenizer_files: list[str] = Field(description="Those of its files that belong to a tokenizer.")
+    created_at: datetime
+
+    model_config = ConfigDict(protected_namespaces=())
+
+
+class ModelSizes(BaseModel):
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    width: int
+    ffn: int
+    positions: int
+    vocab: int
+    tied_embeddings: bool
+
+
+class ModelDetail(Model):
+    sizes: ModelSizes = Field(description="Its shape in one set of words, whatever its family names the fields.")
+    config: dict[str, Any] = Field(description="Its config.json.")
+
+
+class ModelList(BaseModel):
+    data: list[Model]
+    has_more: bool
+    next_after: str | None
+
+
 class Checkpoint(BaseModel):
     step: int
     bytes: int

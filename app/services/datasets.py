@@ -60,9 +60,9 @@ def upload_dataset(session: Session, tenant: TenantRef, stream: BinaryIO, name: 
     server will take, and 413's meaning is exactly that (a 422 would say the file is invalid, which
     it is not; a smaller one is accepted).
     """
-    datasets = DatasetRepository(session)
+    datasets, tenants = DatasetRepository(session), TenantRepository(session)
     quota = settings.tenant_storage_bytes
-    used = datasets.bytes_used(tenant.id)
+    used = tenants.stored_bytes(tenant.id)
     session.commit()  # no connection is held while the file is read
     dataset_id = new_id("ds")
     relative = Path(DATASETS) / tenant.id / f"{dataset_id}.txt"
@@ -73,8 +73,8 @@ def upload_dataset(session: Session, tenant: TenantRef, stream: BinaryIO, name: 
         stored = write_upload(stream, tmp, settings.upload_limit_bytes, quota, used)
         # Exact under concurrent uploads: the tenant's row is locked until the commit, so the sum
         # counts every upload of the tenant committed before this one.
-        TenantRepository(session).lock([tenant.id])
-        used = datasets.bytes_used(tenant.id)
+        tenants.lock([tenant.id])
+        used = tenants.stored_bytes(tenant.id)
         if used + stored.size > quota:
             raise over_quota(quota, used)
         dataset = datasets.add(
@@ -100,10 +100,10 @@ def upload_dataset(session: Session, tenant: TenantRef, stream: BinaryIO, name: 
 
 def over_quota(quota: int, used: int) -> StorageQuotaExceeded:
     if quota == 0:
-        return StorageQuotaExceeded("this server takes no dataset uploads (its storage quota is 0 bytes)", "file")
+        return StorageQuotaExceeded("this server takes no uploads (its storage quota is 0 bytes)", "file")
     return StorageQuotaExceeded(
-        f"the upload would take this tenant's datasets over its storage quota of {quota:,} bytes "
-        f"({used:,} bytes in use); delete a dataset to make room",
+        f"the upload would take this tenant's datasets and models over its storage quota of {quota:,} bytes "
+        f"({used:,} bytes in use); delete a dataset or a model to make room",
         param="file",
     )
 

@@ -4,6 +4,7 @@ for the telemetry of a finished job: every method, each test once with each clie
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import json
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from app.repositories.checkpoints import CheckpointRepository
 from contract.export import CONFIG_FILE, EXPORT_FILE, GENERATION_FILE
 from muonforge import AsyncClient, Client
 from muonforge.errors import Conflict, NotFound, Unauthorized, ValidationError
+from tests.service.test_models import files_in, tar_of, tiny_llama, zip_of
 from tests.support.api import new_key
 from tests.support.http_stub import DROP, Reply, StubServer
 from tests.support.services import Worker
@@ -140,6 +142,33 @@ def test_datasets_upload_get_list(run, settings, tmp_path):
         assert await done(client.delete_dataset(one["id"])) is None
         assert [d["id"] for d in await done(client.list_datasets())] == [two["id"]]
         assert (await raises(NotFound, lambda: client.delete_dataset(one["id"]))).param == "dataset_id"
+
+    run(new_key(settings), scenario)
+
+
+def test_models_upload_get_list_delete(run, settings, tmp_path):
+    directory = tmp_path / "tiny"
+    parameters = tiny_llama(directory)
+    archive = tmp_path / "tiny.zip"
+    archive.write_bytes(zip_of(files_in(directory)))
+    pickled = tmp_path / "pickled.tar"
+    pickled.write_bytes(tar_of(files_in(directory) | {"pytorch_model.bin": b"x"}))
+    reports: list[tuple[int, int | None]] = []
+
+    async def scenario(client):
+        one = await done(client.upload_model(directory, progress=lambda *r: reports.append(r)))
+        assert (one["name"], one["model_type"], one["parameters"]) == (directory.name, "llama", parameters)
+        assert reports[-1][0] == reports[-1][1] and reports[-1][0] > one["bytes"]  # the tar sent, headers and all
+        two = await done(client.upload_model(archive, name="zipped"))
+        assert two["sha256"] == hashlib.sha256(archive.read_bytes()).hexdigest() and two["name"] == "zipped"
+        assert (await done(client.get_model(two["id"]))) == two
+        assert [m["id"] for m in await done(client.list_models(page_size=1))] == [two["id"], one["id"]]
+        page = await done(client.list_models_page(limit=1))
+        assert [m["id"] for m in page["data"]] == [two["id"]] and page["has_more"]
+        refused = await raises(ValidationError, lambda: client.upload_model(pickled))
+        assert refused.param == "file" and "safetensors only" in str(refused)
+        assert await done(client.delete_model(one["id"])) is None
+        assert (await raises(NotFound, lambda: client.get_model(one["id"]))).param == "model_id"
 
     run(new_key(settings), scenario)
 

@@ -72,6 +72,7 @@ def test_migrations_upgrade_and_downgrade_cleanly():
             "sweep_trials",
             "sweep_rungs",
             "job_nodes",
+            "models",
             "alembic_version",
         }
         assert tables(name) == expected
