@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="tenants_command", required=True
     )
     listing = tenants.add_parser(
-        "list", help="tenants: name, id, job cap, queued+running jobs, dataset bytes stored, active keys"
+        "list", help="tenants: name, id, job cap, queued+running jobs, bytes stored (datasets and models), active keys"
     )
     listing.set_defaults(func=cmd_tenants_list)
     set_cap = tenants.add_parser(

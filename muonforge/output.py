@@ -273,7 +273,7 @@ def job_cap(cap: int | None, default: int) -> str:
 def tenants_table(tenants: list[dict[str, Any]], default_cap: int) -> Table:
     """Tenants (``TenantFigures`` fields): job cap, queued plus running jobs, bytes of datasets
     stored, keys not revoked; ``default_cap`` is the server's cap, shown where a tenant has none."""
-    headers = ("name", "id", "job cap", "queued+running", "dataset bytes", "active keys")
+    headers = ("name", "id", "job cap", "queued+running", "stored bytes", "active keys")
     table = Table(*headers, box=None, header_style="bold")
     for t in tenants:
         table.add_row(
@@ -281,7 +281,7 @@ def tenants_table(tenants: list[dict[str, Any]], default_cap: int) -> Table:
             Text(t["id"]),
             job_cap(t["job_cap"], default_cap),
             str(t["active_jobs"]),
-            f"{t['dataset_bytes']:,}",
+            f"{t['stored_bytes']:,}",
             str(t["active_keys"]),
         )
     return table

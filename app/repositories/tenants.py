@@ -19,7 +19,7 @@ class TenantFigures(NamedTuple):
     name: str
     job_cap: int | None
     active_jobs: int
-    dataset_bytes: int
+    stored_bytes: int  # datasets and models together
     active_keys: int
 
 
@@ -95,17 +95,19 @@ class TenantRepository:
         """Every tenant (or the one) with its figures, by name: one query, the active jobs from
         the tenant's row, the others counted per tenant in a grouped subquery."""
 
-        def per_tenant(model: type[Dataset | ApiKey], value, *where):
+        def per_tenant(model: type[Dataset | UploadedModel | ApiKey], value, *where):
             only = (model.tenant_id == tenant_id,) if tenant_id is not None else ()
             query = select(model.tenant_id, value.label("n")).where(*where, *only)
             return query.group_by(model.tenant_id).subquery()
 
         datasets = per_tenant(Dataset, cast(func.sum(Dataset.bytes), BigInteger))  # not numeric
+        models = per_tenant(UploadedModel, cast(func.sum(UploadedModel.bytes), BigInteger))
         keys = per_tenant(ApiKey, func.count(), ApiKey.revoked_at.is_(None))
-        figures = (func.coalesce(subquery.c.n, 0) for subquery in (datasets, keys))
+        stored = func.coalesce(datasets.c.n, 0) + func.coalesce(models.c.n, 0)
         query = (
-            select(Tenant.id, Tenant.name, Tenant.job_cap, Tenant.active_jobs, *figures)
+            select(Tenant.id, Tenant.name, Tenant.job_cap, Tenant.active_jobs, stored, func.coalesce(keys.c.n, 0))
             .outerjoin(datasets, datasets.c.tenant_id == Tenant.id)
+            .outerjoin(models, models.c.tenant_id == Tenant.id)
             .outerjoin(keys, keys.c.tenant_id == Tenant.id)
             .order_by(Tenant.name)
         )

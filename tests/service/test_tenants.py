@@ -8,6 +8,7 @@ import secrets
 import subprocess
 import sys
 from pathlib import Path
+from tempfile import TemporaryDirectory
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,6 +18,7 @@ from app.db.session import transaction
 from app.main import create_app
 from app.services.auth import revoke_api_key
 from app.services.tenants import set_job_cap
+from tests.service.test_models import files_in, tar_of, tiny_llama, upload
 from tests.support.api import new_key
 from tests.support.cli import service_command
 from tests.support.net import wait_for
@@ -26,7 +28,7 @@ from tests.support.specs import tiny_spec
 pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
 
 HINT = "; `muonforge tenants list` shows the tenants"
-COLUMNS = ["name", "id", "job cap", "queued+running", "dataset bytes", "active keys"]
+COLUMNS = ["name", "id", "job cap", "queued+running", "stored bytes", "active keys"]
 
 
 def tenants(settings, *args: str) -> subprocess.CompletedProcess:
@@ -122,6 +124,11 @@ def test_tenants_list_shows_caps_jobs_bytes_and_keys(settings, uncached):
     headers = {"Authorization": f"Bearer {key}"}
     for body in (b"a" * 1000, b"b" * 2345):
         assert uncached.post("/v1/datasets", files={"file": ("c.txt", body)}, headers=headers).status_code == 201
+    with TemporaryDirectory() as directory:  # a model's bytes count with the datasets'
+        tiny_llama(Path(directory))
+        model = upload(uncached, headers, tar_of(files_in(Path(directory))))
+    assert model.status_code == 201, model.text
+    stored = 3345 + model.json()["bytes"]
     jobs = [submit(uncached, key).json()["id"] for _ in range(3)]
     assert uncached.post(f"/v1/jobs/{jobs[0]}/cancel", headers=headers).json()["status"] == "cancelled"
     with transaction(settings) as session:
@@ -138,7 +145,7 @@ def test_tenants_list_shows_caps_jobs_bytes_and_keys(settings, uncached):
         "id": tenant_of(settings, name).id,
         "job cap": "7",
         "queued+running": "2",
-        "dataset bytes": "3,345",
+        "stored bytes": f"{stored:,}",
         "active keys": "1",
     }
     assert rows[idle] == {
@@ -146,7 +153,7 @@ def test_tenants_list_shows_caps_jobs_bytes_and_keys(settings, uncached):
         "id": tenant_of(settings, idle).id,
         "job cap": "default (100)",
         "queued+running": "0",
-        "dataset bytes": "0",
+        "stored bytes": "0",
         "active keys": "1",
     }
     assert rows[suspended]["job cap"] == "suspended"
