@@ -37,7 +37,7 @@ def parse_job_cap(text: str) -> int | None:
 
 
 def list_tenants(session: Session) -> list[TenantFigures]:
-    """Every tenant by name, with its queued plus running jobs, bytes stored (datasets and models) and unrevoked keys."""
+    """Every tenant by name: queued plus running jobs, bytes stored (datasets and models), unrevoked keys."""
     return TenantRepository(session).figures()
 
 
