@@ -136,6 +136,8 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
                 out[key] = default(out) if callable(default) else default
         for key in family.names.values():
             value = out.get(key, 1)
+            if value is None and not fill:  # null, as transformers writes an unset n_inner: the default
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{key} must be a whole number >= 1 (got {value!r})")
     for key in (*SWITCHES, "tie_word_embeddings"):
@@ -149,6 +151,17 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
     if shape.head_dim * shape.heads != shape.width and not family.names.get("head_dim"):
         raise ValueError(f"{family.names['width']} ({shape.width}) must be divisible by {family.names['heads']}")
     return out
+
+
+# An uploaded model's config.json fields that are the training's own, left out of the spec's config:
+# the vocabulary (the model tokenizer's, data.tokenizer.vocab_size), the precision, the kernel.
+UPLOAD_FIELDS_LEFT_OUT = ("vocab_size", "dtype", "torch_dtype", "attn_implementation", "_attn_implementation")
+
+
+def from_upload(config: dict[str, Any]) -> dict[str, Any]:
+    """An uploaded model's config.json as a spec's ``model.hf.config``: normalized, without the
+    fields UPLOAD_FIELDS_LEFT_OUT names."""
+    return normalized({k: v for k, v in config.items() if k not in UPLOAD_FIELDS_LEFT_OUT})
 
 
 def positions(config: dict[str, Any]) -> str:

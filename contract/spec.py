@@ -36,22 +36,41 @@ class _Strict(BaseModel):
 
 
 class HFSpec(_Strict):
-    """A transformers decoder built from its config: nothing is downloaded (docs/engine.md)."""
+    """A transformers decoder built from its config, or an uploaded model: nothing is downloaded
+    (docs/engine.md)."""
 
-    config: dict[str, Any] = Field(
+    config: dict[str, Any] | None = Field(
+        None,
         description="transformers config fields: model_type (one of "
         + ", ".join(sorted(hf.FAMILIES))
         + ") and its sizes (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads; "
         "num_key_value_heads, head_dim, tie_word_embeddings and the bias switches default as docs/engine.md says). "
-        "The vocabulary comes from data.tokenizer."
+        "The vocabulary comes from data.tokenizer. With model_id the service fills it in from the upload's "
+        "config.json.",
+    )
+    model_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="An uploaded model's id (POST /v1/models): the run starts from its weights, with its "
+        "tokenizer (data.tokenizer {type: model}). Give it or config.",
     )
 
     @field_validator("config")
     @classmethod
-    def _known_family(cls, v: dict[str, Any]) -> dict[str, Any]:
+    def _known_family(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
         if len(json.dumps(v, default=str)) > hf.MAX_CONFIG_BYTES:
             raise ValueError(f"a config of at most {hf.MAX_CONFIG_BYTES:,} bytes")
         return hf.normalized(v)
+
+    @model_validator(mode="after")
+    def _config_or_upload(self) -> Self:
+        if self.config is None and self.model_id is None:
+            raise ValueError("give model.hf.config (a transformers config) or model.hf.model_id (an uploaded model)")
+        return self
 
 
 class ModelSpec(_Strict):
@@ -75,6 +94,10 @@ class ModelSpec(_Strict):
             return data
         config = data.get("hf", {}).get("config") if isinstance(data.get("hf"), dict) else None
         if not isinstance(config, dict):
+            if isinstance(data.get("hf"), dict) and data["hf"].get("model_id") is not None:
+                for ours in ("n_layer", "n_head", "d_model", "n_experts", "top_k"):
+                    if data.get(ours) is not None:
+                        raise ValueError(f"{ours} is not set for arch hf: it comes from the uploaded model's config")
             return data  # the hf field's own validation says what is missing
         sizes = hf.sizes(config)
         for ours, theirs in (("n_experts", None), ("top_k", None), *sizes.items()):
@@ -114,6 +137,8 @@ class ModelSpec(_Strict):
             raise ValueError("arch hf needs model.hf (and only arch hf takes it)")
         seq_len = info.data.get("seq_len")
         if v is not None and seq_len is not None:  # the context RoPE or the position table is set up for
+            if v.config is None:  # an uploaded model's: the service fills it in and checks again
+                return v
             field = hf.positions(v.config)
             positions = v.config.setdefault(field, seq_len)
             if positions < seq_len:
@@ -134,15 +159,31 @@ class BPESpec(_Strict):
     )
 
 
+class ModelTokenizerSpec(_Strict):
+    """The uploaded model's own tokenizer (its tokenizer.json), with ``model.hf.model_id``."""
+
+    type: Literal["model"] = Field(description="The tokenizer of the uploaded model that model.hf.model_id names.")
+    vocab_size: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="The model's vocabulary: filled in by the service from the upload's config.json vocab_size.",
+    )
+
+
 def _tokenizer_kind(value: Any) -> str:
-    """Which member of the tokenizer union a value is read as (a word, or a BPE's section)."""
+    """Which member of the tokenizer union a value is read as (a word, a BPE's or a model's section)."""
+    if isinstance(value, ModelTokenizerSpec) or (isinstance(value, dict) and value.get("type") == "model"):
+        return "Model"
     return "BPE" if isinstance(value, dict | BPESpec) else "Word"
 
 
 # One member is tried, chosen by the value's type, so an error speaks of that one alone (a member's
 # tag is capitalized: error_path leaves it out of the field's path).
 TokenizerChoice = Annotated[
-    Annotated[Literal["byte", "char"], Tag("Word")] | Annotated[BPESpec, Tag("BPE")],
+    Annotated[Literal["byte", "char"], Tag("Word")]
+    | Annotated[BPESpec, Tag("BPE")]
+    | Annotated[ModelTokenizerSpec, Tag("Model")],
     Discriminator(_tokenizer_kind),
 ]
 
@@ -163,7 +204,8 @@ class DataSpec(_Strict):
     tokenizer: TokenizerChoice = Field(
         "byte",
         description="byte: vocab 256; char: the corpus's distinct characters (at most 65,536); "
-        "{type: bpe, vocab_size: N}: a byte-level BPE trained on the corpus.",
+        "{type: bpe, vocab_size: N}: a byte-level BPE trained on the corpus; {type: model}: the tokenizer of "
+        "the uploaded model that model.hf.model_id names.",
     )
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of the corpus held out for validation.")
 
@@ -173,6 +215,13 @@ class DataSpec(_Strict):
         if len(given) != 1:
             raise ValueError(f"give exactly one of dataset_id, builtin, path (got {given or 'none'})")
         return self
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _text_tokenizer(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, ModelTokenizerSpec) and info.data.get("builtin") == "synthetic":
+            raise ValueError("the synthetic task has its own 64 tokens: a model's tokenizer reads text")
+        return v
 
 
 class OptimizerSpec(_Strict):
@@ -394,6 +443,17 @@ class JobSpec(_Strict):
         location).
         """
         spec = handler(data)
+        from_upload = spec.model.hf is not None and spec.model.hf.model_id is not None
+        if from_upload != isinstance(spec.data.tokenizer, ModelTokenizerSpec):
+            message = (
+                "an uploaded model (model.hf.model_id) trains with its own tokenizer: set data.tokenizer to "
+                "{type: model}"
+                if from_upload
+                else "tokenizer {type: model} is the tokenizer of an uploaded model: it needs model.hf.model_id"
+            )
+            error = PydanticCustomError("value_error", message)
+            details = InitErrorDetails(type=error, loc=("data", "tokenizer"), input=spec.data.model_dump()["tokenizer"])
+            raise ValidationError.from_exception_data(cls.__name__, [details])
         batch, ranks = spec.train.batch_size, spec.resources.world_size
         if batch % ranks:
             message = (
@@ -444,8 +504,9 @@ def choices(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, lis
                 arg = get_args(arg)[0]
             if get_origin(arg) is Literal:
                 out[f"{prefix}{name}"] = [str(v) for v in get_args(arg)]
-            elif isinstance(arg, type) and issubclass(arg, BaseModel):
-                out |= choices(arg, f"{prefix}{name}.")
+            elif isinstance(arg, type) and issubclass(arg, BaseModel):  # members of a union add their words
+                for path, words in choices(arg, f"{prefix}{name}.").items():
+                    out[path] = [*out.get(path, []), *(w for w in words if w not in out.get(path, []))]
     return out
 
 

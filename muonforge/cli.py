@@ -54,6 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SpecError("data.dataset_id names an uploaded dataset: run it on a server, or give --data FILE")
     if spec.get("init_from"):
         raise SpecError("init_from names a checkpoint of a server's job: submit the spec to that server")
+    if (spec["model"].get("hf") or {}).get("model_id"):
+        raise SpecError("model.hf.model_id names a server's uploaded model: submit the spec to that server")
     with ProgressSink(spec["train"]["steps"]) as progress:
         try:
             result = run_job(RunRequest(spec, args.out, sink=progress, resume=args.resume))

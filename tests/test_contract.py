@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 import optim
 from contract import metrics, status, webhooks
 from contract import spec as contract_spec
-from contract.spec import DataSpec, JobSpec
+from contract.spec import DataSpec, JobSpec, error_path
 from worker.engine import data as engine_data
 from worker.engine.config import ModelConfig, job_config
 from worker.engine.facts import parameter_count, series_per_step, vocabulary
@@ -228,3 +229,27 @@ def test_the_series_are_what_the_engine_reports(tmp_path, arch, optimizer, per_h
         declared |= set(metrics.ROUTER)
         declared |= {metrics.expert_load(i, j) for i in layers for j in experts} if per_expert else set()
     assert set().union(*reported) == declared
+
+
+def test_a_spec_names_an_uploaded_model_without_its_config_and_with_its_tokenizer():
+    spec = {
+        "model": {"arch": "hf", "seq_len": 32, "hf": {"model_id": "mdl_x"}},
+        "data": {"builtin": "pysource", "tokenizer": {"type": "model"}},
+    }
+    parsed = JobSpec.model_validate(spec)
+    assert parsed.model.hf is not None and parsed.model.hf.config is None
+    assert parsed.data.model_dump()["tokenizer"] == {"type": "model", "vocab_size": None}
+    for changed, where, words in (
+        ({"data": {"builtin": "pysource"}}, "data.tokenizer", "set data.tokenizer to {type: model}"),
+        (
+            {"model": {"arch": "gpt"}},
+            "data.tokenizer",
+            "tokenizer {type: model} is the tokenizer of an uploaded model",
+        ),
+        ({"model": {"arch": "hf", "hf": {}}}, "model.hf", "give model.hf.config"),
+        ({"model": spec["model"] | {"n_layer": 2}}, "model", "comes from the uploaded model's config"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            JobSpec.model_validate(spec | changed)
+        error = caught.value.errors()[0]
+        assert error_path(error["loc"]) == where and words in error["msg"], error

@@ -57,6 +57,10 @@ EXCEEDS_MEMORY = (
     "(MUONFORGE_WORKER_MEMORY_BYTES): lower train.batch_size, model.seq_len or the model's size"
 )
 OUT_OF_MEMORY = "the run ran out of the accelerator's memory: lower train.batch_size, model.seq_len or the model's size"
+MODEL_MISSING = (
+    "the uploaded model {model_id} this job starts from is missing from the service's storage (deleted since "
+    "the job was submitted?); upload it again and submit the job with its new id"
+)
 INIT_MISSING = (
     "the checkpoint this job starts from (init_from: job {job_id}, step {step}) is missing from the service's "
     "storage; submit the job again from another checkpoint"
@@ -81,6 +85,11 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
 
     if corpus is not None and not corpus.is_file():
         error = {"code": "dataset_missing", "message": DATASET_MISSING.format(dataset_id=spec.data.dataset_id)}
+        return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
+    model_id = spec.model.hf.model_id if spec.model.hf is not None else None
+    model_dir = settings.artifact_dir / claim.model_path if claim.model_path else None
+    if model_id is not None and (model_dir is None or not model_dir.is_dir()):
+        error = {"code": "model_missing", "message": MODEL_MISSING.format(model_id=model_id)}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     if needed is not None and needed > settings.worker_memory_bytes:
         # The API admitted it under its own budget; this worker is smaller. Failing with the figures
@@ -113,6 +122,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                     rungs=rungs,
                     watch=lease.check,
                     node=node,
+                    model_dir=model_dir,
                 )
                 result = run_job(request)
                 if result is None:  # only a node other than 0 leaves the outcome to another

@@ -104,6 +104,7 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
         return "skipped"  # a redelivery, a finished job, a full gang
     attempt, index, spec = joined.attempt, joined.node, joined.spec
     corpus = settings.artifact_dir / joined.dataset_path if joined.dataset_path else None
+    model_dir = settings.artifact_dir / joined.model_path if joined.model_path else None
     log.info("job %s: attempt %d: node %d joined by %s", job_id, attempt, index, owner)
     from worker.attempt import warm_start_file  # run_attempt calls this module: imported once both are loaded
 
@@ -111,7 +112,11 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
     with Lease(settings, job_id, attempt, node=index, owner=owner) as lease:
         node = this_node(settings, job_id, attempt, index, lease, nnodes_of(spec))
         try:
-            run_job(RunRequest(spec, out_dir, corpus, init_from=init_from, watch=lease.check, node=node))
+            run_job(
+                RunRequest(
+                    spec, out_dir, corpus, init_from=init_from, watch=lease.check, node=node, model_dir=model_dir
+                )
+            )
         except LeaseLost:
             return "lease_lost"  # the attempt is over: node 0 ended it or gave the job back
         except Exception as exc:

@@ -17,6 +17,7 @@ from app.db.models import JobNode
 from app.repositories.jobs import JobRepository
 from app.repositories.leases import LeaseRepository
 from app.repositories.tenants import DatasetRepository
+from app.services import lifecycle
 from contract.spec import JobSpec
 
 
@@ -28,6 +29,7 @@ class NodeClaim:
     node: int
     spec: JobSpec
     dataset_path: str | None  # the corpus's file, relative to the artifact dir; None for a builtin corpus
+    model_path: str | None = None  # model.hf.model_id's directory, relative to the artifact dir (None: gone)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ def join(session: Session, job_id: str, owner: str, lease: timedelta) -> NodeCla
     if job is None:  # the slot is the job's: it is there
         return None
     dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
-    return NodeClaim(*claimed, JobSpec.model_validate(job.spec), dataset.path if dataset else None)
+    spec = JobSpec.model_validate(job.spec)
+    return NodeClaim(*claimed, spec, dataset.path if dataset else None, lifecycle.uploaded_model_path(session, job))
 
 
 def publish_meeting(

@@ -29,6 +29,7 @@ from app.db.models import Job
 from app.messaging.live_bus import LiveBus
 from app.repositories.jobs import JobRepository
 from app.repositories.leases import LeaseRepository
+from app.repositories.models import ModelRepository
 from app.repositories.sweeps import SweepRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.job_journal import record_first_statuses, record_status
@@ -57,6 +58,7 @@ class Claim:
     progress: int  # steps completed by earlier attempts
     summary: dict[str, Any]
     rungs: Rungs | None  # a trial of a sweep with ASHA
+    model_path: str | None = None  # model.hf.model_id's directory, relative to the artifact dir (None: gone)
 
 
 class Promotion(StrEnum):
@@ -99,7 +101,16 @@ def claim(session: Session, bus: LiveBus, job_id: str, owner: str, lease: timede
         progress=job.progress_step,
         summary=dict(job.summary or {}),
         rungs=Rungs(sweep.id, dict(sweep.asha), sweep.metric) if sweep is not None and sweep.asha else None,
+        model_path=uploaded_model_path(session, job),
     )
+
+
+def uploaded_model_path(session: Session, job: Job) -> str | None:
+    """The directory of the uploaded model the job starts from, relative to the artifact dir;
+    None without one, or once it was deleted."""
+    model_id = (job.spec["model"].get("hf") or {}).get("model_id")
+    model = ModelRepository(session).get(model_id, job.tenant_id) if model_id else None
+    return model.path if model is not None else None
 
 
 def finish(

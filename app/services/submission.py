@@ -22,6 +22,7 @@ from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.admission import Admission
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
+from app.services.model_start import from_uploaded_model
 from app.services.tenants import job_cap
 from app.services.warm_start import resolve_init_from
 from app.settings import Settings
@@ -158,9 +159,9 @@ def with_server_limits(spec: JobSpec, settings: Settings) -> JobSpec:
 def check_spec(session: Session, tenant: TenantRef, spec: JobSpec, settings: Settings) -> JobSpec:
     """Every check of a job's spec before its insert, bar the job cap: its dataset, the resource
     caps and a warm start's checkpoint. Returns the spec as the service runs it: the server's time
-    limit filled in, and ``init_from.step`` resolved (the stored spec names the file the worker
-    loads)."""
-    spec = with_server_limits(spec, settings)
+    limit filled in, an uploaded model's config and vocabulary filled in, and ``init_from.step``
+    resolved (the stored spec names the file the worker loads)."""
+    spec = from_uploaded_model(session, tenant, with_server_limits(spec, settings))
     vocab, corpus_bytes = data_facts(session, tenant, spec.data)
     check_caps(spec, vocab, corpus_bytes, settings)
     return spec.model_copy(update={"init_from": resolve_init_from(session, tenant, spec, vocab)})

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from contract.spec import BPESpec, DataSpec
+from contract.spec import BPESpec, DataSpec, ModelTokenizerSpec
 
 from .facts import CHAR_VOCAB_MAX, PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB
 
@@ -31,6 +31,7 @@ SYNTHETIC_ALPHABET = (
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
 PYSOURCE_BYTES = 4 << 20  # the builtin pysource corpus: the first 4 MiB
+MODEL_TOKENIZER = "tokenizer.json"  # an uploaded model's tokenizer (data.tokenizer {type: model})
 END_OF_TEXT = "<|endoftext|>"  # a BPE's one special token (GPT-2's name for it)
 BPE_CHUNK = 1 << 18  # characters of text per piece the BPE learns from and encodes (text_chunks)
 BPE_BATCH = 16  # pieces encoded at once: the library's work in flight stays a few MiB of text
@@ -45,8 +46,10 @@ PYSOURCE_CHARS = "".join(map(chr, range(PYSOURCE_CHAR_VOCAB)))
 
 class Tokenizer:
     """byte: UTF-8 bytes, vocab 256. char: the corpus's distinct characters, sorted (or a fixed
-    alphabet, for the builtin pysource text), at most CHAR_VOCAB_MAX of them. bpe: a byte-level
-    BPE (``bpe``: the tokenizers library's JSON of it) in a vocabulary of ``vocab_size`` ids."""
+    alphabet, for the builtin pysource text), at most CHAR_VOCAB_MAX of them. bpe: a tokenizer of
+    the tokenizers library (``bpe``: its JSON; a byte-level BPE learned from the text, or an
+    uploaded model's tokenizer.json) in a vocabulary of ``vocab_size`` ids. Text encodes without
+    the special tokens a tokenizer's post-processor would add (a model's BOS at every piece)."""
 
     def __init__(self, kind: str, chars: str | None = None, bpe: str | None = None, vocab_size: int = 0) -> None:
         if kind not in ("byte", "char", "bpe"):
@@ -110,7 +113,7 @@ class Tokenizer:
             dtype = np.uint16 if self._vocab_size <= 1 << 16 else np.uint32
             parts, pieces = [], list(text_chunks(text))
             for start in range(0, len(pieces), BPE_BATCH):
-                encodings = self._fast.encode_batch_fast(pieces[start : start + BPE_BATCH])
+                encodings = self._fast.encode_batch_fast(pieces[start : start + BPE_BATCH], add_special_tokens=False)
                 parts += [np.asarray(e.ids, dtype=dtype) for e in encodings]
             return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
@@ -188,27 +191,46 @@ class TokenData:
         return w[:, :-1], w[:, 1:]
 
 
-def load_corpus(cfg: DataSpec, corpus: Path, cache_dir: Path) -> TokenData:
+def load_corpus(cfg: DataSpec, corpus: Path, cache_dir: Path, model_dir: Path | None = None) -> TokenData:
     """Tokenize a UTF-8 text file once into ``cache_dir`` and memory-map the result."""
     raw = Path(corpus).read_bytes()
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{corpus} is not UTF-8 text: {exc}") from None
-    return load_text(cfg, raw, cache_dir)
+    return load_text(cfg, raw, cache_dir, model_dir=model_dir)
 
 
-def load_text(cfg: DataSpec, raw: bytes, cache_dir: Path, chars: str | None = None) -> TokenData:
+def model_tokenizer(cfg: DataSpec, model_dir: Path | None) -> Tokenizer:
+    """The uploaded model's own tokenizer (``data.tokenizer: {type: model}``): its tokenizer.json,
+    in the vocabulary of its config's vocab_size (which the service wrote into the spec)."""
+    if not isinstance(cfg.tokenizer, ModelTokenizerSpec) or not cfg.tokenizer.vocab_size:
+        raise ValueError("data.tokenizer {type: model} needs its vocab_size (the service fills it in)")
+    if model_dir is None:
+        raise ValueError("data.tokenizer {type: model} needs the uploaded model's directory")
+    path = Path(model_dir) / MODEL_TOKENIZER
+    if not path.is_file():
+        raise FileNotFoundError(f"the model has no {MODEL_TOKENIZER}")
+    return Tokenizer("bpe", bpe=path.read_text(encoding="utf-8"), vocab_size=cfg.tokenizer.vocab_size)
+
+
+def load_text(
+    cfg: DataSpec, raw: bytes, cache_dir: Path, chars: str | None = None, model_dir: Path | None = None
+) -> TokenData:
     """UTF-8 text tokenized once into ``cache_dir`` (named by its sha256 and the tokenizer) and
     memory-mapped; a char tokenizer over ``chars`` when given, else over the text's own characters;
     a BPE learned from the text (and kept with its ids: every job that asks for the same one on
-    the same text reuses both)."""
+    the same text reuses both); an uploaded model's tokenizer from ``model_dir`` (the ids named by
+    the text and the tokenizer.json's sha256)."""
     digest = hashlib.sha256(raw).hexdigest()[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
     bpe = cfg.tokenizer if isinstance(cfg.tokenizer, BPESpec) else None
+    given = model_tokenizer(cfg, model_dir) if isinstance(cfg.tokenizer, ModelTokenizerSpec) else None
     alphabet = chars if cfg.tokenizer == "char" else None
     suffix = f"-{hashlib.sha256(alphabet.encode()).hexdigest()[:8]}" if alphabet else ""
-    kind = f"bpe{bpe.vocab_size}" if bpe else cfg.tokenizer
+    if given is not None and given.bpe:
+        suffix = f"-{hashlib.sha256(given.bpe.encode()).hexdigest()[:16]}"
+    kind = f"bpe{bpe.vocab_size}" if bpe else f"model{given.vocab_size}" if given else cfg.tokenizer
     stem = cache_dir / f"{digest}-{kind}{suffix}"
     meta_path, bin_path = stem.with_suffix(".json"), stem.with_suffix(".bin")
     if meta_path.exists() and bin_path.exists():
@@ -216,7 +238,9 @@ def load_text(cfg: DataSpec, raw: bytes, cache_dir: Path, chars: str | None = No
         tokenizer = Tokenizer(**{k: meta[k] for k in ("kind", "chars", "bpe", "vocab_size") if k in meta})
     else:
         text = raw.decode("utf-8")
-        if bpe:
+        if given is not None:
+            tokenizer = given
+        elif bpe:
             tokenizer = Tokenizer.train_bpe(text, bpe.vocab_size)
         else:
             kind = str(cfg.tokenizer)
@@ -290,12 +314,17 @@ def synthetic_task(seed: int, val_fraction: float = 0.1, tokens: int = SYNTHETIC
     return TokenData(seq[:split], seq[split:], None, V, entropy_floor=floor)
 
 
-def load_data(cfg: DataSpec, seed: int, cache_dir: Path, corpus: Path | None = None) -> TokenData:
-    """The job's data: the builtin task, or a corpus file (``corpus`` overrides ``cfg.path``)."""
+def load_data(
+    cfg: DataSpec, seed: int, cache_dir: Path, corpus: Path | None = None, model_dir: Path | None = None
+) -> TokenData:
+    """The job's data: the builtin task, or a corpus file (``corpus`` overrides ``cfg.path``);
+    ``model_dir``: the uploaded model whose tokenizer ``{type: model}`` is."""
     if cfg.builtin == "synthetic":
+        if isinstance(cfg.tokenizer, ModelTokenizerSpec):
+            raise ValueError("the synthetic task has its own 64 tokens: a model's tokenizer applies to text")
         return synthetic_task(seed, cfg.val_fraction)
     if cfg.builtin == "pysource":
-        return load_text(cfg, pysource_text().encode(), cache_dir, chars=PYSOURCE_CHARS)
+        return load_text(cfg, pysource_text().encode(), cache_dir, chars=PYSOURCE_CHARS, model_dir=model_dir)
     if cfg.builtin is not None:
         raise ValueError(f"unknown builtin task {cfg.builtin!r}")
     path = corpus or (Path(cfg.path) if cfg.path else None)
@@ -303,4 +332,4 @@ def load_data(cfg: DataSpec, seed: int, cache_dir: Path, corpus: Path | None = N
         raise ValueError("no corpus: give data.path, or the dataset's file for data.dataset_id")
     if not Path(path).is_file():
         raise FileNotFoundError(f"corpus {path} does not exist")
-    return load_corpus(cfg, Path(path), cache_dir)
+    return load_corpus(cfg, Path(path), cache_dir, model_dir)

@@ -8,7 +8,7 @@ constants; the API calls these functions at admission (app.services.caps).
 from __future__ import annotations
 
 from contract import hf, metrics
-from contract.spec import BPESpec, DataSpec, JobSpec, ModelSpec
+from contract.spec import BPESpec, DataSpec, JobSpec, ModelSpec, ModelTokenizerSpec
 
 MLP_RATIO = 4  # feed-forward width: d_model x 4
 MLP_CONTEXT = 8  # the mlp baseline's window, in tokens
@@ -40,25 +40,36 @@ ATTENTION_TRANSIENT = 3  # score matrices alive at once beyond those kept: scale
 LOGIT_FLOATS = 5  # per token x vocab: logits, log-softmax, gradients and the telemetry's copy
 # Per corpus byte while it is tokenized: byte: the file, its text and its ids; char: text, UTF-32
 # codes, 64-bit search indexes; bpe: the text, the tokenizers library's work on each chunk, the ids.
-CORPUS_BYTES = {"byte": 3, "char": 24, "bpe": 24}  # bpe: 19.4 measured on 16 MiB of pysource
+# model: an uploaded model's tokenizer, encoded as a bpe one is.
+CORPUS_BYTES = {"byte": 3, "char": 24, "bpe": 24, "model": 24}  # bpe: 19.4 measured on 16 MiB of pysource
 # A torch.distributed job's node (resources.nproc > 1): each rank is a process of its own.
 RANK_PROCESS_BYTES = 384 << 20  # a rank's interpreter, torch and its process group (measured: about 300 MiB)
 LAUNCHER_BYTES = 256 << 20  # torchrun's agent (measured: about 220 MiB)
 DDP_COPIES = 1  # DDP's gradient buckets: one more fp32 copy of the parameters per rank
 
 
+def hf_config(model: ModelSpec) -> dict:
+    """An hf model's normalized config (an uploaded model's once the service filled it in)."""
+    if model.hf is None or model.hf.config is None:
+        raise ValueError("model.hf.config is not known yet: the service fills it in from the uploaded model")
+    return model.hf.config
+
+
 def tokenizer_kind(data: DataSpec) -> str:
-    """byte, char or bpe."""
-    return data.tokenizer.type if isinstance(data.tokenizer, BPESpec) else data.tokenizer
+    """byte, char, bpe or model."""
+    return data.tokenizer.type if isinstance(data.tokenizer, BPESpec | ModelTokenizerSpec) else data.tokenizer
 
 
 def vocabulary(data: DataSpec, dataset_char_vocab: int | None = None) -> int:
     """The vocabulary size the engine builds for a spec's ``data`` (with an uploaded dataset's
-    distinct characters for its char tokenizer)."""
+    distinct characters for its char tokenizer; an uploaded model's tokenizer: its config's
+    vocab_size, which the service fills in)."""
     if data.builtin == "synthetic":
         return SYNTHETIC_VOCAB
     if isinstance(data.tokenizer, BPESpec):
         return data.tokenizer.vocab_size
+    if isinstance(data.tokenizer, ModelTokenizerSpec):  # filled in from the uploaded model's config
+        return data.tokenizer.vocab_size or 0
     if data.tokenizer == "byte":
         return BYTE_VOCAB
     return PYSOURCE_CHAR_VOCAB if data.builtin == "pysource" else int(dataset_char_vocab or 0)
@@ -67,7 +78,7 @@ def vocabulary(data: DataSpec, dataset_char_vocab: int | None = None) -> int:
 def parameter_count(model: ModelSpec, vocab: int) -> int:
     """Exact parameter count of the engine's model for a JobSpec ``model`` section (tied head)."""
     if model.hf is not None:
-        return hf.parameter_count(model.hf.config, vocab)
+        return hf.parameter_count(hf_config(model), vocab)
     d, L, T = model.d_model, model.n_layer, model.seq_len
     hidden = MLP_RATIO * d
     if model.arch == "mlp":
@@ -123,7 +134,7 @@ def run_memory_bytes(spec: JobSpec, vocab: int, B: int, on_cuda: bool | None, co
     else:
         block, ffn = ACT_FLOATS_BLOCK * d, ACT_FLOATS_FFN * d
         if model.hf is not None:
-            block, ffn = ACT_FLOATS_HF_BLOCK * d, ACT_FLOATS_SWIGLU * hf.Shape.of(model.hf.config).ffn
+            block, ffn = ACT_FLOATS_HF_BLOCK * d, ACT_FLOATS_SWIGLU * hf.Shape.of(hf_config(model)).ffn
         if model.arch == "moe":
             ffn = ACT_FLOATS_MOE * d * moe_top_k(model) + moe_experts(model)
         layer_floats = tokens * L * (block + ffn)
@@ -137,7 +148,7 @@ def run_memory_bytes(spec: JobSpec, vocab: int, B: int, on_cuda: bool | None, co
 def max_matrix(model: ModelSpec, vocab: int) -> int:
     """Elements of the largest weight matrix (the Newton–Schulz work is a few of its size)."""
     if model.hf is not None:
-        return hf.largest_matrix(model.hf.config, vocab)
+        return hf.largest_matrix(hf_config(model), vocab)
     d = model.d_model
     hidden = MLP_RATIO * d
     if model.arch == "mlp":

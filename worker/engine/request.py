@@ -34,3 +34,4 @@ class RunRequest:
     rungs: RungCheck | None = None  # a sweep's ASHA decider (a trial of one process)
     watch: Callable[[], None] | None = None  # called every fraction of a second while a group runs
     node: Node | None = None  # this process's node of a job of several nodes
+    model_dir: Path | None = None  # model.hf.model_id's directory: its weights and tokenizer.json

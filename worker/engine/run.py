@@ -6,6 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
+from .checkpoints import latest_checkpoint
 from .config import job_config
 from .data import load_data
 from .distributed import Group
@@ -44,12 +45,15 @@ def run_process(request: RunRequest, group: Group | None = None) -> RunResult:
     lead = group is None or group.lead
     out_dir.mkdir(parents=True, exist_ok=True)
     with group.lead_first() if group else contextlib.nullcontext():
-        data = load_data(job.data, job.train.seed, out_dir / "data", request.corpus)
+        data = load_data(job.data, job.train.seed, out_dir / "data", request.corpus, request.model_dir)
     checkpoints = checkpoint_dir(out_dir)
+    # An uploaded model's weights start a fresh run; a resume or a warm start loads its checkpoint instead.
+    resumes = request.resume and latest_checkpoint(checkpoints) is not None
+    pretrained = request.model_dir if not resumes and request.init_from is None else None
     jsonl = JsonlSink(out_dir, append=request.resume and checkpoints.exists()) if lead else None
     try:
         sink = FanOut(jsonl, request.sink)
-        trainer = Trainer(job, data, checkpoints, sink, request.should_cancel, group, request.rungs)
+        trainer = Trainer(job, data, checkpoints, sink, request.should_cancel, group, request.rungs, pretrained)
         result = trainer.run(resume=request.resume, init_from=request.init_from)
     finally:
         if jsonl is not None:

@@ -25,7 +25,7 @@ from .config import JobConfig
 from .data import TokenData
 from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
-from .models import build_model
+from .models import LanguageModel, build_model
 from .optimizer import build_optimizer, lr_factor, routing_lines
 from .outcome import RunResult, TimeLimitReached, TrainingError
 from .sample import PROMPT_TOKENS, generate
@@ -71,14 +71,16 @@ class Trainer:
         should_cancel: Callable[[], bool] | None = None,
         group: Group | None = None,
         rungs: RungCheck | None = None,
+        pretrained: Path | None = None,
     ) -> None:
         self.job = replace(job, model=replace(job.model, vocab_size=data.vocab_size))
+        self.pretrained = pretrained  # an uploaded model's directory, whose weights a fresh run starts from
         self.data, self.sink, self.checkpoint_dir, self.group = data, sink, checkpoint_dir, group
         self.lead = group is None or group.lead
         self.should_cancel = should_cancel or (lambda: False)
         self.device, self.autocast_dtype = resolve_device(job.train, group.local_rank if group else None)
         torch.manual_seed(job.train.seed)  # the same on every rank: the replicas start equal
-        self.model = build_model(self.job.model).to(self.device)
+        self.model = self._build_model().to(self.device)
         # The training forward and backward: through DDP in a group (the gradients arrive averaged
         # over the ranks), the model itself otherwise. Evaluation and sampling use the model.
         self.net: nn.Module = self.model
@@ -100,6 +102,16 @@ class Trainer:
         self.stop_reason: str | None = None
         self.rungs = rungs
         self.rung_status: JobStatus | None = None  # how ``rungs`` ended the run (stopped_early, paused), if they did
+
+    def _build_model(self) -> LanguageModel:
+        """The job's model: freshly initialised, or with the uploaded model's weights (``pretrained``)."""
+        if self.pretrained is None:
+            return build_model(self.job.model)
+        try:
+            return build_model(self.job.model, self.pretrained)
+        except (RuntimeError, ValueError, OSError) as exc:
+            detail = " ".join(str(exc).split())[:400] or type(exc).__name__
+            raise TrainingError(f"the uploaded model's weights do not load: {detail}") from None
 
     def _group_ns_dtype(self) -> torch.dtype | None:
         """In a group, rank 0's Newton-Schulz precision for ``ns_dtype: auto``, taken by every rank.
@@ -127,8 +139,12 @@ class Trainer:
         """Train to the end (or a stop); resume from the latest checkpoint in ``checkpoint_dir``
         if ``resume``, else (nothing to resume) start from the weights in ``init_from``."""
         cfg, start_wall = self.job.train, time.perf_counter()
-        if not (resume and self._resume()) and init_from is not None:
-            self._warm_start(init_from)
+        if not (resume and self._resume()):
+            if init_from is not None:
+                self._warm_start(init_from)
+            elif self.pretrained is not None:
+                count = sum(p.numel() for p in self.model.parameters())
+                self.sink.log("info", f"starting from uploaded model {self.pretrained.name} ({count:,} parameters)")
         first = self.step
         if first == 0 and self.job.optimizer.name != "adamw":
             for level, line in routing_lines(self.model):

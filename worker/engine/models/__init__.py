@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 
 from ..config import ModelConfig
 from .attention import CausalSelfAttention, causal_max_logits
@@ -28,10 +29,15 @@ def _architectures() -> dict[str, type[LanguageModel]]:
 ARCHITECTURES = _architectures()
 
 
-def build_model(cfg: ModelConfig) -> LanguageModel:
-    """A freshly initialised model of ``cfg.arch``."""
+def build_model(cfg: ModelConfig, pretrained: Path | None = None) -> LanguageModel:
+    """A freshly initialised model of ``cfg.arch``; with ``pretrained`` (arch hf), an uploaded
+    model's directory, the weights stored there."""
     if cfg.arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {cfg.arch!r}")
+    if pretrained is not None:
+        if cfg.arch != "hf":
+            raise ValueError("only arch hf starts from an uploaded model's weights")
+        return ARCHITECTURES[cfg.arch](cfg, pretrained)
     return ARCHITECTURES[cfg.arch](cfg)
 
 

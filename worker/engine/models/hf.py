@@ -14,6 +14,8 @@ shares, by the layer's largest factor (docs/engine.md, "Transformers models").
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -165,10 +167,49 @@ def query_key(attention: nn.Module) -> tuple[nn.Linear, nn.Linear]:
     return cast(nn.Linear, attention.q_proj), cast(nn.Linear, attention.k_proj)
 
 
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """A model directory's safetensors files: ``model.safetensors``, or the shards its index names."""
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
+    index = directory / INDEX
+    if not index.is_file():
+        raise FileNotFoundError(f"{directory.name} has neither {WEIGHTS} nor {INDEX}")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [directory / name for name in shards]
+
+
+def load_weights(net: nn.Module, directory: Path) -> None:
+    """A transformers model's weights from the safetensors of ``directory``, strictly.
+
+    Every tensor of the model must be there and nothing else, bar a tensor tied to one that is
+    (a tied lm_head, which ``save_pretrained`` leaves out). The values are copied into the
+    model's own parameters (converted to their dtype), so tied ones stay tied.
+    """
+    from safetensors.torch import load_file
+
+    state: dict[str, Tensor] = {}
+    for path in weight_files(directory):
+        state |= load_file(str(path))
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    tensors = dict(net.named_parameters(remove_duplicate=False)) | dict(net.named_buffers(remove_duplicate=False))
+    loaded = {id(tensors[name]) for name in state if name in tensors}
+    missing = [name for name in missing if id(tensors.get(name)) not in loaded]
+    if missing or unexpected:
+        parts = [f"{what} {', '.join(names[:5])}" for what, names in (("missing", missing), ("unexpected", unexpected))]
+        detail = "; ".join(part for part, names in zip(parts, (missing, unexpected), strict=True) if names)
+        raise ValueError(f"the model's weights do not match its config: {detail}")
+
+
 class HFCausalLM(LanguageModel):
     """A transformers decoder of ``cfg.hf`` (a normalized config), token ids in, logits out."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, pretrained: Path | None = None) -> None:
+        """``pretrained``: an uploaded model's directory, whose safetensors weights the model starts
+        from (loaded into transformers' own layout, before GPT-2's Conv1D layers become Linear)."""
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -179,6 +220,8 @@ class HFCausalLM(LanguageModel):
         fields = {k: v for k, v in cfg.hf.items() if k != "model_type"}
         config = AutoConfig.for_model(cfg.hf["model_type"], vocab_size=cfg.vocab_size, **fields)
         self.net = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+        if pretrained is not None:
+            load_weights(self.net, Path(pretrained))
         unfuse_conv1d(self.net)
         shape = Shape.of(cfg.hf)
         self.probes = [HeadProbe(attention, shape) for attention in attention_modules(self.net)]

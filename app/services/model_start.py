@@ -1,0 +1,77 @@
+"""A job that starts from an uploaded model (``model.hf.model_id``): its spec filled in at intake.
+
+The submission names the model and its tokenizer (``data.tokenizer: {type: model}``); the intake
+writes the upload's config into ``model.hf.config`` (normalized, without its vocab_size) and its
+vocab_size into ``data.tokenizer.vocab_size``, and validates the spec again, so its sizes,
+parameters and memory are the model's. Each refusal is a 422 naming the field to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from app.errors import ValidationFailed
+from app.repositories.models import ModelRepository
+from app.services.auth import TenantRef
+from contract import hf
+from contract.spec import JobSpec, ModelTokenizerSpec, error_path
+
+TOKENIZER = "tokenizer.json"  # the tokenizers library's file, what data.tokenizer {type: model} reads
+FILLED = ("n_layer", "n_head", "d_model", "n_experts", "top_k")  # model fields the config gives
+
+
+def from_uploaded_model(session: Session, tenant: TenantRef, spec: JobSpec) -> JobSpec:
+    """``spec`` with the uploaded model's config and vocabulary filled in (as it is without
+    ``model.hf.model_id``).
+
+    The model must be the tenant's (another tenant's answers as a missing one) and hold a
+    tokenizer.json; ``model.seq_len`` must be within its positions. A config or vocab_size the
+    submission gives must be the upload's (a stored spec submitted again holds both).
+    """
+    given = spec.model.hf
+    if given is None or given.model_id is None:
+        return spec
+    model = ModelRepository(session).get(given.model_id, tenant.id)
+    if model is None:
+        raise ValidationFailed(f"no model {given.model_id!r} for this tenant", param="model.hf.model_id")
+    if TOKENIZER not in model.files:
+        raise ValidationFailed(
+            f"model {model.id} has no {TOKENIZER}: tokenizer {{type: model}} reads it (a fast tokenizer's "
+            "save_pretrained writes it); upload the model with its tokenizer",
+            param="data.tokenizer",
+        )
+    try:
+        config = hf.from_upload(model.config)
+    except ValueError as exc:  # checked at upload: a config taken then and refused now
+        raise ValidationFailed(f"model {model.id}'s config: {exc}", param="model.hf.model_id") from None
+    field, seq_len = hf.positions(config), spec.model.seq_len
+    positions = config.setdefault(field, seq_len)
+    if positions < seq_len:
+        raise ValidationFailed(
+            f"model.seq_len ({seq_len}) exceeds model {model.id}'s {field} ({positions})", param="model.seq_len"
+        )
+    if given.config is not None and given.config != config:
+        raise ValidationFailed(
+            f"model.hf.config is model {model.id}'s own config.json: leave it out with model.hf.model_id",
+            param="model.hf.config",
+        )
+    vocab = int(model.config["vocab_size"])
+    tokenizer = spec.data.tokenizer
+    if isinstance(tokenizer, ModelTokenizerSpec) and tokenizer.vocab_size not in (None, vocab):
+        raise ValidationFailed(
+            f"data.tokenizer.vocab_size is model {model.id}'s ({vocab:,}): leave it out",
+            param="data.tokenizer.vocab_size",
+        )
+    doc: dict[str, Any] = spec.model_dump()
+    doc["model"] = {k: v for k, v in doc["model"].items() if k not in FILLED}
+    doc["model"]["hf"]["config"] = config
+    doc["data"]["tokenizer"]["vocab_size"] = vocab
+    try:
+        return JobSpec.model_validate(doc)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise ValidationFailed(f"model {model.id}: {message}", param=error_path(error["loc"]) or None) from None
