@@ -64,7 +64,7 @@ def test_the_app_imports_only_the_engines_torch_free_facts():
     # torch only where a checkpoint is read for an export, when one is asked for, and where an
     # uploaded model's config is built on the meta device to check its weights, when one is uploaded
     torch = [p.relative_to(ROOT).as_posix() for p in (ROOT / "app").rglob("*.py") if "torch" in map(top, imports(p))]
-    assert sorted(torch) == ["app/services/export.py", "app/services/hf_export.py", "app/services/models.py"]
+    assert sorted(torch) == ["app/services/export.py", "app/services/hf_export.py", "app/services/model_weights.py"]
 
 
 def server_modules_after(code: str) -> tuple[subprocess.CompletedProcess, list[str]]:

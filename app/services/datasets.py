@@ -209,7 +209,7 @@ def sweep_orphans(session: Session, settings: Settings, now: float | None = None
     cutoff = (time.time() if now is None else now) - ORPHAN_AGE_SECONDS
     repo, removed = DatasetRepository(session), 0
     for directory in (d for d in root.iterdir() if d.is_dir()):
-        old = [f for f in directory.iterdir() if f.is_file() and _mtime(f) < cutoff]
+        old = [f for f in directory.iterdir() if f.is_file() and mtime(f) < cutoff]
         known = repo.existing_ids({f.stem for f in old if f.suffix == ".txt"})
         for f in old:
             if f.suffix == ".part" or (f.suffix == ".txt" and f.stem not in known):
@@ -220,7 +220,8 @@ def sweep_orphans(session: Session, settings: Settings, now: float | None = None
     return removed
 
 
-def _mtime(path: Path) -> float:
+def mtime(path: Path) -> float:
+    """When the file was last written; infinitely late once it is gone (another sweep removed it)."""
     try:
         return path.stat().st_mtime
     except FileNotFoundError:  # removed meanwhile (another process's sweep)

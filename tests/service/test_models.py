@@ -23,6 +23,7 @@ from tokenizers.models import WordLevel
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from app.db.session import transaction
+from app.services import model_archive
 from app.services import models as service
 from contract.hf import FAMILIES, normalized, parameter_count
 from tests.service.test_datasets import settings_changed, tenant_of
@@ -351,7 +352,7 @@ def test_a_tar_header_too_large_to_read_is_refused(client, settings, llama):
 def test_a_member_holding_more_than_it_declares_is_refused(tmp_path, settings):
     """A copy never goes past a member's declared size (a zip bomb that lies in its directory)."""
     with pytest.raises(Exception, match="holds more than the 4 bytes it declares"):
-        service._copy(lambda: io.BytesIO(b"0123456789"), tmp_path / "m", 4, "merges.txt")
+        model_archive._copy(lambda: io.BytesIO(b"0123456789"), tmp_path / "m", 4, "merges.txt")
 
 
 # -- the storage quota, shared with datasets ------------------------------------------------------
