@@ -168,20 +168,22 @@ def byte_alphabet() -> list[str]:
 
 def tokenizer_files(tokenizer: dict[str, Any] | None, seq_len: int) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json of the engine's tokenizer, by file name; none for
-    the synthetic task's token ids.
+        the synthetic task's token ids.
 
-    byte: a byte-level BPE without merges over GPT-2's byte alphabet in byte order, so text's ids
-    are its UTF-8 bytes, and decoding joins the bytes (an invalid sequence decodes to U+FFFD, as the
-    engine's). char: a BPE without merges (no pre-tokenizer) whose vocabulary is the tokenizer's
-    characters, each at its id, decoded by joining them; a character outside it has no id and is
-    left out (the engine's tokenizer refuses the text). bpe: the trained BPE's own JSON.
+        byte: a byte-level BPE without merges over GPT-2's byte alphabet in byte order, so text's ids
+        are its UTF-8 bytes, and decoding joins the bytes (an invalid sequence decodes to U+FFFD, as the
+        engine's). char: a BPE without merges (no pre-tokenizer) whose vocabulary is the tokenizer's
+        characters, each at its id, decoded by joining them; a character outside it has no id and is
+        left out (the engine's tokenizer refuses the text). bpe: the BPE's own JSON (learned, or an
+    uploaded model's) without its post-processor: the engine adds no BOS or EOS to a text, nor does
+    the exported tokenizer.
     """
     if tokenizer is None:
         return {}
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    if tokenizer["kind"] == "bpe":  # a tokenizers model already
-        built = Tokenizer.from_str(tokenizer["bpe"])
+    if tokenizer["kind"] == "bpe":  # a tokenizers model already; the engine encodes without special tokens
+        built = Tokenizer.from_str(json.dumps(json.loads(tokenizer["bpe"]) | {"post_processor": None}))
     elif tokenizer["kind"] == "byte":
         built = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_alphabet())}, merges=[]))
         built.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -228,6 +228,17 @@ def test_a_trained_bpe_is_written_as_it_is(tmp_path):
     assert len(ids) < len(text)  # merges learned and kept
 
 
+def test_a_models_own_tokenizer_is_written_without_the_special_tokens_it_would_add(tmp_path):
+    from tokenizers import models, processors
+
+    fast = HFTokenizer(models.BPE(vocab={"<s>": 0, "a": 1, "b": 2}, merges=[]))  # an uploaded llama's adds a BOS
+    fast.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    assert fast.encode("ab").ids == [0, 1, 2]
+    directory = tokenizer_directory(tmp_path, {"kind": "bpe", "chars": None, "bpe": fast.to_str(), "vocab_size": 3})
+    assert AutoTokenizer.from_pretrained(directory)("ab")["input_ids"] == [1, 2]  # as the engine encodes it
+    assert Tokenizer("bpe", bpe=fast.to_str(), vocab_size=3).encode("ab").tolist() == [1, 2]
+
+
 @pytest.mark.parametrize(
     "arch, config, data",
     [
