@@ -19,7 +19,26 @@ from ..facts import MAX_LOGIT_BLOCK
 # into fp32 on tensor cores, and at most B * H * MAX_LOGIT_BLOCK * T extra floats of memory.
 
 
-class CausalSelfAttention(nn.Module):
+class MaxLogitRecord:
+    """Each head's maximum logit over the training forwards since the last reset (the S_max of
+    QK-Clip and of the ``attn_max_logit`` telemetry), recorded while ``record_max_logits`` is on;
+    the reads of :class:`optim.QKClipSource`."""
+
+    record_max_logits: bool = True
+    _max_logits: Tensor | None = None
+
+    def remember(self, per_head: Tensor) -> None:
+        per_head = per_head.float()
+        self._max_logits = per_head if self._max_logits is None else torch.maximum(self._max_logits, per_head)
+
+    def qk_max_logits(self) -> Tensor | None:
+        return self._max_logits
+
+    def reset_qk_max_logits(self) -> None:
+        self._max_logits = None
+
+
+class CausalSelfAttention(MaxLogitRecord, nn.Module):
     """Multi-head causal self-attention with a fused [Q | K | V] projection.
 
     While training (and while ``record_max_logits`` is on) it keeps, per head, the signed
@@ -33,8 +52,6 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.head_dim = n_head, d_model // n_head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
-        self.record_max_logits = True
-        self._max_logits: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
@@ -44,27 +61,16 @@ class CausalSelfAttention(nn.Module):
         if x.is_cuda:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             if record:
-                self._remember(causal_max_logits(q.detach(), k.detach()))
+                self.remember(causal_max_logits(q.detach(), k.detach()))
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [B, H, T, T]
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             att = att.masked_fill(~mask, float("-inf"))
             if record:
-                self._remember(att.detach().amax(dim=(0, 2, 3)))
+                self.remember(att.detach().amax(dim=(0, 2, 3)))
             y = F.softmax(att, dim=-1) @ v  # [B, H, T, D]
         y = y.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
         return self.proj(y)
-
-    def _remember(self, per_head: Tensor) -> None:
-        per_head = per_head.float()
-        self._max_logits = per_head if self._max_logits is None else torch.maximum(self._max_logits, per_head)
-
-    # optim.QKClipSource
-    def qk_max_logits(self) -> Tensor | None:
-        return self._max_logits
-
-    def reset_qk_max_logits(self) -> None:
-        self._max_logits = None
 
     def qk_clip_targets(self) -> list[QKClipTarget]:
         return fused_qkv_targets(self.qkv.weight, self.n_head, self.head_dim)

@@ -25,14 +25,14 @@ from contract.hf import Shape
 from optim import QKClipSource, QKClipTarget, separate_qk_targets
 
 from ..config import ModelConfig
-from .attention import causal_max_logits, masked_max_logits
+from .attention import MaxLogitRecord, causal_max_logits, masked_max_logits
 from .base import AttentionLayer, LanguageModel
 
 ATTENTION = "muonforge_max_logit"  # the name of our function in transformers' attention registry
 PROBE = "_muonforge_probe"  # the attribute of a transformers attention module that holds its HeadProbe
 
 
-class HeadProbe:
+class HeadProbe(MaxLogitRecord):
     """One attention layer's per-head max logits, recorded by the registered attention function.
 
     It implements :class:`optim.QKClipSource` for telemetry (one value per query head); QK-Clip
@@ -41,18 +41,6 @@ class HeadProbe:
 
     def __init__(self, attention: nn.Module, shape: Shape) -> None:
         self.attention, self.shape = attention, shape
-        self.record_max_logits = True
-        self._max_logits: Tensor | None = None
-
-    def remember(self, per_head: Tensor) -> None:
-        per_head = per_head.float()
-        self._max_logits = per_head if self._max_logits is None else torch.maximum(self._max_logits, per_head)
-
-    def qk_max_logits(self) -> Tensor | None:
-        return self._max_logits
-
-    def reset_qk_max_logits(self) -> None:
-        self._max_logits = None
 
     def qk_clip_targets(self) -> list[QKClipTarget]:
         q, k = query_key(self.attention)
