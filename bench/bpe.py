@@ -20,25 +20,14 @@ import platform
 import statistics
 import time
 
-from worker.engine.data import BPE_CHUNK, END_OF_TEXT, Tokenizer, pysource_text, text_chunks
+from worker.engine.data import BPE_CHUNK, Tokenizer, pysource_text, text_chunks, untrained_bpe
 
 
 def library_alone(text: str, vocab_size: int) -> tuple[float, float, int]:
     """Seconds to learn and to encode with tokenizers alone, and the tokens it gives."""
-    from tokenizers import Tokenizer as Fast
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     start = time.perf_counter()
     pieces = list(text_chunks(text, BPE_CHUNK))  # the same pieces, cut the same way
-    fast = Fast(models.BPE())
-    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    fast.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    fast, trainer = untrained_bpe(vocab_size)  # the same model, pre-tokenizer and trainer
     fast.train_from_iterator(pieces, trainer=trainer)
     learned = time.perf_counter()
     ids = [e.ids for e in fast.encode_batch_fast(pieces)]

@@ -16,6 +16,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,18 +86,7 @@ class Tokenizer:
     @classmethod
     def train_bpe(cls, text: str, vocab_size: int) -> Tokenizer:
         """A byte-level BPE of at most ``vocab_size`` tokens learned from ``text`` (deterministic)."""
-        from tokenizers import Tokenizer as Fast
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
-        fast = Fast(models.BPE())
-        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        fast.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=[END_OF_TEXT],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
+        fast, trainer = untrained_bpe(vocab_size)
         fast.train_from_iterator(text_chunks(text), trainer=trainer, length=None)
         return cls("bpe", bpe=fast.to_str(), vocab_size=vocab_size)
 
@@ -135,6 +125,24 @@ class Tokenizer:
         if self.kind == "bpe":
             return {"kind": self.kind, "chars": None, "bpe": self.bpe, "vocab_size": self._vocab_size}
         return {"kind": self.kind, "chars": self.chars}
+
+
+def untrained_bpe(vocab_size: int) -> tuple[Any, Any]:
+    """The tokenizers library's byte-level BPE before learning, and its trainer for ``vocab_size``
+    tokens: GPT-2's byte alphabet and pre-tokenizer, one special token, END_OF_TEXT."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    fast = Fast(models.BPE())
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    return fast, trainer
 
 
 def text_chunks(text: str, size: int = BPE_CHUNK) -> Iterator[str]:
