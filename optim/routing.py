@@ -54,7 +54,8 @@ def routes(model: nn.Module, output_head: nn.Module | None = None) -> list[Route
     Rules, in order of precedence:
     1. a module's own ``muon_param_roles()`` -> {param name: "muon" | "experts" | "adamw"}
        (how an MoE layer marks its [E, out, in] expert weights);
-    2. embeddings, norms and the output head -> AdamW. The head is ``output_head`` if given,
+    2. embeddings, norms (torch's, and any module whose class name ends in "Norm": transformers'
+       LlamaRMSNorm and the like) and the output head -> AdamW. The head is ``output_head`` if given,
        else a Linear whose weight is tied to an embedding or whose out_features equals an
        embedding's vocabulary, else the last Linear registered;
     3. weights of Linear and conv layers -> Muon; 1-D parameters (biases, gains) -> AdamW;
@@ -100,7 +101,7 @@ def split_params(model: nn.Module, output_head: nn.Module | None = None) -> list
 def _role(module: nn.Module, name: str, p: Tensor, head: nn.Module | None) -> tuple[str, str]:
     if module is head:
         return "adamw", HEAD
-    if isinstance(module, _ADAMW_MODULES):
+    if isinstance(module, _ADAMW_MODULES) or type(module).__name__.endswith("Norm"):
         return "adamw", TABLE
     if isinstance(module, _MATRIX_MODULES) and name == "weight":
         return "muon", MATRIX

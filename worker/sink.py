@@ -16,6 +16,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ class DatabaseUnavailable(ConnectionError):
 class JobSink:
     """Telemetry of one attempt: to the live bus at once, to the database in batches; the job's
     progress and summary kept current (as the trainer reports them); checkpoints, log lines and
-    samples recorded as job events."""
+    samples recorded as job events; the parameter routing table kept on the job's row."""
 
     def __init__(
         self,
@@ -158,6 +159,18 @@ class JobSink:
                 record_sample(session, self.bus, self.job_id, step, prompt, text)
 
         self._retrying(record, "recording a sample")
+
+    def routing(self, table: Mapping[str, Any]) -> None:
+        """The parameter routing table of the attempt's model (worker.engine.optimizer.routing_table),
+        stored on the job's row in place of an earlier attempt's (fenced, like progress)."""
+        stored = {**table, "attempt": self.attempt}
+
+        def record() -> None:
+            with transaction(self.settings) as session:
+                if not JobRepository(session).record_routing(self.job_id, self.attempt, stored):
+                    raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")
+
+        self._retrying(record, "recording the parameter routing")
 
     def _retrying(self, fn, what: str) -> None:
         """``fn`` through a database outage of up to the outage patience (then DatabaseUnavailable)."""

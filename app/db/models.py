@@ -123,6 +123,10 @@ class Job(Timestamped, Base):
     parent_step: Mapped[int | None] = mapped_column(Integer)
     # A sweep's trial: its sweep (no foreign key, for the same reason).
     sweep_id: Mapped[str | None] = mapped_column(IdColumn)
+    # The parameter routing table of the model its latest attempt built (worker.engine.optimizer
+    # .routing_table): written once per attempt, read by GET /v1/jobs/{id}/routing alone, so a
+    # loaded Job leaves it out (read it with JobRepository.routing).
+    routing: Mapped[dict[str, Any] | None] = mapped_column(JSONDoc, deferred=True, deferred_raiseload=True)
 
     @property
     def nnodes(self) -> int:

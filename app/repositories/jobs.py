@@ -98,6 +98,10 @@ class JobRepository:
         """Optimizer steps completed over all jobs."""
         return int(self.session.scalar(select(func.coalesce(func.sum(Job.progress_step), 0))) or 0)
 
+    def routing(self, job_id: str) -> dict[str, Any] | None:
+        """The job's parameter routing table as its latest attempt recorded it; None before that."""
+        return self.session.scalar(select(Job.routing).where(Job.id == job_id))
+
     def cancel_requested(self, job_id: str) -> bool:
         return bool(self.session.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
 
@@ -191,6 +195,12 @@ class JobRepository:
         holds the job."""
         stmt = update(Job).where(Job.id == job_id, Job.status.in_(RUNNING), Job.attempt == attempt)
         return changed_rows(self.session, stmt.values(progress_step=step, summary=summary)) == 1
+
+    def record_routing(self, job_id: str, attempt: int, routing: dict[str, Any]) -> bool:
+        """The attempt's parameter routing table, in place of an earlier attempt's (fenced); False
+        once it no longer holds the job."""
+        stmt = update(Job).where(Job.id == job_id, Job.status.in_(RUNNING), Job.attempt == attempt)
+        return changed_rows(self.session, stmt.values(routing=routing)) == 1
 
     def forget_dataset(self, tenant_id: str, dataset_id: str) -> None:
         """Unlink the tenant's finished jobs from a dataset about to be deleted (their spec still

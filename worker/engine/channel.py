@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,10 @@ class RankChannel:
     def sample(self, step: int, prompt: str, text: str) -> None:
         self._send({"kind": "sample", "step": step, "prompt": prompt, "text": text})
 
+    def routing(self, table: Mapping[str, Any]) -> None:
+        """The job's parameter routing table (optimizer.routing_table), for the launcher's sink."""
+        self._send({"kind": "routing", "table": table})
+
     def should_cancel(self) -> bool:
         """Asked before every step: a pulse to the launcher now and then, and its answer so far."""
         now = time.monotonic()
@@ -132,3 +137,5 @@ def deliver(record: dict[str, Any], sink: TelemetrySink) -> None:
         sink.log(record["level"], record["message"])
     elif kind == "sample":
         sink.sample(record["step"], record["prompt"], record["text"])
+    elif kind == "routing" and callable(keep := getattr(sink, "routing", None)):
+        keep(record["table"])  # a sink that keeps no table (a progress bar) is not handed one

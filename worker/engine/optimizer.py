@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import TypedDict
+from typing import Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ import optim
 from contract.spec import OptimizerSpec, TrainSpec
 
 from .models import LanguageModel
+from .telemetry import TelemetrySink
 
 NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
@@ -108,8 +109,77 @@ def routing_lines(model: nn.Module) -> list[tuple[str, str]]:
         return f"{name} takes {len(taken)} ({values:,} values{': ' + why if why else ''})"
 
     lines = [("info", f"parameters: {part('Muon', share['Muon'])}; {part('AdamW', share['AdamW'])}")]
-    for r in table:
-        if r.reason == optim.routing.UNRECOGNIZED:
-            shape = "x".join(map(str, r.shape))
-            lines.append(("warning", f"parameter {r.name} [{shape}] is a {r.reason}: AdamW takes it, not Muon"))
+    lines += [("warning", warning) for r in table if (warning := unrecognized_warning(r))]
     return lines
+
+
+# The API's name of each rule of optim.routes: stable words a client can match on.
+ROLE_CODES = {
+    optim.routing.DECLARED: "declared",
+    optim.routing.HEAD: "output_head",
+    optim.routing.TABLE: "embedding_or_norm",
+    optim.routing.MATRIX: "hidden_matrix",
+    optim.routing.VECTOR: "bias_or_vector",
+    optim.routing.UNRECOGNIZED: "unrecognized",
+}
+
+
+class RoutedParameter(TypedDict):
+    """One parameter of a job's routing table."""
+
+    name: str
+    shape: list[int]
+    optimizer: str  # "muon" or "adamw": what steps it in this job
+    role: str  # one of ROLE_CODES' values
+    reason: str  # the rule's own words (optim.routing.REASONS)
+    warning: str | None  # what the log warns of it (an unrecognized matrix), else None
+
+
+class RoutingTable(TypedDict):
+    """Every parameter of a job's model once (a tied one under its first name), in module order."""
+
+    optimizer: str  # the spec's optimizer.name
+    parameters: list[RoutedParameter]
+
+
+@runtime_checkable
+class RoutingSink(Protocol):
+    """A sink that keeps the job's routing table (the service's, and a group's rank 0 line to it)."""
+
+    def routing(self, table: RoutingTable) -> None: ...
+
+
+def unrecognized_warning(route: optim.Route) -> str | None:
+    """The log's warning for a matrix whose role no rule knows; None for any other parameter."""
+    if route.reason != optim.routing.UNRECOGNIZED:
+        return None
+    shape = "x".join(map(str, route.shape))
+    return f"parameter {route.name} [{shape}] is a {route.reason}: AdamW takes it, not Muon"
+
+
+def routed_parameter(route: optim.Route, optimizer: str) -> RoutedParameter:
+    """One row of the routing table: ``optimizer`` adamw steps every parameter with AdamW."""
+    muon = optimizer != "adamw" and route.group != "adamw"
+    return RoutedParameter(
+        name=route.name,
+        shape=list(route.shape),
+        optimizer="muon" if muon else "adamw",
+        role=ROLE_CODES[route.reason],
+        reason=route.reason,
+        warning=unrecognized_warning(route) if optimizer != "adamw" else None,
+    )
+
+
+def routing_table(model: nn.Module, optimizer: str) -> RoutingTable:
+    """The routing of ``model``'s parameters under the spec's ``optimizer`` (optim.routes)."""
+    return RoutingTable(optimizer=optimizer, parameters=[routed_parameter(r, optimizer) for r in optim.routes(model)])
+
+
+def report_routing(sink: TelemetrySink, model: nn.Module, optimizer: str, log: bool) -> None:
+    """Hand the routing table to a sink that keeps one (a FanOut passes it on); with ``log``, also its
+    lines (routing_lines) to the job's log, for an optimizer that routes (not plain adamw)."""
+    if isinstance(sink, RoutingSink):
+        sink.routing(routing_table(model, optimizer))
+    if log and optimizer != "adamw":
+        for level, line in routing_lines(model):
+            sink.log(level, line)

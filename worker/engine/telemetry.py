@@ -100,6 +100,12 @@ class FanOut:
         for s in self.sinks:
             s.sample(step, prompt, text)
 
+    def routing(self, table: Any) -> None:
+        """The job's routing table (optimizer.RoutingTable), to the sinks that keep one."""
+        for s in self.sinks:
+            if callable(getattr(s, "routing", None)):
+                s.routing(table)
+
 
 @torch.no_grad()
 def model_metrics(

@@ -1,4 +1,4 @@
-"""/v1/jobs: thin routes over app.services.jobs (and app.services.event_stream for the stream)."""
+"""/v1/jobs: thin routes over app.services.jobs (event_stream for the stream, routing for the parameter table)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from fastapi.sse import EventSourceResponse
 
 from app.api.deps import After, JobId, JobIntake, Work
 from app.schemas import api as schemas
+from app.schemas.routing import Routing
 from app.services import event_stream
 from app.services import jobs as service
+from app.services import routing as routing_service
 from app.services.metric_history import MAX_STEP
 from contract.spec import NO_NUL, JobSpec
 from contract.status import JobStatus
@@ -96,6 +98,19 @@ async def job_metrics(
     step buckets, each keeping its min, max and last point, so spikes survive.
     """
     return await work(service.metric_history, job_id, names, max_points, from_step, to_step)
+
+
+@router.get("/{job_id}/routing", response_model=Routing, responses=ERRORS)
+async def job_routing(job_id: JobId, work: Work) -> Routing:
+    """Where each parameter of the job's model goes, Muon or AdamW, and by which rule.
+
+    The table of the model the latest attempt built (a resumed job records it again): every
+    parameter once, its shape, optimizer and role, each optimizer's share, and the warnings of the
+    job's log (matrices whose role no rule knows, which AdamW takes). Before a worker has built the
+    model, `state` is `awaiting` (queued, or starting) with no parameters; `unavailable` for a job that ended
+    without one.
+    """
+    return await work(routing_service.job_routing, job_id)
 
 
 EVENT_ID = r"^[0-9]{0,19}$"

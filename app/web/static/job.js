@@ -2,7 +2,7 @@
 // (max_points = the chart's pixel width) then live points from the events stream (resumed by the
 // browser with Last-Event-ID after a dropped connection; polling when the stream cannot be
 // opened); zoom re-fetches the range at full resolution; a layer x head heatmap of the max
-// attention logits; samples, log lines and checkpoints.
+// attention logits; samples, log lines, checkpoints and the parameter routing (routing.js).
 "use strict";
 
 (function () {
@@ -14,6 +14,7 @@
   const RETRY_MS = 5000; // the first wait before a refused stream is opened again; it doubles up to
   const MAX_RETRY_MS = 60000;
   const MAX_HEATMAP_ROWS = 512; // layers x heads drawn as rows
+  const routing = new MF.RoutingSection(jobId, $("routing-card"));
 
   let job = null;
   let charts = [];
@@ -86,6 +87,7 @@
     const how = job.status === STATUS.job.PAUSED ? "Paused" : "Stopped early";
     if (!stopped.hidden) stopped.textContent = `${how} at step ${summary.stopped_at}: ${summary.stop_reason}`;
     renderState();
+    routing.follow(job);
   }
 
   // -- before the first step ------------------------------------------------------------------
