@@ -62,6 +62,10 @@ class DatasetInUse(Conflict):
     code = "dataset_in_use"
 
 
+class ModelInUse(Conflict):
+    code = "model_in_use"
+
+
 class ValidationFailed(DomainError):
     code, status = "validation_error", 422
 

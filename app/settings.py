@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     database_url: str | None = Field(None, description="postgresql+psycopg://… ; unset: SQLite under ./var")
     redis_url: str | None = Field(None, description="redis://… (broker and live bus); unset: SQLite broker under ./var")
     artifact_dir: Path = Field(VAR / "artifacts", description="Checkpoints, corpora and run outputs.")
+    model_dir: Path | None = Field(
+        None,
+        description="Operator-staged models: each directory in it that holds a config.json is a transformers "
+        "model every tenant may train from as `staged:<directory>`, read-only (docs/service.md, Staged "
+        "models); the API host and every worker host need the same directories. Unset: none.",
+    )
 
     # Resource caps, checked before a job is queued.
     max_params: int = Field(200_000_000, description="Largest model, in parameters.")
@@ -178,6 +184,13 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("model_dir", mode="before")
+    @classmethod
+    def _absolute_or_unset(cls, v: object) -> object:
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return None  # MUONFORGE_MODEL_DIR= (empty) is unset
+        return Path(str(v)).expanduser().resolve()
 
     @field_validator("webhook_allow")
     @classmethod

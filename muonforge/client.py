@@ -234,8 +234,9 @@ class Client(ClientBase):
     def upload_dataset(
         self, file: str | Path | BinaryIO, name: str | None = None, progress: Progress | None = None
     ) -> Json:
-        """Upload a UTF-8 text corpus (a path, or a binary file read from its start);
-        ``progress(done, total)`` is called in bytes as it is sent. Returns the Dataset."""
+        """Upload a corpus: UTF-8 text, .jsonl rows or .parquet by its file name (a path, or a
+        binary file read from its start); ``progress(done, total)`` is called in bytes as it is
+        sent. Returns the Dataset."""
         with open_upload(file, progress) as (filename, reader):
             return self._call(api.upload_dataset(filename, reader, name or filename))
 
@@ -273,7 +274,9 @@ class Client(ClientBase):
         return self._call(api.get_model(model_id))
 
     def delete_model(self, model_id: str) -> None:
-        """Delete a model and its files; NotFound for an unknown one."""
+        """Delete an uploaded model and its files; NotFound for an unknown one, Conflict
+        (``model_in_use``) while a queued, running or paused job starts from it, Conflict for a
+        staged model (``staged:…``, the operators')."""
         self._call(api.delete_model(model_id))
 
     # -- webhooks ---------------------------------------------------------------------------------

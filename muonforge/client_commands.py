@@ -449,7 +449,9 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     datasets = sub.add_parser("datasets", help="upload, list and delete corpora").add_subparsers(
         dest="datasets_command", required=True
     )
-    upload_ = command(datasets, "upload", cmd_datasets_upload, "upload a UTF-8 text corpus; prints its id")
+    upload_ = command(
+        datasets, "upload", cmd_datasets_upload, "upload a corpus (UTF-8 text, .jsonl rows or .parquet); prints its id"
+    )
     upload_.add_argument("file", type=Path)
     upload_.add_argument("--name", help="default: the file's name")
     listing = command(datasets, "list", cmd_datasets_list, "list uploaded corpora, newest first")
@@ -470,13 +472,20 @@ def add_client_commands(sub: argparse._SubParsersAction, common: argparse.Argume
     )
     upload_.add_argument("path", type=Path, metavar="DIR|ARCHIVE")
     upload_.add_argument("--name", help="default: the directory's or the archive's name")
-    listing = command(models, "list", cmd_models_list, "list uploaded models, newest first")
+    listing = command(
+        models, "list", cmd_models_list, "list models: your uploads, newest first, then the staged ones (source)"
+    )
     listing.add_argument("--limit", type=positive, default=20, help="at most this many (default 20)")
     listing.add_argument("--json", action="store_true", help="the Model objects as JSON")
     show_ = command(models, "show", cmd_models_show, "one model: its sizes, parameters and files")
     show_.add_argument("model_id")
     show_.add_argument("--json", action="store_true", help="the Model object as JSON, its config.json included")
-    delete = command(models, "delete", cmd_models_delete, "delete a model and its files")
+    delete = command(
+        models,
+        "delete",
+        cmd_models_delete,
+        "delete an uploaded model and its files (refused while a job uses it; staged models are the operators')",
+    )
     delete.add_argument("model_id")
 
     webhooks = sub.add_parser("webhooks", help="signed callbacks when jobs end").add_subparsers(

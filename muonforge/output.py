@@ -112,17 +112,20 @@ def settings(part: dict[str, Any]) -> str:
 
 
 def datasets_table(datasets: list[dict[str, Any]]) -> Table:
-    table = Table("id", "name", "bytes", "sha256", "age", box=None, header_style="bold")
+    table = Table("id", "name", "format", "bytes", "sha256", "age", box=None, header_style="bold")
     for d in datasets:
-        table.add_row(Text(d["id"]), Text(d["name"]), f"{d['bytes']:,}", d["sha256"][:12], age(d["created_at"]))
+        fmt, created = d.get("format", "text"), age(d["created_at"])
+        table.add_row(Text(d["id"]), Text(d["name"]), fmt, f"{d['bytes']:,}", d["sha256"][:12], created)
     return table
 
 
 def models_table(models: list[dict[str, Any]]) -> Table:
-    table = Table("id", "name", "type", "parameters", "bytes", "age", box=None, header_style="bold")
+    """The models: the tenant's uploads (source ``upload``) and the operators' staged ones (``staged``)."""
+    table = Table("id", "source", "name", "type", "parameters", "bytes", "age", box=None, header_style="bold")
     for m in models:
         table.add_row(
             Text(m["id"]),
+            Text(m.get("source", "upload")),
             Text(m["name"]),
             Text(m["model_type"]),
             f"{m['parameters']:,}",
@@ -137,6 +140,7 @@ def model_details(model: dict[str, Any]) -> Table:
     sizes = model["sizes"]
     rows = [
         ("id", model["id"]),
+        ("source", model.get("source", "upload")),
         ("name", model["name"]),
         ("type", model["model_type"]),
         ("parameters", f"{model['parameters']:,}"),
@@ -145,7 +149,7 @@ def model_details(model: dict[str, Any]) -> Table:
         ("files", ", ".join(model["files"])),
         ("tokenizer", ", ".join(model["tokenizer_files"]) or "-"),
         ("bytes", f"{model['bytes']:,}"),
-        ("sha256", model["sha256"]),
+        ("sha256", model["sha256"] or "-"),
         ("created", f"{model['created_at']} ({age(model['created_at'])} ago)"),
     ]
     table = Table.grid(padding=(0, 2))

@@ -1,4 +1,4 @@
-"""SQL about uploaded models."""
+"""SQL about uploaded models (and the jobs that start from one)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import Collection
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from app.db.models import UploadedModel
+from app.db.models import Job, UploadedModel
+from contract.status import FINISHED
 
 
 class ModelRepository:
@@ -37,3 +38,14 @@ class ModelRepository:
         if after:
             query = query.where(UploadedModel.id < after)
         return list(self.session.scalars(query.order_by(UploadedModel.id.desc()).limit(limit + 1)))
+
+    def unfinished_jobs_using(self, tenant_id: str, model_id: str) -> list[tuple[str, str]]:
+        """The tenant's unfinished jobs (queued, running, or a trial paused at a rung) whose spec
+        starts from the model (``model.hf.model_id``), oldest first, as (id, status)."""
+        named = Job.spec[("model", "hf", "model_id")].as_string()  # one JSON path: Postgres and SQLite alike
+        query = (
+            select(Job.id, Job.status)
+            .where(Job.tenant_id == tenant_id, Job.status.not_in(FINISHED), named == model_id)
+            .order_by(Job.id)
+        )
+        return [(job_id, str(status)) for job_id, status in self.session.execute(query).all()]

@@ -34,9 +34,11 @@ from app.errors import Conflict
 from app.messaging.broker import send_train_tasks, train_tasks
 from app.repositories.checkpoints import CheckpointRepository
 from app.repositories.jobs import JobRepository
+from app.repositories.models import ModelRepository
 from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.admission import Admission
 from app.services.lifecycle import record_created
+from app.services.model_start import no_model, uploaded_model_id
 from app.services.submission import Submission, cap_reached, no_checkpoint, no_dataset, prepare_submission, replay
 from app.settings import Settings
 from contract.spec import JobSpec
@@ -55,8 +57,8 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
     rows are locked first and their active jobs read with the lock (``tenants.active_jobs``, one
     row each, kept by triggers), so the job cap holds exactly however many API processes insert
     at once. A job whose Idempotency-Key another request inserted first is that request's replay
-    (or a 409); one whose dataset was deleted since it was prepared, or whose warm start's
-    checkpoint its parent's retention removed since, a 422. Returns, per submission, (job,
+    (or a 409); one whose dataset or uploaded model was deleted since it was prepared, or whose
+    warm start's checkpoint its parent's retention removed since, a 422. Returns, per submission, (job,
     created) or the error it answers with."""
     repo = JobRepository(session)
     # A warm start's checkpoint, checked again under its parent's row (shared: the parent's
@@ -72,6 +74,10 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
     named = {s.row["dataset_id"] for s in submissions if s.row["dataset_id"]}
     present = DatasetRepository(session).existing_ids(named)
     gone = {s.row["id"] for s in submissions if s.row["dataset_id"] and s.row["dataset_id"] not in present}
+    # Likewise an uploaded model (its delete takes the same lock).
+    models = {s.row["id"]: model_id for s in submissions if (model_id := uploaded_model_id(s.row["spec"]))}
+    kept = ModelRepository(session).existing_ids(set(models.values()))
+    unmodelled = {job_id for job_id, model_id in models.items() if model_id not in kept}
     pruned = {job_id for job_id, start in starts.items() if start not in present_starts}
     # Jobs that hold the batch's Idempotency-Keys already, read (no wait) and left out of the
     # insert: an INSERT meeting one in the unique index would wait for a transaction changing
@@ -79,9 +85,10 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
     keys = {(s.row["tenant_id"], s.row["idempotency_key"]) for s in submissions if s.row["idempotency_key"]}
     holders = repo.by_idempotency_keys(keys)
     admitted: list[Submission] = []
+    skipped = gone | pruned | unmodelled
     for sub in submissions:
         tenant = sub.row["tenant_id"]
-        if sub.row["id"] in gone or sub.row["id"] in pruned or (tenant, sub.row["idempotency_key"]) in holders:
+        if sub.row["id"] in skipped or (tenant, sub.row["idempotency_key"]) in holders:
             continue
         if active.get(tenant, 0) < sub.cap:
             active[tenant] = active.get(tenant, 0) + 1
@@ -97,6 +104,9 @@ def insert_submissions(session: Session, submissions: list[Submission]) -> list[
             continue
         if sub.row["id"] in pruned:
             results.append(no_checkpoint(*starts[sub.row["id"]]))
+            continue
+        if sub.row["id"] in unmodelled:
+            results.append(no_model(models[sub.row["id"]]))
             continue
         tenant, key = sub.row["tenant_id"], sub.row["idempotency_key"]
         # Else an earlier submission of the batch with the same key.

@@ -236,13 +236,23 @@ def _safe_parts(raw: str) -> tuple[str, ...]:
     return parts
 
 
-def _check_name(raw: str, name: str) -> None:
+def is_model_file(name: str) -> bool:
+    """Whether a model directory's file of this name is one the service reads."""
+    return name in NAMED or SHARD.fullmatch(name) is not None
+
+
+def check_not_pickled(name: str, label: str) -> None:
+    """Refuse a pickled weight file (``label`` names it in the message): loading one runs code."""
     if name.lower().endswith(PICKLED):
         raise refused(
-            f"archive member {raw!r} is a pickled weight file: safetensors only (model.safetensors, or "
+            f"{label} is a pickled weight file: safetensors only (model.safetensors, or "
             "model-NNNNN-of-NNNNN.safetensors with model.safetensors.index.json)"
         )
-    if name not in NAMED and not SHARD.fullmatch(name):
+
+
+def _check_name(raw: str, name: str) -> None:
+    check_not_pickled(name, f"archive member {raw!r}")
+    if not is_model_file(name):
         raise refused(
             f"archive member {raw!r} is not a file of a model directory; the files taken are {allowed_names()}"
         )

@@ -1,7 +1,8 @@
-"""An uploaded model's config and weights, checked against each other without loading a tensor.
+"""A model's config and weights, checked against each other without loading a tensor.
 
-The config must name a decoder family of contract.hf without remote code; the safetensors headers
-(read alone) must hold exactly the tensors, with their shapes, of the model the config builds
+An upload's (app.services.models) and a staged directory's (app.services.staged_models) alike. The
+config must name a decoder family of contract.hf without remote code; the safetensors headers (read
+alone) must hold exactly the tensors, with their shapes, of the model the config builds
 (transformers on the meta device: no memory, no weights).
 """
 
@@ -31,16 +32,17 @@ def _read_json(path: Path, what: str) -> Any:
         raise refused(f"{what} is not JSON ({exc})") from None
 
 
-def check_config(path: Path) -> dict[str, Any]:
-    """config.json, checked: a decoder family of contract.hf, no code to load, valid sizes."""
+def check_config(path: Path, where: str = "the archive") -> dict[str, Any]:
+    """config.json, checked: a decoder family of contract.hf, no code to load, valid sizes.
+    ``where`` names what holds it in a refusal (an upload's archive, a staged directory)."""
     if not path.is_file():
-        raise refused(f"the archive has no {CONFIG}")
+        raise refused(f"{where} has no {CONFIG}")
     config = _read_json(path, CONFIG)
     if not isinstance(config, dict):
         raise refused(f"{CONFIG} is not a JSON object")
     for key in ("auto_map", "trust_remote_code"):
         if key in config:
-            raise refused(f"{CONFIG} sets {key}: no code is loaded from an uploaded model")
+            raise refused(f"{CONFIG} sets {key}: no code is loaded from a model")
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise refused(
@@ -63,9 +65,10 @@ def check_config(path: Path) -> dict[str, Any]:
 Tensors = dict[str, tuple[int, ...]]
 
 
-def check_weights(directory: Path, files: list[str], config: dict[str, Any]) -> int:
-    """The weights' tensors against those the config builds; the model's parameter count."""
-    found = weight_tensors(directory, files)
+def check_weights(directory: Path, files: list[str], config: dict[str, Any], where: str = "the archive") -> int:
+    """The weights' tensors against those the config builds; the model's parameter count.
+    ``where`` names what holds the files in a refusal (an upload's archive, a staged directory)."""
+    found = weight_tensors(directory, files, where)
     layers = Shape.of(normalized({k: v for k, v in config.items() if k not in NOT_SHAPES})).layers
     if layers > len(found):  # every layer has tensors of its own: the build below is bounded by the file
         raise refused(f"the weights hold {len(found):,} tensors, fewer than the config's {layers:,} layers")
@@ -96,17 +99,17 @@ def check_weights(directory: Path, files: list[str], config: dict[str, Any]) -> 
     return parameters
 
 
-def weight_tensors(directory: Path, files: list[str]) -> Tensors:
+def weight_tensors(directory: Path, files: list[str], where: str = "the archive") -> Tensors:
     """Every tensor's name and shape, from the safetensors headers (one file, or the index's shards)."""
     shards = sorted(f for f in files if SHARD.fullmatch(f))
     if WEIGHTS in files:
         if shards or INDEX in files:
-            raise refused(f"the archive has both {WEIGHTS} and sharded weights: one or the other")
+            raise refused(f"{where} has both {WEIGHTS} and sharded weights: one or the other")
         return read_header(directory / WEIGHTS, WEIGHTS)
     if not shards:
         if INDEX in files:
-            raise refused(f"{INDEX} names shards that the archive lacks")
-        raise refused(f"the archive has no weights: {WEIGHTS}, or model-NNNNN-of-NNNNN.safetensors shards")
+            raise refused(f"{INDEX} names shards that {where} lacks")
+        raise refused(f"{where} has no weights: {WEIGHTS}, or model-NNNNN-of-NNNNN.safetensors shards")
     if INDEX not in files:
         raise refused(f"sharded weights need {INDEX}")
     totals = {int(SHARD.fullmatch(s)[2]) for s in shards}  # type: ignore[index]
@@ -119,8 +122,7 @@ def weight_tensors(directory: Path, files: list[str]) -> Tensors:
         raise refused(f"{INDEX} has no weight_map of tensor names to shard files")
     if set(weight_map.values()) != set(shards):
         raise refused(
-            f"{INDEX} names the shards {', '.join(sorted(set(weight_map.values())))}, "
-            f"the archive holds {', '.join(shards)}"
+            f"{INDEX} names the shards {', '.join(sorted(set(weight_map.values())))}, {where} holds {', '.join(shards)}"
         )
     found: Tensors = {}
     for shard in shards:
@@ -177,7 +179,7 @@ def expected_tensors(config: dict[str, Any]) -> tuple[Tensors, list[set[str]], i
     share one tensor (a tied lm_head: the weights may hold any one of them), and its parameters.
 
     transformers builds the model on the meta device: no memory is allocated and nothing is
-    initialized. torch and transformers are imported here, when a model is uploaded.
+    initialized. torch and transformers are imported here, when a model is uploaded or first staged.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,6 +1,7 @@
-"""Uploaded models: a transformers model directory, checked, stored, listed, shown and deleted.
+"""Models: the tenant's uploads, checked, stored, listed, shown and deleted; the staged ones beside them.
 
-An upload is a tar (optionally gzipped) or zip archive of a model directory: ``config.json``,
+The operators' staged models (app.services.staged_models) are listed and shown with the uploads. An
+upload is a tar (optionally gzipped) or zip archive of a model directory: ``config.json``,
 safetensors weights (``model.safetensors``, or shards named by ``model.safetensors.index.json``)
 and optional tokenizer and generation files. It is streamed to disk within
 ``MUONFORGE_MAX_MODEL_BYTES``, its members are checked one by one as they are read (a safe name, a
@@ -15,7 +16,8 @@ The row and the directory are stored together as a dataset's row and file are
 (app.services.datasets): the directory is written as ``<id>.part``, the row inserted under the
 tenant's lock (the storage quota, shared with datasets, exact there), then the directory renamed
 to ``<id>`` and removed again if the transaction does not commit. ``sweep_orphans`` removes what
-a process that died midway left behind.
+a process that died midway left behind. An upload that an unfinished job starts from is not deleted
+(409 ``model_in_use``); a staged model never is through the API (409 ``conflict``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from sqlalchemy.orm import Session
 from app.db.base import new_id
 from app.db.models import UploadedModel
 from app.db.session import on_commit, on_rollback
-from app.errors import NotFound, ValidationFailed
+from app.errors import Conflict, ModelInUse, NotFound, ValidationFailed
 from app.repositories.models import ModelRepository
 from app.repositories.tenants import TenantRepository
 from app.schemas import api as schemas
@@ -41,6 +43,7 @@ from app.services.auth import TenantRef
 from app.services.datasets import ORPHAN_AGE_SECONDS, fsync_directory, mtime, over_quota
 from app.services.model_archive import CONFIG, TOKENIZER_FILES, extract, fsync_file, gunzipped, write_archive
 from app.services.model_weights import NOT_SHAPES, check_config, check_weights
+from app.services.staged_models import StagedModel, StagedModelMissing, is_staged, staged_model, staged_models
 from app.settings import Settings
 from contract.hf import Shape, normalized
 
@@ -112,19 +115,35 @@ def upload_model(session: Session, tenant: TenantRef, stream: BinaryIO, name: st
 
 
 # -- reads and deletes ----------------------------------------------------------------------------
+AnyModel = UploadedModel | StagedModel
+SHOWN_JOBS = 3  # jobs named in a refused delete's message
+
+
 def get_model(session: Session, tenant: TenantRef, model_id: str) -> UploadedModel:
+    """The tenant's upload of that id; 404 (``model_id``) for another tenant's or an unknown one."""
     model = ModelRepository(session).get(model_id, tenant.id)
     if model is None:
         raise NotFound(f"no model {model_id!r}", param="model_id")
     return model
 
 
-def view(model: UploadedModel) -> schemas.Model:
+def find_model(session: Session, tenant: TenantRef, model_id: str, settings: Settings) -> AnyModel:
+    """The tenant's upload, or the staged model, of that id; 404 (``model_id``) where there is none
+    (for a staged directory refused, the message says so)."""
+    if not is_staged(model_id):
+        return get_model(session, tenant, model_id)
+    try:
+        return staged_model(settings, model_id)
+    except StagedModelMissing as exc:
+        raise NotFound(str(exc), param="model_id") from None
+
+
+def view(model: AnyModel) -> schemas.Model:
     """The Model a list shows."""
     return schemas.Model(**_fields(model))
 
 
-def detail(model: UploadedModel) -> schemas.ModelDetail:
+def detail(model: AnyModel) -> schemas.ModelDetail:
     """The Model with its sizes and config.json."""
     s = Shape.of(normalized({k: v for k, v in model.config.items() if k not in NOT_SHAPES}))
     sizes = schemas.ModelSizes(
@@ -141,9 +160,10 @@ def detail(model: UploadedModel) -> schemas.ModelDetail:
     return schemas.ModelDetail(**_fields(model), sizes=sizes, config=model.config)
 
 
-def _fields(model: UploadedModel) -> dict[str, Any]:
+def _fields(model: AnyModel) -> dict[str, Any]:
     return {
         "id": model.id,
+        "source": "staged" if isinstance(model, StagedModel) else "upload",
         "name": model.name,
         "model_type": model.model_type,
         "parameters": model.parameters,
@@ -155,24 +175,59 @@ def _fields(model: UploadedModel) -> dict[str, Any]:
     }
 
 
-def show_model(session: Session, tenant: TenantRef, model_id: str) -> schemas.ModelDetail:
-    return detail(get_model(session, tenant, model_id))
+def show_model(session: Session, tenant: TenantRef, model_id: str, settings: Settings) -> schemas.ModelDetail:
+    return detail(find_model(session, tenant, model_id, settings))
 
 
-def list_models(session: Session, tenant: TenantRef, limit: int, after: str | None) -> schemas.ModelList:
-    rows = ModelRepository(session).page(tenant.id, limit, after)
-    page = rows[:limit]
+def list_models(
+    session: Session, tenant: TenantRef, limit: int, after: str | None, settings: Settings
+) -> schemas.ModelList:
+    """The tenant's uploads, newest first, then the staged models by name, a page at a time:
+    ``after`` is the previous page's last id (an upload's: the uploads after it, then every staged
+    model; a staged model's: the staged models after it by name)."""
+    staged = staged_models(settings)
+    models: list[AnyModel]
+    if after is not None and is_staged(after):
+        models = [m for m in staged if m.id > after]
+    else:
+        models = [*ModelRepository(session).page(tenant.id, limit, after), *staged]  # up to limit + 1 uploads
+    page = models[:limit]
     return schemas.ModelList(
         data=[view(m) for m in page],
-        has_more=len(rows) > limit,
-        next_after=page[-1].id if len(rows) > limit else None,
+        has_more=len(models) > limit,
+        next_after=page[-1].id if len(models) > limit else None,
     )
 
 
 def delete_model(session: Session, tenant: TenantRef, model_id: str, settings: Settings) -> None:
-    """Delete the model's row, then (once committed) its directory."""
+    """Delete the upload's row, then (once committed) its directory.
+
+    A staged model is refused (409 ``conflict``): it is the operators', read-only, shared by every
+    tenant; no key deletes it (a 403 would say another key could). An upload is refused (409
+    ``model_in_use``, naming the jobs) while an unfinished job of the tenant (queued, running,
+    paused at a rung) starts from it. The tenant's row is locked first, as a job's insert locks it,
+    so that the jobs counted are all those committed.
+    """
+    if is_staged(model_id):
+        model = find_model(session, tenant, model_id, settings)
+        raise Conflict(
+            f"model {model.id!r} is staged by the service's operators (MUONFORGE_MODEL_DIR), read-only and shared by "
+            "every tenant: no API key can delete it; the operators remove its directory",
+            param="model_id",
+        )
+    TenantRepository(session).lock([tenant.id])
     model = get_model(session, tenant, model_id)
-    ModelRepository(session).delete(model)
+    repo = ModelRepository(session)
+    if using := repo.unfinished_jobs_using(tenant.id, model.id):
+        named = ", ".join(f"{job_id} ({status})" for job_id, status in using[:SHOWN_JOBS])
+        more = f" and {len(using) - SHOWN_JOBS} more" if len(using) > SHOWN_JOBS else ""
+        jobs, them = ("job", "it") if len(using) == 1 else (f"{len(using)} jobs:", "them")
+        raise ModelInUse(
+            f"model {model.id!r} is used by {jobs} {named}{more}, not finished yet: cancel {them} or let {them} "
+            "finish, then delete the model",
+            param="model_id",
+        )
+    repo.delete(model)
     on_commit(session, partial(shutil.rmtree, settings.artifact_dir / model.path, ignore_errors=True))
 
 

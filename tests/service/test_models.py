@@ -407,8 +407,8 @@ def test_the_cli_uploads_a_directory_lists_shows_and_deletes_it(settings, api_ur
     size = sum(len(data) for data in files_in(directory).values())
     assert f"uploaded {directory} as {model_id} (llama, {parameters:,} parameters, {size:,} bytes)" in uploaded.stderr
     header, row = muonforge("models", "list", url=api_url, key=key).stdout.splitlines()
-    assert header.split() == ["id", "name", "type", "parameters", "bytes", "age"]
-    assert row.split()[:5] == [model_id, "tiny", "llama", f"{parameters:,}", f"{size:,}"]
+    assert header.split() == ["id", "source", "name", "type", "parameters", "bytes", "age"]
+    assert row.split()[:6] == [model_id, "upload", "tiny", "llama", f"{parameters:,}", f"{size:,}"]
     shown = muonforge("models", "show", model_id, url=api_url, key=key)
     assert shown.returncode == 0, shown.stderr
     assert "tokenizer.json, tokenizer_config.json" in shown.stdout and f"{parameters:,}" in shown.stdout
