@@ -63,7 +63,7 @@
     show(".moe-only", get(spec, "model.arch") === "moe");
     show(".sized-only", get(spec, "model.arch") !== "hf"); // an hf model's sizes are its config's
     show(".hf-only", get(spec, "model.arch") === "hf");
-    $("hf-summary").textContent = hfSummary(get(spec, "model.hf.config"));
+    $("hf-summary").textContent = hfSummary(get(spec, "model.hf.config"), get(spec, "model.hf.model_id"));
     show(".clip-only", optimizer === "muonclip");
     show(".muon-only", optimizer !== "adamw");
     show(".dataset-only", $("f-source").value === "dataset");
@@ -71,7 +71,8 @@
   }
 
   // A transformers config in a line; it is edited in the spec.
-  function hfSummary(config) {
+  function hfSummary(config, modelId) {
+    if (modelId) return `the config, weights and tokenizer of model ${modelId}`;
     if (!config || typeof config !== "object") return "model.hf.config: not set (write it in the spec)";
     const layers = config.num_hidden_layers ?? config.n_layer;
     const width = config.hidden_size ?? config.n_embd;
@@ -84,6 +85,7 @@
   // A value the form has no control for (an object: a BPE tokenizer), in a few words.
   function summary(value) {
     if (value.type === "bpe" && Number.isInteger(value.vocab_size)) return `bpe, ${value.vocab_size.toLocaleString("en-US")} tokens`;
+    if (value.type === "model") return "the model's own";
     return JSON.stringify(value);
   }
 
@@ -126,6 +128,7 @@
   // Shows the spec in every control but `except` (the one being edited, which shows what was typed).
   function specToForm(except) {
     if (except !== $("f-source")) showSource();
+    if (except !== $("f-model")) showModel();
     updateVisibility();
     for (const node of fields) if (node !== except) showField(node);
   }
@@ -149,9 +152,19 @@
     else if (data && typeof data === "object" && !Object.keys(data).length) delete spec.data;
   }
 
+  // Starting from an uploaded or staged model takes its config, weights and tokenizer; back to a
+  // config, the spec's own config (if any) and the byte tokenizer.
+  function setModel(id) {
+    set(spec, "model.hf.model_id", id || undefined);
+    if (id) set(spec, "model.hf.config", undefined);
+    if (id) set(spec, "data.tokenizer", { type: "model" });
+    else if (get(spec, "data.tokenizer.type") === "model") set(spec, "data.tokenizer", undefined);
+  }
+
   // Takes one control's edit into the spec and the spec text.
   function edit(node) {
     if (node.id === "f-source") setSource(node.value);
+    else if (node.id === "f-model") setModel(node.value);
     else set(spec, node.dataset.path, readField(node));
     if (node.id === "f-arch" || node.id === "f-optimizer") {
       updateVisibility();
@@ -189,6 +202,11 @@
   }
 
   // -- datasets -----------------------------------------------------------------------------------
+  // A dataset in the list: its name, format, size and id.
+  function datasetLabel(d) {
+    return `${d.name} (${d.format}, ${MF.fmt.bytes(d.bytes)}, ${d.id})`;
+  }
+
   function ensureDatasetOption(id, text) {
     const select = $("f-dataset");
     const option = [...select.options].find((o) => o.value === id);
@@ -198,47 +216,82 @@
 
   async function loadDatasets() {
     const page = await api("/v1/datasets?limit=100");
-    for (const d of page.data) ensureDatasetOption(d.id, `${d.name} (${MF.fmt.bytes(d.bytes)}, ${d.id})`);
+    for (const d of page.data) ensureDatasetOption(d.id, datasetLabel(d));
   }
 
-  function upload() {
-    const file = $("f-file").files[0];
+  function uploadDataset() {
+    sendFile("/v1/datasets", $("f-file"), $("upload"), $("upload-progress"), $("upload-status"), (d) => {
+      ensureDatasetOption(d.id, datasetLabel(d));
+      $("f-source").value = "dataset";
+      $("f-dataset").value = d.id;
+      edit($("f-source"));
+      return `Uploaded ${d.name}: ${d.format}, ${MF.fmt.bytes(d.bytes)}, ${d.id}`;
+    });
+  }
+
+  // -- models -------------------------------------------------------------------------------------
+  // A model in the list: its name, family, size and id (a staged one's says so: staged:<name>).
+  const compact = new Intl.NumberFormat("en-US", { notation: "compact" });
+  function modelLabel(m) {
+    return `${m.name} (${m.model_type}, ${compact.format(m.parameters)} parameters, ${m.id})`;
+  }
+
+  function ensureModelOption(id, text) {
+    const select = $("f-model");
+    const option = [...select.options].find((o) => o.value === id);
+    if (!option) select.append(el("option", { value: id }, text));
+    else if (option.text === id) option.text = text;
+  }
+
+  function showModel() {
+    const id = get(spec, "model.hf.model_id");
+    if (id) ensureModelOption(id, id);
+    $("f-model").value = id || "";
+  }
+
+  async function loadModels() {
+    const page = await api("/v1/models?limit=100");
+    for (const m of page.data) ensureModelOption(m.id, modelLabel(m));
+  }
+
+  function uploadModel() {
+    sendFile("/v1/models", $("f-model-file"), $("upload-model"), $("model-progress"), $("model-status"), (m) => {
+      ensureModelOption(m.id, modelLabel(m));
+      $("f-model").value = m.id;
+      edit($("f-model"));
+      return `Uploaded ${m.name}: ${m.model_type}, ${MF.fmt.bytes(m.bytes)}, ${m.id}`;
+    });
+  }
+
+  // Posts the input's file with a progress bar; `done(created)` takes the 201's body and says
+  // what to show; an error shows the API's message.
+  function sendFile(url, input, button, bar, status, done) {
+    const file = input.files[0];
     if (!file) return;
-    const bar = $("upload-progress");
-    const status = $("upload-status");
     const body = new FormData();
     body.append("file", file);
     body.append("name", file.name);
     const xhr = new XMLHttpRequest(); // fetch() cannot report upload progress
-    xhr.open("POST", "/v1/datasets");
+    xhr.open("POST", url);
     xhr.responseType = "json";
     xhr.upload.addEventListener("progress", (e) => {
       if (e.lengthComputable) bar.value = e.loaded / e.total;
       status.textContent = `${MF.fmt.bytes(e.loaded)} of ${MF.fmt.bytes(file.size)}`;
     });
+    const end = (message) => {
+      bar.hidden = true;
+      button.disabled = false;
+      status.textContent = message;
+    };
     xhr.addEventListener("load", () => {
-      bar.hidden = true;
-      $("upload").disabled = false;
-      if (xhr.status === 201) {
-        const d = xhr.response;
-        status.textContent = `Uploaded ${d.name}: ${MF.fmt.bytes(d.bytes)}, ${d.id}`;
-        ensureDatasetOption(d.id, `${d.name} (${MF.fmt.bytes(d.bytes)}, ${d.id})`);
-        $("f-source").value = "dataset";
-        $("f-dataset").value = d.id;
-        edit($("f-source"));
-      } else {
-        const e = (xhr.response && xhr.response.error) || { message: `HTTP ${xhr.status}` };
-        status.textContent = `Upload failed: ${e.message}`;
-      }
+      if (xhr.status === 201) return end(done(xhr.response));
+      const e = (xhr.response && xhr.response.error) || { message: `HTTP ${xhr.status}` };
+      end(`Upload failed: ${e.message}`);
     });
-    xhr.addEventListener("error", () => {
-      bar.hidden = true;
-      $("upload").disabled = false;
-      status.textContent = "Upload failed: the connection broke.";
-    });
+    xhr.addEventListener("error", () => end("Upload failed: the connection broke."));
     bar.value = 0;
     bar.hidden = false;
-    $("upload").disabled = true;
+    button.disabled = true;
     xhr.send(body);
   }
 
@@ -340,7 +393,8 @@
     edit(e.target);
   });
   form.addEventListener("submit", submit);
-  $("upload").addEventListener("click", upload);
+  $("upload").addEventListener("click", uploadDataset);
+  $("upload-model").addEventListener("click", uploadModel);
 
   // Opens on the quickest preset that runs as it is: a builtin corpus, one process, and the least
   // work (tokens trained x layers x width squared).
@@ -354,4 +408,5 @@
   if (first) $("preset").value = first.name;
   usePreset(first ? first.name : "");
   loadDatasets().catch(MF.showError);
+  loadModels().catch(MF.showError);
 })();
