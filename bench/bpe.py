@@ -20,7 +20,8 @@ import platform
 import statistics
 import time
 
-from worker.engine.data import BPE_CHUNK, Tokenizer, pysource_text, text_chunks, untrained_bpe
+from worker.engine.data import pysource_text
+from worker.engine.tokenizer import BPE_CHUNK, Tokenizer, text_chunks, untrained_bpe
 
 
 def library_alone(text: str, vocab_size: int) -> tuple[float, float, int]:

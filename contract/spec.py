@@ -29,6 +29,11 @@ from contract import hf, metrics
 PositiveInt = Annotated[int, Field(gt=0)]
 
 NO_NUL = r"^[^\x00]*$"  # text the database stores: Postgres holds no NUL character
+# A model staged by the operators under MUONFORGE_MODEL_DIR is named by its directory: staged:<name>,
+# which no upload's id (mdl_…, no colon) can be.
+STAGED_PREFIX = "staged:"
+STAGED_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+MODEL_ID = rf"^(?:[A-Za-z0-9_-]{{1,64}}|{STAGED_PREFIX}{STAGED_NAME})$"
 
 
 class _Strict(BaseModel):
@@ -51,9 +56,10 @@ class HFSpec(_Strict):
     model_id: str | None = Field(
         None,
         min_length=1,
-        max_length=64,
-        pattern=r"^[A-Za-z0-9_-]+$",
-        description="An uploaded model's id (POST /v1/models): the run starts from its weights, with its "
+        max_length=len(STAGED_PREFIX) + 100,
+        pattern=MODEL_ID,
+        description="A model of GET /v1/models: an upload's id (`mdl_…`, POST /v1/models) or a model the "
+        "operators staged (`staged:<directory>`, MUONFORGE_MODEL_DIR). The run starts from its weights, with its "
         "tokenizer (data.tokenizer {type: model}). Give it or config.",
     )
 
@@ -194,11 +200,13 @@ class DataSpec(_Strict):
     dataset_id: str | None = Field(
         None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="An uploaded dataset's id."
     )
-    builtin: Literal["synthetic", "pysource"] | None = Field(
+    builtin: Literal["synthetic", "pysource", "pysource-instruct"] | None = Field(
         None,
         description="synthetic: a generated Markov chain with a known loss floor (its own 64 tokens); "
         "pysource: the worker's Python standard library sources, 4 MiB of real ASCII text "
-        "(its char vocabulary is the 128 ASCII characters; docs/engine.md).",
+        "(its char vocabulary is the 128 ASCII characters; docs/engine.md); pysource-instruct: prompt/"
+        "completion pairs (a function's signature and docstring, then its body) from the standard library "
+        "files after those pysource holds.",
     )
     path: str | None = Field(None, min_length=1, description="A UTF-8 text file (`muonforge train` only).")
     tokenizer: TokenizerChoice = Field(
@@ -207,6 +215,20 @@ class DataSpec(_Strict):
         "{type: bpe, vocab_size: N}: a byte-level BPE trained on the corpus; {type: model}: the tokenizer of "
         "the uploaded model that model.hf.model_id names.",
     )
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field(
+        "auto",
+        description="How the file is read. auto: by the dataset's kind (its file name's suffix .jsonl or "
+        ".parquet, else text); text: one document; jsonl: one row per line, {text}, {prompt, completion} or "
+        "{messages} (docs/data.md); parquet: a text column, a document per row.",
+    )
+    text_column: str = Field(
+        "text", min_length=1, max_length=200, description="The column of a parquet file that holds the text."
+    )
+    train_on_inputs: bool = Field(
+        False,
+        description="Train on the prompts and the non-assistant messages too; by default the loss counts only "
+        "completions and assistant messages (and the end of text after them).",
+    )
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of the corpus held out for validation.")
 
     @model_validator(mode="after")
@@ -214,6 +236,12 @@ class DataSpec(_Strict):
         given = [k for k in ("dataset_id", "builtin", "path") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of dataset_id, builtin, path (got {given or 'none'})")
+        return self
+
+    @model_validator(mode="after")
+    def _builtin_format(self) -> Self:
+        if self.builtin is not None and self.format != "auto":
+            raise ValueError(f"the builtin {self.builtin} has its own format: leave data.format out")
         return self
 
     @field_validator("tokenizer")

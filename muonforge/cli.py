@@ -247,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run one job spec locally, no service")
     train.add_argument("spec", type=Path, help="job spec, YAML or JSON")
     train.add_argument("--out", type=Path, required=True, help="output directory")
-    train.add_argument("--data", type=Path, help="corpus file (UTF-8 text); replaces the spec's data source")
+    train.add_argument(
+        "--data", type=Path, help="corpus file (UTF-8 text, .jsonl rows or .parquet); replaces the spec's data source"
+    )
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.set_defaults(func=cmd_train)
 

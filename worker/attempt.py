@@ -20,6 +20,7 @@ and a task that finds the job running takes one of its other nodes instead.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,12 +36,13 @@ from app.services import lifecycle, sweeps
 from app.services.asha import record_rung, rung_outcome
 from app.services.caps import gib
 from app.services.reaper import release_attempt
+from app.services.staged_models import is_staged, staged_directory
 from app.settings import Settings
 from contract.spec import JobSpec
 from contract.status import JobStatus
 from worker.engine.checkpoints import checkpoint_path
 from worker.engine.early_stop import RungCheck
-from worker.engine.facts import peak_memory_bytes, vocabulary
+from worker.engine.facts import TOKEN_DIR, peak_memory_bytes, vocabulary
 from worker.engine.launch import RankFailed
 from worker.engine.outcome import TrainingError
 from worker.engine.request import RunRequest
@@ -61,6 +63,10 @@ MODEL_MISSING = (
     "the uploaded model {model_id} this job starts from is missing from the service's storage (deleted since "
     "the job was submitted?); upload it again and submit the job with its new id"
 )
+STAGED_MISSING = (
+    "the staged model {model_id} this job starts from is not on the worker that took the job ({where}); the "
+    "operators stage the same model directory under MUONFORGE_MODEL_DIR on every worker host"
+)
 INIT_MISSING = (
     "the checkpoint this job starts from (init_from: job {job_id}, step {step}) is missing from the service's "
     "storage; submit the job again from another checkpoint"
@@ -69,6 +75,33 @@ INTERNAL_ERROR = (
     "the job stopped on an internal error; the service's operators can find it in the worker log "
     "(job {job_id}, attempt {attempt})"
 )
+
+
+def model_directory(settings: Settings, model_id: str | None, model_path: str | None) -> Path | None:
+    """The directory of the model the job starts from, on this host: an upload's under the artifact
+    dir (``model_path``, from its row), a staged one's under this worker's own MUONFORGE_MODEL_DIR.
+    None without a model, or where its directory (with a staged model's config.json) is not here."""
+    if model_id is None:
+        return None
+    if is_staged(model_id):
+        directory = staged_directory(settings, model_id)
+        return directory if directory is not None and (directory / "config.json").is_file() else None
+    directory = settings.artifact_dir / model_path if model_path else None
+    return directory if directory is not None and directory.is_dir() else None
+
+
+def model_missing(settings: Settings, model_id: str) -> str:
+    """Why the job's model is not here (``model_missing``), and what to do; a staged model's host
+    and path go to this worker's log alone."""
+    if not is_staged(model_id):
+        return MODEL_MISSING.format(model_id=model_id)
+    directory = staged_directory(settings, model_id)
+    if directory is None:
+        where = "its MUONFORGE_MODEL_DIR is not set"
+    else:
+        where = f"its MUONFORGE_MODEL_DIR has no {directory.name} directory with a config.json"
+    log.warning("staged model %s is not on %s: %s (%s)", model_id, socket.gethostname(), where, directory)
+    return STAGED_MISSING.format(model_id=model_id, where=where)
 
 
 def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
@@ -87,9 +120,9 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         error = {"code": "dataset_missing", "message": DATASET_MISSING.format(dataset_id=spec.data.dataset_id)}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     model_id = spec.model.hf.model_id if spec.model.hf is not None else None
-    model_dir = settings.artifact_dir / claim.model_path if claim.model_path else None
-    if model_id is not None and (model_dir is None or not model_dir.is_dir()):
-        error = {"code": "model_missing", "message": MODEL_MISSING.format(model_id=model_id)}
+    model_dir = model_directory(settings, model_id, claim.model_path)
+    if model_id is not None and model_dir is None:
+        error = {"code": "model_missing", "message": model_missing(settings, model_id)}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     if needed is not None and needed > settings.worker_memory_bytes:
         # The API admitted it under its own budget; this worker is smaller. Failing with the figures
@@ -123,6 +156,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                     watch=lease.check,
                     node=node,
                     model_dir=model_dir,
+                    token_dir=settings.artifact_dir / TOKEN_DIR,
                 )
                 result = run_job(request)
                 if result is None:  # only a node other than 0 leaves the outcome to another

@@ -24,6 +24,7 @@ from app.db.session import retrying, transaction
 from app.services import leases
 from app.settings import Settings
 from contract.spec import JobSpec
+from worker.engine.facts import TOKEN_DIR
 from worker.engine.launch import Meeting, Node
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
@@ -103,18 +104,30 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
     if joined is None:
         return "skipped"  # a redelivery, a finished job, a full gang
     attempt, index, spec = joined.attempt, joined.node, joined.spec
+    # run_attempt calls this module: imported once both are loaded
+    from worker.attempt import model_directory, model_missing, warm_start_file
+
     corpus = settings.artifact_dir / joined.dataset_path if joined.dataset_path else None
-    model_dir = settings.artifact_dir / joined.model_path if joined.model_path else None
+    model_id = spec.model.hf.model_id if spec.model.hf is not None else None
+    model_dir = model_directory(settings, model_id, joined.model_path)
     log.info("job %s: attempt %d: node %d joined by %s", job_id, attempt, index, owner)
-    from worker.attempt import warm_start_file  # run_attempt calls this module: imported once both are loaded
 
     out_dir, init_from = settings.artifact_dir / "jobs" / job_id, warm_start_file(settings, spec)
     with Lease(settings, job_id, attempt, node=index, owner=owner) as lease:
         node = this_node(settings, job_id, attempt, index, lease, nnodes_of(spec))
         try:
+            if model_id is not None and model_dir is None:  # this host lacks it: the node leaves, as on an error
+                raise FileNotFoundError(model_missing(settings, model_id))
             run_job(
                 RunRequest(
-                    spec, out_dir, corpus, init_from=init_from, watch=lease.check, node=node, model_dir=model_dir
+                    spec,
+                    out_dir,
+                    corpus,
+                    init_from=init_from,
+                    watch=lease.check,
+                    node=node,
+                    model_dir=model_dir,
+                    token_dir=settings.artifact_dir / TOKEN_DIR,
                 )
             )
         except LeaseLost:

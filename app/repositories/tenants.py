@@ -152,6 +152,10 @@ class DatasetRepository:
     def delete(self, dataset: Dataset) -> None:
         self.session.execute(delete(Dataset).where(Dataset.id == dataset.id))
 
+    def holds_sha256(self, sha256: str) -> bool:
+        """Whether any tenant's dataset has these bytes."""
+        return self.session.scalars(select(Dataset.id).where(Dataset.sha256 == sha256).limit(1)).first() is not None
+
     def page(self, tenant_id: str, limit: int, after: str | None) -> list[Dataset]:
         query = select(Dataset).where(Dataset.tenant_id == tenant_id)
         if after:

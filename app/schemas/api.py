@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract import metrics
+from contract.documents import file_format
 from contract.spec import in_field_order
 from contract.status import JobStatus, SweepStatus, TrialStatus
 from contract.webhooks import DeliveryStatus, WebhookEventType
@@ -28,6 +29,7 @@ class ErrorDetail(BaseModel):
         "method_not_allowed",
         "conflict",
         "dataset_in_use",
+        "model_in_use",
         "payload_too_large",
         "storage_quota_exceeded",
         "validation_error",
@@ -133,6 +135,9 @@ class Dataset(BaseModel):
     name: str
     bytes: int
     sha256: str
+    format: Literal["text", "jsonl", "parquet"] = Field(
+        description="How a job reads it (data.format auto): by the uploaded file name's suffix."
+    )
     char_tokenizer: bool = Field(
         description="Whether a job may train on it with `tokenizer: char`: false when the text has more "
         f"than {CHAR_VOCAB_MAX:,} distinct characters (the byte tokenizer takes any dataset)."
@@ -146,6 +151,7 @@ class Dataset(BaseModel):
             name=dataset.name,
             bytes=dataset.bytes,
             sha256=dataset.sha256,
+            format=file_format(dataset.path),
             char_tokenizer=dataset.char_vocab <= CHAR_VOCAB_MAX,
             created_at=dataset.created_at,
         )
@@ -158,15 +164,24 @@ class DatasetList(BaseModel):
 
 
 class Model(BaseModel):
-    id: str
-    name: str
+    id: str = Field(
+        description="An upload's `mdl_…`, or a staged model's `staged:<directory>`: what `model.hf.model_id` names."
+    )
+    source: Literal["upload", "staged"] = Field(
+        description="upload: the tenant's own (POST /v1/models); staged: the operators' (MUONFORGE_MODEL_DIR), "
+        "shared by every tenant and never deleted through the API."
+    )
+    name: str = Field(description="An upload's given name; a staged model's directory name.")
     model_type: str = Field(description="Its transformers family (config.json's `model_type`).")
     parameters: int
-    bytes: int = Field(description="The extracted files' sizes: what the tenant's storage quota counts.")
-    sha256: str = Field(description="Of the archive as uploaded.")
-    files: list[str] = Field(description="The model directory's files.")
+    bytes: int = Field(
+        description="Its files' sizes (an upload's, extracted, are what the tenant's storage quota counts; a staged "
+        "model counts toward no quota)."
+    )
+    sha256: str | None = Field(description="Of the archive as uploaded; null for a staged model.")
+    files: list[str] = Field(description="The model directory's files (a staged model's: those the service reads).")
     tokenizer_files: list[str] = Field(description="Those of its files that belong to a tokenizer.")
-    created_at: datetime
+    created_at: datetime = Field(description="When it was uploaded; for a staged model, its files' latest change.")
 
     model_config = ConfigDict(protected_namespaces=())
 

@@ -22,10 +22,12 @@ from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.admission import Admission
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
+from app.services.datasets import parquet_columns
 from app.services.model_start import from_uploaded_model
 from app.services.tenants import job_cap
 from app.services.warm_start import resolve_init_from
 from app.settings import Settings
+from contract.documents import file_format
 from contract.spec import DataSpec, JobSpec
 from contract.status import INITIAL
 from worker.engine.facts import CHAR_VOCAB_MAX, vocabulary
@@ -161,16 +163,17 @@ def check_spec(session: Session, tenant: TenantRef, spec: JobSpec, settings: Set
     caps and a warm start's checkpoint. Returns the spec as the service runs it: the server's time
     limit filled in, an uploaded model's config and vocabulary filled in, and ``init_from.step``
     resolved (the stored spec names the file the worker loads)."""
-    spec = from_uploaded_model(session, tenant, with_server_limits(spec, settings))
-    vocab, corpus_bytes = data_facts(session, tenant, spec.data)
+    spec = from_uploaded_model(session, tenant, with_server_limits(spec, settings), settings)
+    vocab, corpus_bytes = data_facts(session, tenant, spec.data, settings)
     check_caps(spec, vocab, corpus_bytes, settings)
     return spec.model_copy(update={"init_from": resolve_init_from(session, tenant, spec, vocab)})
 
 
-def data_facts(session: Session, tenant: TenantRef, data: DataSpec) -> tuple[int, int]:
+def data_facts(session: Session, tenant: TenantRef, data: DataSpec, settings: Settings) -> tuple[int, int]:
     """(vocabulary size, corpus bytes) of a validated spec's ``data``, as the engine will see them
-    (for the parameter and memory caps). A dataset with more distinct characters than the char
-    tokenizer takes is refused here."""
+    (for the parameter and memory caps). Refused here: a dataset with more distinct characters
+    than the char tokenizer takes, a data.format other than the dataset's, a parquet dataset
+    without data.text_column."""
     if data.path is not None:
         raise ValidationFailed("data.path is for local runs; upload the corpus and use data.dataset_id", "data.path")
     if data.dataset_id is None:
@@ -183,5 +186,15 @@ def data_facts(session: Session, tenant: TenantRef, data: DataSpec) -> tuple[int
             f"the dataset has more than {CHAR_VOCAB_MAX:,} distinct characters, the most the char tokenizer "
             "takes: use tokenizer byte",
             param="data.tokenizer",
+        )
+    fmt = file_format(dataset.path)
+    if data.format not in ("auto", fmt):
+        raise ValidationFailed(
+            f"dataset {dataset.id} is {fmt}, not {data.format}: leave data.format out (auto)", param="data.format"
+        )
+    if fmt == "parquet" and data.text_column not in (columns := parquet_columns(settings.artifact_dir / dataset.path)):
+        raise ValidationFailed(
+            f"dataset {dataset.id} has no column {data.text_column!r}; its columns: {', '.join(columns)}",
+            param="data.text_column",
         )
     return vocabulary(data, dataset.char_vocab), dataset.bytes

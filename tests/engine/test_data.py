@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 
 from contract.spec import DataSpec
-from worker.engine.data import (
-    CHAR_VOCAB_MAX,
-    PYSOURCE_BYTES,
-    PYSOURCE_CHARS,
-    Tokenizer,
-    load_data,
-    pysource_sha256,
-    pysource_text,
-    text_chunks,
-)
+from worker.engine.data import PYSOURCE_BYTES, PYSOURCE_CHARS, load_data, pysource_sha256, pysource_text
+from worker.engine.facts import CHAR_VOCAB_MAX
+from worker.engine.tokenizer import Tokenizer, text_chunks
 
 ENGINE_DOC = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
 

@@ -27,10 +27,11 @@ from muonforge.transfer import extract_export
 from tests.engine.test_export import HF_LLAMA, ROOT, checkpoint_model, logits, spec
 from worker.engine.checkpoints import latest_checkpoint, load_checkpoint
 from worker.engine.config import ModelConfig
-from worker.engine.data import PYSOURCE_CHARS, Tokenizer
+from worker.engine.data import PYSOURCE_CHARS
 from worker.engine.models import LanguageModel, build_model
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
+from worker.engine.tokenizer import Tokenizer
 
 SIZES = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 GQA = {"num_key_value_heads": 2}

@@ -12,13 +12,14 @@ import torch
 from contract.metrics import SUMMARY
 from contract.spec import DataSpec, JobSpec, TrainSpec
 from worker.engine.config import job_config
-from worker.engine.data import SYNTHETIC_ALPHABET, Tokenizer, load_corpus, synthetic_task
+from worker.engine.data import SYNTHETIC_ALPHABET, load_corpus, synthetic_task
 from worker.engine.optimizer import lr_factor
 from worker.engine.outcome import TimeLimitReached, TrainingError
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
 from worker.engine.sample import PROMPT_TOKENS
 from worker.engine.telemetry import JsonlSink, Report
+from worker.engine.tokenizer import Tokenizer
 from worker.engine.trainer import Trainer
 
 

@@ -18,10 +18,11 @@ from contract import hf
 from contract.spec import JobSpec
 from tests.engine.test_trainer import ListSink
 from worker.engine.config import ModelConfig
-from worker.engine.data import Tokenizer, load_data, pysource_text
+from worker.engine.data import load_data, pysource_text
 from worker.engine.models import build_model
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
+from worker.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,7 +121,7 @@ def test_a_run_from_the_upload_logs_it_and_lowers_the_loss(upload, tmp_path):
     sink = ListSink()
     result = run_job(RunRequest(spec_of(directory, steps=10), tmp_path / "run", sink=sink, model_dir=directory))
     assert result is not None and result.status == "succeeded"
-    assert any(f"starting from uploaded model {directory.name} (" in line for _, line in sink.logs)
+    assert any(f"starting from model {directory.name} (" in line for _, line in sink.logs)
     losses = [values["val_loss"] for _, values in sink.records if "val_loss" in values]
     assert losses[-1] < losses[0] - 0.3, losses
     # A resume loads the run's own checkpoint, not the upload's weights.
@@ -128,7 +129,7 @@ def test_a_run_from_the_upload_logs_it_and_lowers_the_loss(upload, tmp_path):
     resumed = run_job(RunRequest(spec_of(directory, steps=12), tmp_path / "run", sink=again, model_dir=directory))
     assert resumed is not None and resumed.status == "succeeded"
     assert any("resumed from" in line for _, line in again.logs)
-    assert not any("starting from uploaded model" in line for _, line in again.logs)
+    assert not any("starting from model" in line for _, line in again.logs)
     assert again.records[0][1]["loss"] < losses[0]
 
 

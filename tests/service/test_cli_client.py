@@ -210,8 +210,8 @@ def test_datasets_upload_and_list(settings, api_url, tmp_path):
     dataset_id = uploaded.stdout.strip()
     assert f"uploaded {corpus} as {dataset_id} ({corpus.stat().st_size:,} bytes)" in uploaded.stderr
     header, row = muonforge("datasets", "list", url=api_url, key=key).stdout.splitlines()
-    assert header.split() == ["id", "name", "bytes", "sha256", "age"]
-    assert row.split()[:3] == [dataset_id, "hamlet", f"{corpus.stat().st_size:,}"]
+    assert header.split() == ["id", "name", "format", "bytes", "sha256", "age"]
+    assert row.split()[:4] == [dataset_id, "hamlet", "text", f"{corpus.stat().st_size:,}"]
     listed = json.loads(muonforge("datasets", "list", "--json", url=api_url, key=key).stdout)
     assert [(d["id"], d["name"]) for d in listed] == [(dataset_id, "hamlet")]
     deleted = muonforge("datasets", "delete", dataset_id, url=api_url, key=key)

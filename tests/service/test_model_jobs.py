@@ -78,7 +78,7 @@ def test_a_job_starts_from_an_uploaded_llama_and_its_tokenizer(client, auth, set
     assert points[0][1] == pytest.approx(expected, abs=1e-4)
     assert points[-1][1] < points[0][1]
     lines = [p.get("message", "") for kind, p in events(settings, body["id"]) if kind == "log"]
-    assert any(line.startswith(f"starting from uploaded model {model_id} (") for line in lines), lines
+    assert any(line.startswith(f"starting from model {model_id} (") for line in lines), lines
     again = client.post("/v1/jobs", json=stored | {"name": "again"}, headers=auth)  # a stored spec submits as is
     assert again.status_code == 201, again.text
 

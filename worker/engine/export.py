@@ -16,8 +16,8 @@ from torch import nn
 from contract.export import EXPORT_KEY
 
 from .config import ModelConfig
-from .data import Tokenizer
 from .models import build_model
+from .tokenizer import Tokenizer
 
 
 def model_from_config(config: dict[str, Any]) -> nn.Module:

@@ -13,9 +13,13 @@ from contract.spec import BPESpec, DataSpec, JobSpec, ModelSpec, ModelTokenizerS
 MLP_RATIO = 4  # feed-forward width: d_model x 4
 MLP_CONTEXT = 8  # the mlp baseline's window, in tokens
 SYNTHETIC_VOCAB = 64  # tokens of the builtin synthetic task
+PYSOURCE_TASKS = ("pysource", "pysource-instruct")  # the builtin ASCII texts of the standard library
 PYSOURCE_CHAR_VOCAB = 128  # the builtin pysource text's char tokenizer: the ASCII alphabet on every Python
 CHAR_VOCAB_MAX = 1 << 16  # the most distinct characters the char tokenizer takes (its ids are uint16)
 BYTE_VOCAB = 256
+# Under the artifact dir: tokenized corpora, shared by every job that reads the same text with the
+# same tokenizer; each file's name starts with its text's sha256[:16] (a dataset's, for deletes).
+TOKEN_DIR = "tokens"
 MAX_LOGIT_BLOCK = 256  # query rows per block of the exact max-logit recompute on CUDA
 ROUTER_AUX_WEIGHT = 0.01  # Switch Transformer (arXiv 2101.03961) load-balancing coefficient
 ROUTER_SERIES = len(metrics.ROUTER)
@@ -72,7 +76,7 @@ def vocabulary(data: DataSpec, dataset_char_vocab: int | None = None) -> int:
         return data.tokenizer.vocab_size or 0
     if data.tokenizer == "byte":
         return BYTE_VOCAB
-    return PYSOURCE_CHAR_VOCAB if data.builtin == "pysource" else int(dataset_char_vocab or 0)
+    return PYSOURCE_CHAR_VOCAB if data.builtin in PYSOURCE_TASKS else int(dataset_char_vocab or 0)
 
 
 def parameter_count(model: ModelSpec, vocab: int) -> int:

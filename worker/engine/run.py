@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from functools import partial
 from pathlib import Path
 
 from .checkpoints import latest_checkpoint
@@ -44,8 +45,6 @@ def run_process(request: RunRequest, group: Group | None = None) -> RunResult:
     job, out_dir = job_config(request.spec), request.out_dir
     lead = group is None or group.lead
     out_dir.mkdir(parents=True, exist_ok=True)
-    with group.lead_first() if group else contextlib.nullcontext():
-        data = load_data(job.data, job.train.seed, out_dir / "data", request.corpus, request.model_dir)
     checkpoints = checkpoint_dir(out_dir)
     # An uploaded model's weights start a fresh run; a resume or a warm start loads its checkpoint instead.
     resumes = request.resume and latest_checkpoint(checkpoints) is not None
@@ -53,6 +52,10 @@ def run_process(request: RunRequest, group: Group | None = None) -> RunResult:
     jsonl = JsonlSink(out_dir, append=request.resume and checkpoints.exists()) if lead else None
     try:
         sink = FanOut(jsonl, request.sink)
+        say = partial(sink.log, "info") if lead else None
+        with group.lead_first() if group else contextlib.nullcontext():
+            cache = request.token_dir or out_dir / "data"
+            data = load_data(job.data, job.train.seed, cache, request.corpus, request.model_dir, say)
         trainer = Trainer(job, data, checkpoints, sink, request.should_cancel, group, request.rungs, pretrained)
         result = trainer.run(resume=request.resume, init_from=request.init_from)
     finally:

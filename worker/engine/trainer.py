@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,11 +21,11 @@ from contract.status import JobStatus
 
 from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import JobConfig
-from .data import TokenData
+from .data import TokenData, target_loss
 from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
 from .models import LanguageModel, build_model
-from .optimizer import build_optimizer, lr_factor, routing_lines
+from .optimizer import build_optimizer, lr_factor, report_routing
 from .outcome import RunResult, TimeLimitReached, TrainingError
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import Report, TelemetrySink, model_metrics, to_floats
@@ -144,11 +143,10 @@ class Trainer:
                 self._warm_start(init_from)
             elif self.pretrained is not None:
                 count = sum(p.numel() for p in self.model.parameters())
-                self.sink.log("info", f"starting from uploaded model {self.pretrained.name} ({count:,} parameters)")
+                self.sink.log("info", f"starting from model {self.pretrained.name} ({count:,} parameters)")
         first = self.step
-        if first == 0 and self.job.optimizer.name != "adamw":
-            for level, line in routing_lines(self.model):
-                self.sink.log(level, line)
+        if self.lead:  # every attempt's table replaces the last; the log says it once
+            report_routing(self.sink, self.model, self.job.optimizer.name, log=first == 0)
         # elapsed_s continues from the checkpoint: the run's wall time, attempts end to end.
         self._clock = (start_wall, self.last.get(metrics.ELAPSED_S, 0.0))
         tokens = step_seconds = 0.0
@@ -253,7 +251,7 @@ class Trainer:
         x, y = self._batch("train", step)
         with self._autocast():
             logits = self.net(x)  # [B, T, V]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss = target_loss(logits, y)
             aux = self.model.aux_loss()
             total = loss if aux is None else loss + self.job.model.router_aux_weight * aux
         # The global batch's losses: every rank of a group sees the same, so all stop together on
@@ -309,7 +307,7 @@ class Trainer:
             x, y = self._batch("val", i)
             with self._autocast():
                 logits = self.model(x)
-            losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
+            losses.append(target_loss(logits, y))
         self.model.train()
         loss = torch.stack(losses).mean()
         return loss if self.group is None else self.group.mean(loss)
@@ -317,13 +315,13 @@ class Trainer:
     def write_sample(self) -> None:
         """Hand the sink what the model writes after the fixed prompt now (telemetry.sample_tokens)."""
         n_tokens = self.job.telemetry.sample_tokens
-        prompt = torch.from_numpy(self.data.val[:PROMPT_TOKENS].astype("int64"))
+        prompt = torch.from_numpy(self.data.sample_prompt(PROMPT_TOKENS, self.job.model.seq_len // 2).astype("int64"))
         if n_tokens == 0 or len(prompt) == 0 or not self.lead:
             return
         self.model.eval()
         with self._autocast():
             draws = torch.Generator().manual_seed(self.job.train.seed)
-            ids = generate(self.model, prompt, n_tokens, self.job.model.seq_len, draws)
+            ids = generate(self.model, prompt, n_tokens, self.job.model.seq_len, draws, stop=self.data.eos_id)
         self.model.train()
         self.sink.sample(self.step, self.data.decode(prompt.tolist()), self.data.decode(ids.tolist()))
 

@@ -19,13 +19,20 @@ router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 async def upload_dataset(
     work: Work,
     file: Annotated[
-        UploadFile, File(description="A UTF-8 text corpus, not empty.", json_schema_extra={"minLength": 1})
+        UploadFile,
+        File(
+            description="A corpus, not empty: UTF-8 text, or by its file name's suffix .jsonl rows ({text}, "
+            "{prompt, completion} or {messages}) or a .parquet file with a string column.",
+            json_schema_extra={"minLength": 1},
+        ),
     ],
     name: Annotated[str | None, Form(max_length=200, pattern=NO_NUL)] = None,
 ) -> schemas.Dataset:
     """Store a corpus. 413 over the upload limit (`payload_too_large`) or over what the tenant's
-    storage quota leaves (`storage_quota_exceeded`); 422 if it is empty or not UTF-8 text."""
-    dataset = await work(service.upload_dataset, file.file, name or file.filename or "dataset", work.settings)
+    storage quota leaves (`storage_quota_exceeded`); 422 if it is empty, not UTF-8 text, a JSONL
+    line that is not a row (the message names the line) or a parquet file that cannot be read."""
+    filename = file.filename or "dataset"
+    dataset = await work(service.upload_dataset, file.file, name or filename, work.settings, filename)
     return schemas.Dataset.of(dataset)
 
 
