@@ -1,6 +1,7 @@
 """The job page's "Parameter routing" section in real headless Chromium: a job a real worker ran
 (its table open: it is short), a long table recorded as a worker records it (collapsed, the
-unrecognized matrix highlighted with its warning, names as text), and a job not started yet."""
+unrecognized matrix highlighted with its warning, names as text), and a job not started yet,
+whose facts name its data and tokenizer."""
 
 from __future__ import annotations
 
@@ -104,3 +105,14 @@ def test_a_job_not_started_says_when_its_routing_is_known(browser, settings, key
     page.goto(f"{browser.url}/jobs/{job_id}")
     page.get_by_text("its routing is known once a worker builds its model").wait_for()
     assert page.locator("#routing-details").is_hidden()
+    assert fact(page, "data") == "synthetic task"
+    data = {"builtin": "pysource-instruct", "tokenizer": {"type": "bpe", "vocab_size": 4096}, "train_on_inputs": True}
+    other = stored_job(settings, key, tiny_spec() | {"data": data})
+    page.goto(f"{browser.url}/jobs/{other}")
+    page.get_by_text("its routing is known once a worker builds its model").wait_for()
+    assert fact(page, "data") == "pysource-instruct, bpe 4,096, inputs trained on"
+
+
+def fact(page, label: str) -> str:
+    """The value the job page's facts show under ``label``."""
+    return page.locator(".fact", has=page.locator(".k", has_text=label)).locator(".v").inner_text()

@@ -89,6 +89,17 @@
       if (typeof v === "number" && Number.isFinite(v) && !Number.isInteger(v)) return fmt.num(v);
       return v !== null && typeof v === "object" ? JSON.stringify(v) : String(v);
     },
+    // A spec's data in a few words: its source and tokenizer ("pysource, bpe 4,096", "ds_…, the
+    // model's tokenizer"; the synthetic task has its own tokens), and "inputs trained on" with
+    // train_on_inputs.
+    data(d) {
+      if (d.builtin === "synthetic") return "synthetic task";
+      const source = d.builtin || d.dataset_id || d.path || "–";
+      const t = d.tokenizer ?? "byte";
+      const tokenizer =
+        typeof t === "string" ? t : t.type === "bpe" ? `bpe ${fmt.int(t.vocab_size)}` : "the model's tokenizer";
+      return `${source}, ${tokenizer}${d.train_on_inputs ? ", inputs trained on" : ""}`;
+    },
     // A spec's network in a few words: "gpt 2×64", a transformers model by its family ("llama 2×64").
     model(m) {
       return `${m.hf ? m.hf.config.model_type : m.arch} ${m.n_layer}×${m.d_model}`;

@@ -66,6 +66,7 @@
       fact("tokens/s", fmt.int(s[M.TOKENS_PER_S])),
       fact("optimizer", `${opt.name}, lr ${fmt.param(opt.lr)}${opt.qk_clip_tau ? `, tau ${opt.qk_clip_tau}` : ""}`),
       fact("model", `${fmt.model(model)}, ${model.n_head} heads, seq ${model.seq_len}`),
+      fact("data", fmt.data(spec.data)),
       fact("created", fmt.time(job.created_at)),
       fact("started", fmt.time(job.started_at)),
       fact("duration", fmt.duration(jobDuration(job)))
