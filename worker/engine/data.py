@@ -116,7 +116,7 @@ def load_corpus(
 ) -> TokenData:
     """Tokenize a dataset file once into ``cache_dir`` and memory-map the result: UTF-8 text (one
     document), or JSONL rows or a parquet column (documents, data.format) read by documents.py."""
-    fmt = documents.file_format(cfg, Path(corpus))
+    fmt = documents.read_format(cfg, Path(corpus))
     if fmt == "text":
         raw = Path(corpus).read_bytes()
         try:

@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from contract import documents as contract_documents
-from contract.documents import NUL, Segment, parse_row, segments
+from contract.documents import NUL, Segment, file_format, parse_row, segments
 from contract.spec import DataSpec, ModelTokenizerSpec
 
 from .tokenizer import Tokenizer
@@ -49,9 +48,9 @@ class Documents:
             yield "".join(NUL if s.text is None else s.text for s in doc if with_eos or s.text is not None)
 
 
-def file_format(cfg: DataSpec, path: Path) -> str:
+def read_format(cfg: DataSpec, path: Path) -> str:
     """text, jsonl or parquet: ``data.format``, or by the file's suffix when it is auto."""
-    return contract_documents.file_format(path.name) if cfg.format == "auto" else cfg.format
+    return file_format(path.name) if cfg.format == "auto" else cfg.format
 
 
 def file_documents(cfg: DataSpec, path: Path, fmt: str, model_dir: Path | None = None) -> Documents:
