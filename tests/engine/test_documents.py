@@ -184,6 +184,11 @@ def test_a_models_tokenizer_lays_out_chats_with_its_template(tmp_path):
     trained = ids[np.asarray(data.train_mask[: len(ids)]) == 1]
     assert data.tokenizer.eos_id == 1  # <|im_end|>, the tokenizer_config's eos_token
     assert "".join(fast.id_to_token(int(i)) for i in trained) == "hey<|im_end|>\n<|im_end|>"
+    heard: list[str] = []
+    other = CHATML.replace("<|im_end|>\n", "<|im_end|>\n\n")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": other}))
+    load_data(spec, 0, tmp_path / "cache", model_dir=model_dir, log=heard.append)  # another template, another entry
+    assert heard[-1].startswith("tokenized in "), heard
 
 
 def test_the_loss_counts_only_the_targets_not_ignored():

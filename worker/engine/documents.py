@@ -60,10 +60,11 @@ def file_documents(cfg: DataSpec, path: Path, fmt: str, model_dir: Path | None =
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
             content.update(chunk)
-    render = None
+    render, template = None, ""
     if isinstance(cfg.tokenizer, ModelTokenizerSpec) and model_dir is not None:
-        render = chat_template(Path(model_dir))
-    layout = f"{fmt}|{cfg.text_column if fmt == 'parquet' else ''}|{cfg.train_on_inputs}|{render is not None}"
+        template = template_source(Path(model_dir)) or ""
+        render = chat_template(Path(model_dir)) if template else None
+    layout = f"{fmt}|{cfg.text_column if fmt == 'parquet' else ''}|{cfg.train_on_inputs}|{template}"
     digest = f"{content.hexdigest()[:16]}-{hashlib.sha256(layout.encode()).hexdigest()[:8]}"
 
     def rows() -> Iterator[dict[str, Any]]:
@@ -139,11 +140,19 @@ def _json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def template_source(model_dir: Path) -> str | None:
+    """The model's chat template (its tokenizer_config.json's, else its chat_template.jinja), or None."""
+    given = _json(model_dir / TOKENIZER_CONFIG).get("chat_template")
+    if given:
+        return json.dumps(given)  # a template, or a list of named ones
+    path = model_dir / CHAT_TEMPLATE
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
 def chat_template(model_dir: Path) -> Callable[[list[dict[str, str]], bool], str] | None:
     """The model's chat template as a function (messages, generation prompt) -> text, or None
     when its tokenizer has none (the default layout applies)."""
-    config = _json(model_dir / TOKENIZER_CONFIG)
-    if not config.get("chat_template") and not (model_dir / CHAT_TEMPLATE).is_file():
+    if template_source(model_dir) is None:
         return None
     from transformers import AutoTokenizer
 
