@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     database_url: str | None = Field(None, description="postgresql+psycopg://… ; unset: SQLite under ./var")
     redis_url: str | None = Field(None, description="redis://… (broker and live bus); unset: SQLite broker under ./var")
     artifact_dir: Path = Field(VAR / "artifacts", description="Checkpoints, corpora and run outputs.")
+    artifact_url: str | None = Field(
+        None,
+        description="s3://bucket/prefix: artifacts in an S3-compatible object store (AWS, MinIO, Ceph, R2), its "
+        "endpoint, region and credentials from the standard AWS variables (AWS_ENDPOINT_URL, AWS_REGION, "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; docs/deploy.md, Artifact store). Unset: files under artifact_dir.",
+    )
     model_dir: Path | None = Field(
         None,
         description="Operator-staged models: each directory in it that holds a config.json is a transformers "

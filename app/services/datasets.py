@@ -34,6 +34,7 @@ from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
 from app.settings import Settings
+from app.storage.local import sync_directory
 from contract import documents
 from worker.engine.facts import CHAR_VOCAB_MAX, TOKEN_DIR
 
@@ -97,7 +98,7 @@ def upload_dataset(
         on_rollback(session, partial(target.unlink, missing_ok=True))
         os.utime(tmp)  # its age counts from here: the sweep leaves it alone while this commits
         tmp.replace(target)
-        fsync_directory(target.parent)
+        sync_directory(target.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -159,7 +160,7 @@ def write_upload(stream: BinaryIO, tmp: Path, limit: int, quota: int, used: int,
         lines.finish()
     if fmt == "parquet":
         check_parquet(tmp, chars)
-    fsync_directory(tmp.parent)
+    sync_directory(tmp.parent)
     return Stored(size, digest.hexdigest(), chars.count)
 
 
@@ -234,15 +235,6 @@ def parquet_columns(path: Path) -> list[str]:
     import pyarrow.parquet as pq
 
     return list(pq.ParquetFile(path).schema_arrow.names)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make the directory's entries (a new or renamed file) durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def get_dataset(session: Session, tenant: TenantRef, dataset_id: str) -> Dataset:

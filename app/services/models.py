@@ -40,11 +40,12 @@ from app.repositories.models import ModelRepository
 from app.repositories.tenants import TenantRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
-from app.services.datasets import ORPHAN_AGE_SECONDS, fsync_directory, mtime, over_quota
+from app.services.datasets import ORPHAN_AGE_SECONDS, mtime, over_quota
 from app.services.model_archive import CONFIG, TOKENIZER_FILES, extract, fsync_file, gunzipped, write_archive
 from app.services.model_weights import NOT_SHAPES, check_config, check_weights
 from app.services.staged_models import StagedModel, StagedModelMissing, is_staged, staged_model, staged_models
 from app.settings import Settings
+from app.storage.local import sync_directory
 from contract.hf import Shape, normalized
 
 log = logging.getLogger("muonforge.models")
@@ -83,7 +84,7 @@ def upload_model(session: Session, tenant: TenantRef, stream: BinaryIO, name: st
         stored = sum((staging / f).stat().st_size for f in files)
         for f in files:
             fsync_file(staging / f)
-        fsync_directory(staging)
+        sync_directory(staging)
         tenants.lock([tenant.id])  # exact under concurrent uploads (datasets' too): held until the commit
         used = tenants.stored_bytes(tenant.id)
         if used + stored > quota:
@@ -105,7 +106,7 @@ def upload_model(session: Session, tenant: TenantRef, stream: BinaryIO, name: st
         on_rollback(session, partial(shutil.rmtree, target, ignore_errors=True))
         os.utime(staging)  # its age counts from here: the sweep leaves it alone while this commits
         staging.replace(target)
-        fsync_directory(parent)
+        sync_directory(parent)
     except BaseException:
         archive.unlink(missing_ok=True)
         unpacked.unlink(missing_ok=True)

@@ -1,0 +1,51 @@
+"""The artifact store: one interface, a local-directory backend and an S3-compatible one.
+
+``store_from(settings)`` picks the backend: S3 for MUONFORGE_ARTIFACT_URL=s3://bucket/prefix,
+otherwise files under MUONFORGE_ARTIFACT_DIR. A domain part of ``app``: the API and a worker's
+service side use it; the training engine (worker.engine) never does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from app.storage.base import (
+    STAGING,
+    ArtifactStore,
+    IntegrityError,
+    ObjectInfo,
+    ObjectNotFound,
+    Staged,
+    StagingWriter,
+    StoreError,
+    StoreUnavailable,
+    sweep_staging,
+)
+from app.storage.local import LocalStore
+
+if TYPE_CHECKING:
+    from app.settings import Settings
+
+__all__ = [
+    "STAGING",
+    "ArtifactStore",
+    "IntegrityError",
+    "LocalStore",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "Staged",
+    "StagingWriter",
+    "StoreError",
+    "StoreUnavailable",
+    "store_from",
+    "sweep_staging",
+]
+
+
+def store_from(settings: Settings) -> ArtifactStore:
+    """The store the settings name: S3 for an artifact URL, else the artifact directory."""
+    if settings.artifact_url:
+        from app.storage.s3 import S3Store  # obstore loads only where a bucket is configured
+
+        return S3Store.from_url(settings.artifact_url)
+    return LocalStore(settings.artifact_dir)
