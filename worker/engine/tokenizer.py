@@ -124,7 +124,9 @@ class Tokenizer:
         start = 0
         while start < len(pieces):
             stop, size = start, 0
-            while stop < len(pieces) and size < BPE_BATCH * BPE_CHUNK:
+            # Pieces up to BPE_BATCH pieces' worth: 16 whole ones (an even share per thread), or
+            # many small ones (documents).
+            while stop < len(pieces) and (stop == start or size + len(pieces[stop]) <= BPE_BATCH * BPE_CHUNK):
                 size, stop = size + len(pieces[stop]), stop + 1
             encodings = self._fast.encode_batch_fast(pieces[start:stop], add_special_tokens=False)
             for i, e in zip(owner[start:stop], encodings, strict=True):
