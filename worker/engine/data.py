@@ -207,9 +207,9 @@ def tokenized(
         share = "" if mask is None else f", {mask.mean():.0%} of them trained on (the rest are inputs)"
         say(f"tokenized in {time.monotonic() - started:.1f} s: {len(ids):,} {tokenizer.kind} tokens{share}")
         meta = {**tokenizer.to_dict(), "dtype": str(ids.dtype), "tokens": len(ids), "masked": mask is not None}
-        for path, data in ((bin_path, ids.tobytes()), (mask_path, None if mask is None else mask.tobytes())):
-            if data is not None:
-                write_atomically(path, data)
+        for path, values in ((bin_path, ids), (mask_path, mask)):
+            if values is not None:
+                write_atomically(path, values)
         write_atomically(meta_path, json.dumps(meta).encode())  # last: the cache entry is whole once it is there
     tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
     mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(meta["tokens"],)) if meta.get("masked") else None
@@ -227,11 +227,14 @@ def tokenized(
     )
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all: a temp file of its own, then a rename (two jobs that
-    tokenize the same text at once each write theirs; the same bytes win)."""
+def write_atomically(path: Path, data: np.ndarray | bytes) -> None:
+    """Write ``path`` whole or not at all (an array's bytes with no copy): a temp file of its own,
+    then a rename (two jobs that tokenize the same text at once each write theirs; the same bytes win)."""
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(data)
+        if isinstance(data, np.ndarray):
+            data.tofile(f)
+        else:
+            f.write(data)
     Path(f.name).replace(path)
 
 

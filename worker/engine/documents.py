@@ -229,9 +229,9 @@ def encode(
     if not ids:
         raise ValueError("the dataset holds no document")
     lengths = np.fromiter((len(a) for a in ids), dtype=np.int64, count=len(ids))
-    flags = np.asarray(trained, dtype=bool)
-    mask = None if flags.all() else np.repeat(flags, lengths).astype(np.uint8)
-    return np.concatenate(ids), mask
+    flags = np.asarray(trained, dtype=np.uint8)
+    mask = None if flags.all() else np.repeat(flags, lengths)
+    return (ids[0] if len(ids) == 1 else np.concatenate(ids)), mask
 
 
 def split_point(tokens: np.ndarray, at: int, eos_id: int) -> int:
