@@ -48,6 +48,19 @@ class Settings(BaseSettings):
         "endpoint, region and credentials from the standard AWS variables (AWS_ENDPOINT_URL, AWS_REGION, "
         "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; docs/deploy.md, Artifact store). Unset: files under artifact_dir.",
     )
+    cache_dir: Path = Field(
+        VAR / "cache",
+        description="A worker's local cache of store objects (datasets, token arrays, warm-start weights), "
+        "least recently used evicted, never a file in use (docs/deploy.md, Worker cache); one per host, shared "
+        "by its workers. Default var/cache, beside the embedded var/artifacts (never inside an artifact dir); "
+        "with the local artifact dir the cache hands out the store's own files and stays empty.",
+    )
+    cache_bytes: int = Field(
+        50 * 2**30,
+        ge=0,
+        description="Most bytes the worker cache keeps; files in use are never evicted, so it holds more while "
+        "they are (0: a file is removed once no job uses it).",
+    )
     model_dir: Path | None = Field(
         None,
         description="Operator-staged models: each directory in it that holds a config.json is a transformers "
@@ -186,7 +199,7 @@ class Settings(BaseSettings):
         None, description="A worker touches this file while it reaches the broker and the database (a healthcheck)."
     )
 
-    @field_validator("artifact_dir")
+    @field_validator("artifact_dir", "cache_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()

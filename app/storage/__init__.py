@@ -21,6 +21,7 @@ from app.storage.base import (
     StoreUnavailable,
     sweep_staging,
 )
+from app.storage.cache import ArtifactCache, cache_from
 from app.storage.local import LocalStore
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STAGING",
+    "ArtifactCache",
     "ArtifactStore",
     "IntegrityError",
     "LocalStore",
@@ -37,6 +39,7 @@ __all__ = [
     "StagingWriter",
     "StoreError",
     "StoreUnavailable",
+    "cache_from",
     "store_from",
     "sweep_staging",
 ]
