@@ -70,6 +70,12 @@ class ValidationFailed(DomainError):
     code, status = "validation_error", 422
 
 
+class ServiceUnavailable(DomainError):
+    """A service the request needs (the artifact store) cannot be reached: retry later."""
+
+    code, status = "service_unavailable", 503
+
+
 class RateLimited(DomainError):
     code, status = "rate_limited", 429
 

@@ -21,23 +21,26 @@ from __future__ import annotations
 
 import logging
 import socket
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
 from app.db.models import Job
 from app.db.session import is_transient, retrying, transaction
 from app.messaging.live_bus import live_bus
-from app.services import lifecycle, sweeps
+from app.services import leases, lifecycle, sweeps
 from app.services.asha import record_rung, rung_outcome
 from app.services.caps import gib
 from app.services.reaper import release_attempt
 from app.services.staged_models import is_staged, staged_directory
 from app.settings import Settings
+from app.storage import ArtifactCache, IntegrityError, ObjectNotFound, StoreUnavailable, cache_from, store_from
 from contract.spec import JobSpec
 from contract.status import JobStatus
 from worker.engine.checkpoints import checkpoint_path
@@ -54,6 +57,10 @@ from worker.sink import JobSink, LeaseLost
 
 log = logging.getLogger("muonforge.worker")
 DATASET_MISSING = "the file of dataset {dataset_id} is missing from the service's storage; upload the corpus again"
+DATASET_CHANGED = (
+    "the file of dataset {dataset_id} in the service's storage is not the one uploaded (its size or sha256 "
+    "changed since); upload the corpus again"
+)
 EXCEEDS_MEMORY = (
     "this job needs about {needed} of memory at its peak; this worker gives a job {budget} "
     "(MUONFORGE_WORKER_MEMORY_BYTES): lower train.batch_size, model.seq_len or the model's size"
@@ -75,6 +82,64 @@ INTERNAL_ERROR = (
     "the job stopped on an internal error; the service's operators can find it in the worker log "
     "(job {job_id}, attempt {attempt})"
 )
+
+
+class DatasetUnusable(Exception):
+    """The job's dataset cannot be read as its row records it: the job fails with :attr:`error`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.error = {"code": code, "message": message}
+
+
+class StoreOutage(ConnectionError):
+    """The artifact store is out of reach (StoreUnavailable): transient, as a database outage is."""
+
+
+@contextmanager
+def dataset_file(settings: Settings, dataset: leases.DatasetObject | None) -> Iterator[Path | None]:
+    """The dataset's file on this host for as long as the context is open (None without a dataset).
+
+    It comes through the worker cache (app.storage.ArtifactCache) in front of the artifact store:
+    with the local artifact dir, the dir's own file; with a bucket, the cache's entry, downloaded
+    and verified on a miss, and pinned (never evicted) while the context is open. A missing object
+    raises DatasetUnusable (``dataset_missing``), one whose size or sha256 is not the row's
+    DatasetUnusable (``dataset_changed``); a store out of reach is tried again for up to the outage
+    patience, then raises StoreOutage (the attempt hands the job back, as after a database outage).
+    """
+    if dataset is None:
+        yield None
+        return
+    cache = cache_from(settings, store_from(settings))
+    with ExitStack() as held:
+        what = f"dataset {dataset.id}: reading it from the artifact store"
+        path = retrying(partial(_open_cached, held, cache, dataset), what, settings.outage_patience_seconds)
+        yield named_like(held, path, dataset.key)
+
+
+def _open_cached(held: ExitStack, cache: ArtifactCache, dataset: leases.DatasetObject) -> Path:
+    """The dataset's cache entry, held open by ``held``; the store's errors as the job sees them."""
+    try:
+        return held.enter_context(cache.open(dataset.key, dataset.bytes, dataset.sha256))
+    except ObjectNotFound:
+        raise DatasetUnusable("dataset_missing", DATASET_MISSING.format(dataset_id=dataset.id)) from None
+    except IntegrityError as exc:
+        log.error("dataset %s: %s", dataset.id, exc)
+        raise DatasetUnusable("dataset_changed", DATASET_CHANGED.format(dataset_id=dataset.id)) from None
+    except StoreUnavailable as exc:
+        raise StoreOutage(str(exc)) from exc
+
+
+def named_like(held: ExitStack, path: Path, key: str) -> Path:
+    """``path`` under the key's file name, whose suffix gives a corpus's format (JSONL, parquet): the
+    path itself when it has that name (the local store's own file), else a symbolic link to it in a
+    temporary directory that ``held`` removes."""
+    name = PurePosixPath(key).name
+    if path.name == name:
+        return path
+    link = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="muonforge-corpus-"))) / name
+    link.symlink_to(path)
+    return link
 
 
 def model_directory(settings: Settings, model_id: str | None, model_path: str | None) -> Path | None:
@@ -108,17 +173,14 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     """Claim and run ``job_id``; returns what happened ("skipped" if another attempt holds it,
     "handed_back" if the database stayed out of reach: the job resumes once its lease lapses)."""
     patience = settings.outage_patience_seconds
-    claim = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
-    if claim is None:  # a redelivery, a finished job, another worker's live lease, or a node of a gang to join
+    claimed = retrying(lambda: _claim(settings, job_id, owner), f"job {job_id}: claim", patience)
+    if claimed is None:  # a redelivery, a finished job, another worker's live lease, or a node of a gang to join
         return run_node(settings, job_id, owner)
+    claim, dataset = claimed
     attempt, spec, progress, summary = claim.attempt, claim.spec, claim.progress, claim.summary
-    corpus = settings.artifact_dir / claim.dataset_path if claim.dataset_path else None
     needed = peak_memory(claim)
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
-    if corpus is not None and not corpus.is_file():
-        error = {"code": "dataset_missing", "message": DATASET_MISSING.format(dataset_id=spec.data.dataset_id)}
-        return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     model_id = spec.model.hf.model_id if spec.model.hf is not None else None
     model_dir = model_directory(settings, model_id, claim.model_path)
     if model_id is not None and model_dir is None:
@@ -143,28 +205,32 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         node = this_node(settings, job_id, attempt, 0, lease, nnodes) if nnodes > 1 else None
         try:
             try:
-                sink.adopt_checkpoints(checkpoint_dir(out_dir))
-                rungs = rung_check(settings, job_id, claim.rungs) if claim.rungs else None
-                request = RunRequest(
-                    spec,
-                    out_dir,
-                    corpus,
-                    sink,
-                    should_cancel,
-                    init_from=init_from,
-                    rungs=rungs,
-                    watch=lease.check,
-                    node=node,
-                    model_dir=model_dir,
-                    token_dir=settings.artifact_dir / TOKEN_DIR,
-                )
-                result = run_job(request)
+                with dataset_file(settings, dataset) as corpus:  # held, so kept in the cache, for the whole run
+                    lease.pulse()  # a download's time is not the run's: the wait for its first step starts now
+                    sink.adopt_checkpoints(checkpoint_dir(out_dir))
+                    rungs = rung_check(settings, job_id, claim.rungs) if claim.rungs else None
+                    request = RunRequest(
+                        spec,
+                        out_dir,
+                        corpus,
+                        sink,
+                        should_cancel,
+                        init_from=init_from,
+                        rungs=rungs,
+                        watch=lease.check,
+                        node=node,
+                        model_dir=model_dir,
+                        token_dir=settings.artifact_dir / TOKEN_DIR,
+                    )
+                    result = run_job(request)
                 if result is None:  # only a node other than 0 leaves the outcome to another
                     raise RuntimeError("node 0's run ended without its outcome")
             finally:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
             return "lease_lost"
+        except DatasetUnusable as exc:
+            return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, exc.error)
         except RankFailed as exc:
             log.warning("job %s: attempt %d lost a process or a node of its group: %s", job_id, attempt, exc)
             cause = str(exc) if isinstance(exc, GangBroken) else f"a process of attempt {attempt}'s group exited early"
@@ -226,12 +292,13 @@ def rung_check(settings: Settings, job_id: str, rungs: lifecycle.Rungs) -> RungC
     return RungCheck(steps=tuple(asha["rungs"]), metric=metric, decide=decide)
 
 
-def _claim(settings: Settings, job_id: str, owner: str) -> lifecycle.Claim | None:
-    """The job's new attempt, or None if it is not to be run (finished, or another attempt's live
-    lease)."""
+def _claim(settings: Settings, job_id: str, owner: str) -> tuple[lifecycle.Claim, leases.DatasetObject | None] | None:
+    """The job's new attempt and its dataset's store object, or None if it is not to be run
+    (finished, or another attempt's live lease)."""
     with transaction(settings) as session:
         lease = timedelta(seconds=settings.lease_seconds)
-        return lifecycle.claim(session, live_bus(settings), job_id, owner, lease)
+        claim = lifecycle.claim(session, live_bus(settings), job_id, owner, lease)
+        return (claim, leases.dataset_object(session, job_id)) if claim is not None else None
 
 
 def _finish(

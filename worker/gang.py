@@ -105,9 +105,8 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
         return "skipped"  # a redelivery, a finished job, a full gang
     attempt, index, spec = joined.attempt, joined.node, joined.spec
     # run_attempt calls this module: imported once both are loaded
-    from worker.attempt import model_directory, model_missing, warm_start_file
+    from worker.attempt import dataset_file, model_directory, model_missing, warm_start_file
 
-    corpus = settings.artifact_dir / joined.dataset_path if joined.dataset_path else None
     model_id = spec.model.hf.model_id if spec.model.hf is not None else None
     model_dir = model_directory(settings, model_id, joined.model_path)
     log.info("job %s: attempt %d: node %d joined by %s", job_id, attempt, index, owner)
@@ -118,18 +117,20 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
         try:
             if model_id is not None and model_dir is None:  # this host lacks it: the node leaves, as on an error
                 raise FileNotFoundError(model_missing(settings, model_id))
-            run_job(
-                RunRequest(
-                    spec,
-                    out_dir,
-                    corpus,
-                    init_from=init_from,
-                    watch=lease.check,
-                    node=node,
-                    model_dir=model_dir,
-                    token_dir=settings.artifact_dir / TOKEN_DIR,
+            # Through this host's cache, held for the whole run; a dataset it cannot read: the node leaves.
+            with dataset_file(settings, joined.dataset) as corpus:
+                run_job(
+                    RunRequest(
+                        spec,
+                        out_dir,
+                        corpus,
+                        init_from=init_from,
+                        watch=lease.check,
+                        node=node,
+                        model_dir=model_dir,
+                        token_dir=settings.artifact_dir / TOKEN_DIR,
+                    )
                 )
-            )
         except LeaseLost:
             return "lease_lost"  # the attempt is over: node 0 ended it or gave the job back
         except Exception as exc:

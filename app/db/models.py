@@ -54,6 +54,9 @@ class Dataset(Timestamped, Base):
     # Distinct characters (the char tokenizer's vocabulary), counted up to CHAR_VOCAB_MAX + 1 at most:
     # that value means "more than the char tokenizer takes".
     char_vocab: Mapped[int] = mapped_column(Integer)
+    # A parquet dataset's column names, as its upload read them (data.text_column is checked
+    # against them at submission, with no read of the object); None for text and JSONL.
+    columns: Mapped[list[str] | None] = mapped_column(JSONDoc, nullable=True)
     path: Mapped[str] = mapped_column(String(500))  # relative to MUONFORGE_ARTIFACT_DIR
 
     __table_args__ = (Index("ix_datasets_tenant_id_id", "tenant_id", "id"),)

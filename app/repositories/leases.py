@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import Row, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from app.db.base import utcnow
-from app.db.models import Job, JobNode
+from app.db.models import Dataset, Job, JobNode
 from app.repositories.statements import changed_rows
 from contract.status import RUNNING, JobStatus
 
@@ -29,6 +29,12 @@ class LeaseRepository:
         now = utcnow()
         stmt = update(Job).where(Job.id == job_id, Job.status.in_(RUNNING), Job.attempt == attempt)
         return changed_rows(self.session, stmt.values(lease_expires_at=now + lease, heartbeat_at=now)) == 1
+
+    def dataset_object(self, job_id: str) -> Row[str, str, int, str] | None:
+        """The store object of the job's dataset: its id, key (the row's path), bytes and sha256;
+        None for a job without one (a builtin corpus) or whose dataset's row is gone."""
+        query = select(Dataset.id, Dataset.path, Dataset.bytes, Dataset.sha256).join(Job, Job.dataset_id == Dataset.id)
+        return self.session.execute(query.where(Job.id == job_id)).one_or_none()
 
     def expired_leases(self, now: datetime) -> Sequence[Job]:
         query = select(Job).where(Job.status.in_(RUNNING), Job.lease_expires_at < now)

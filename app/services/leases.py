@@ -16,9 +16,18 @@ from app.db.base import utcnow
 from app.db.models import JobNode
 from app.repositories.jobs import JobRepository
 from app.repositories.leases import LeaseRepository
-from app.repositories.tenants import DatasetRepository
 from app.services import lifecycle
 from contract.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class DatasetObject:
+    """A job's uploaded corpus as the artifact store holds it, and as its row records it."""
+
+    id: str
+    key: str  # the row's path: relative to the artifact dir, the object's key in a bucket
+    bytes: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,7 @@ class NodeClaim:
     attempt: int
     node: int
     spec: JobSpec
-    dataset_path: str | None  # the corpus's file, relative to the artifact dir; None for a builtin corpus
+    dataset: DatasetObject | None  # the corpus; None for a builtin corpus
     model_path: str | None = None  # model.hf.model_id's directory, relative to the artifact dir (None: gone)
 
 
@@ -38,6 +47,13 @@ class Gang:
 
     nodes: list[JobNode]
     cancel: bool
+
+
+def dataset_object(session: Session, job_id: str) -> DatasetObject | None:
+    """The store object of the job's dataset (read by node 0 in its claim's transaction, by another
+    node in its join's); None for a builtin corpus, or once the dataset's row is gone."""
+    row = LeaseRepository(session).dataset_object(job_id)
+    return DatasetObject(*row) if row is not None else None
 
 
 def renew(session: Session, job_id: str, attempt: int, lease: timedelta, nnodes: int = 1) -> list[int] | None:
@@ -64,9 +80,8 @@ def join(session: Session, job_id: str, owner: str, lease: timedelta) -> NodeCla
     job = JobRepository(session).get(job_id)
     if job is None:  # the slot is the job's: it is there
         return None
-    dataset = DatasetRepository(session).get_any(job.dataset_id) if job.dataset_id else None
     spec = JobSpec.model_validate(job.spec)
-    return NodeClaim(*claimed, spec, dataset.path if dataset else None, lifecycle.uploaded_model_path(session, job))
+    return NodeClaim(*claimed, spec, dataset_object(session, job_id), lifecycle.uploaded_model_path(session, job))
 
 
 def publish_meeting(

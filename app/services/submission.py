@@ -22,7 +22,6 @@ from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.admission import Admission
 from app.services.auth import TenantRef
 from app.services.caps import check_caps
-from app.services.datasets import parquet_columns
 from app.services.model_start import from_uploaded_model
 from app.services.tenants import job_cap
 from app.services.warm_start import resolve_init_from
@@ -164,12 +163,12 @@ def check_spec(session: Session, tenant: TenantRef, spec: JobSpec, settings: Set
     limit filled in, an uploaded model's config and vocabulary filled in, and ``init_from.step``
     resolved (the stored spec names the file the worker loads)."""
     spec = from_uploaded_model(session, tenant, with_server_limits(spec, settings), settings)
-    vocab, corpus_bytes = data_facts(session, tenant, spec.data, settings)
+    vocab, corpus_bytes = data_facts(session, tenant, spec.data)
     check_caps(spec, vocab, corpus_bytes, settings)
     return spec.model_copy(update={"init_from": resolve_init_from(session, tenant, spec, vocab)})
 
 
-def data_facts(session: Session, tenant: TenantRef, data: DataSpec, settings: Settings) -> tuple[int, int]:
+def data_facts(session: Session, tenant: TenantRef, data: DataSpec) -> tuple[int, int]:
     """(vocabulary size, corpus bytes) of a validated spec's ``data``, as the engine will see them
     (for the parameter and memory caps). Refused here: a dataset with more distinct characters
     than the char tokenizer takes, a data.format other than the dataset's, a parquet dataset
@@ -192,7 +191,7 @@ def data_facts(session: Session, tenant: TenantRef, data: DataSpec, settings: Se
         raise ValidationFailed(
             f"dataset {dataset.id} is {fmt}, not {data.format}: leave data.format out (auto)", param="data.format"
         )
-    if fmt == "parquet" and data.text_column not in (columns := parquet_columns(settings.artifact_dir / dataset.path)):
+    if fmt == "parquet" and data.text_column not in (columns := dataset.columns or []):
         raise ValidationFailed(
             f"dataset {dataset.id} has no column {data.text_column!r}; its columns: {', '.join(columns)}",
             param="data.text_column",

@@ -9,7 +9,6 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -19,9 +18,10 @@ from app.db.session import transaction
 from app.errors import StorageQuotaExceeded
 from app.repositories.tenants import DatasetRepository
 from app.services.auth import authenticate
-from app.services.datasets import CHUNK, ORPHAN_AGE_SECONDS, sweep_orphans, write_upload
+from app.services.datasets import CHUNK, ORPHAN_AGE_SECONDS, stage_upload, sweep_orphans
 from app.services.intake import insert_submissions
 from app.services.submission import prepare_submission
+from app.storage import LocalStore
 from contract.spec import JobSpec
 from tests.support.api import new_key
 from tests.support.net import wait_for
@@ -240,11 +240,11 @@ def test_reading_stops_once_past_the_limit_or_the_quota(tmp_path):
 
     stream = Counting(chunks=10)
     with pytest.raises(StorageQuotaExceeded, match="1,572,864 bytes"):
-        write_upload(stream, tmp_path / "q.part", limit=100 * CHUNK, quota=CHUNK + CHUNK // 2, used=0)
+        stage_upload(stream, LocalStore(tmp_path), limit=100 * CHUNK, quota=CHUNK + CHUNK // 2, used=0)
     assert stream.read_bytes == 2 * CHUNK
     stream = Counting(chunks=10)
     with pytest.raises(Exception, match=f"the upload exceeds {3 * CHUNK:,} bytes"):
-        write_upload(stream, tmp_path / "l.part", limit=3 * CHUNK, quota=100 * CHUNK, used=0)
+        stage_upload(stream, LocalStore(tmp_path), limit=3 * CHUNK, quota=100 * CHUNK, used=0)
     assert stream.read_bytes == 4 * CHUNK
 
 
@@ -272,9 +272,11 @@ def test_the_character_vocabulary_is_counted_up_to_the_char_tokenizers_range(cli
         assert session.get(Dataset, narrow["id"]).char_vocab == 1000
 
 
-def test_write_upload_counts_distinct_characters_exactly_up_to_the_range(tmp_path):
+def test_an_upload_counts_distinct_characters_exactly_up_to_the_range(tmp_path):
+    store = LocalStore(tmp_path)
     exact = "".join(chr(c) for c in range(0x10000, 0x10000 + CHAR_VOCAB_MAX)).encode()
-    assert write_upload(io.BytesIO(exact * 2), tmp_path / "a.part", 1 << 30, 1 << 30, 0).char_vocab == CHAR_VOCAB_MAX
+    assert stage_upload(io.BytesIO(exact * 2), store, 1 << 30, 1 << 30, 0)[1] == CHAR_VOCAB_MAX
     over = exact + "€".encode()
-    assert write_upload(io.BytesIO(over), tmp_path / "b.part", 1 << 30, 1 << 30, 0).char_vocab == CHAR_VOCAB_MAX + 1
-    assert Path(tmp_path / "b.part").read_bytes() == over
+    staged, char_vocab, _ = stage_upload(io.BytesIO(over), store, 1 << 30, 1 << 30, 0)
+    assert char_vocab == CHAR_VOCAB_MAX + 1
+    assert (tmp_path / staged.key).read_bytes() == over

@@ -15,7 +15,9 @@ from contract.spec import NO_NUL
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
 
-@router.post("", status_code=201, response_model=schemas.Dataset, responses={**ERRORS, 413: ERRORS[422]})
+@router.post(
+    "", status_code=201, response_model=schemas.Dataset, responses={**ERRORS, 413: ERRORS[422], 503: ERRORS[422]}
+)
 async def upload_dataset(
     work: Work,
     file: Annotated[
@@ -30,7 +32,8 @@ async def upload_dataset(
 ) -> schemas.Dataset:
     """Store a corpus. 413 over the upload limit (`payload_too_large`) or over what the tenant's
     storage quota leaves (`storage_quota_exceeded`); 422 if it is empty, not UTF-8 text, a JSONL
-    line that is not a row (the message names the line) or a parquet file that cannot be read."""
+    line that is not a row (the message names the line) or a parquet file that cannot be read; 503
+    `service_unavailable` (with `Retry-After`) while the artifact store cannot be reached."""
     filename = file.filename or "dataset"
     dataset = await work(service.upload_dataset, file.file, name or filename, work.settings, filename)
     return schemas.Dataset.of(dataset)
@@ -50,7 +53,7 @@ async def get_dataset(dataset_id: DatasetId, work: Work) -> schemas.Dataset:
 
 @router.delete("/{dataset_id}", status_code=204, response_class=Response, responses=ERRORS)
 async def delete_dataset(dataset_id: DatasetId, work: Work) -> Response:
-    """Delete a dataset and its file. 409 `dataset_in_use` while a queued, running or paused job of
+    """Delete a dataset and its stored object. 409 `dataset_in_use` while a queued, running or paused job of
     the tenant trains on it; finished jobs keep their spec."""
     await work(service.delete_dataset, dataset_id, work.settings)
     return Response(status_code=204)
