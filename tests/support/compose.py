@@ -14,7 +14,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 # A .env for the tests: one value per secret the file requires.
-SECRETS = {"POSTGRES_PASSWORD": "pg-secret", "REDIS_PASSWORD": "redis-secret", "METRICS_TOKEN": "metrics-secret"}
+SECRETS = {
+    "POSTGRES_PASSWORD": "pg-secret",
+    "REDIS_PASSWORD": "redis-secret",
+    "METRICS_TOKEN": "metrics-secret",
+    "MINIO_PASSWORD": "minio-secret",
+}
 VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|(?P<bare>\w+))")
 
 
