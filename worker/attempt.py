@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import logging
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from functools import partial
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
@@ -41,6 +40,7 @@ from app.services.reaper import release_attempt
 from app.services.staged_models import is_staged, staged_directory
 from app.settings import Settings
 from app.storage import ArtifactCache, IntegrityError, ObjectNotFound, StoreUnavailable, cache_from, store_from
+from contract.documents import file_format
 from contract.spec import JobSpec
 from contract.status import JobStatus
 from worker.engine.checkpoints import checkpoint_path
@@ -113,8 +113,7 @@ def dataset_file(settings: Settings, dataset: leases.DatasetObject | None) -> It
     cache = cache_from(settings, store_from(settings))
     with ExitStack() as held:
         what = f"dataset {dataset.id}: reading it from the artifact store"
-        path = retrying(partial(_open_cached, held, cache, dataset), what, settings.outage_patience_seconds)
-        yield named_like(held, path, dataset.key)
+        yield retrying(partial(_open_cached, held, cache, dataset), what, settings.outage_patience_seconds)
 
 
 def _open_cached(held: ExitStack, cache: ArtifactCache, dataset: leases.DatasetObject) -> Path:
@@ -130,16 +129,12 @@ def _open_cached(held: ExitStack, cache: ArtifactCache, dataset: leases.DatasetO
         raise StoreOutage(str(exc)) from exc
 
 
-def named_like(held: ExitStack, path: Path, key: str) -> Path:
-    """``path`` under the key's file name, whose suffix gives a corpus's format (JSONL, parquet): the
-    path itself when it has that name (the local store's own file), else a symbolic link to it in a
-    temporary directory that ``held`` removes."""
-    name = PurePosixPath(key).name
-    if path.name == name:
-        return path
-    link = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="muonforge-corpus-"))) / name
-    link.symlink_to(path)
-    return link
+def read_as_stored(spec: JobSpec, dataset: leases.DatasetObject | None) -> JobSpec:
+    """``spec`` with ``data.format: auto`` resolved to its dataset's format (its key's suffix): a
+    cache entry is named by its sha256 alone, so the engine could not read the format from it."""
+    if dataset is None or spec.data.format != "auto":
+        return spec
+    return spec.model_copy(update={"data": spec.data.model_copy(update={"format": file_format(dataset.key)})})
 
 
 def model_directory(settings: Settings, model_id: str | None, model_path: str | None) -> Path | None:
@@ -210,7 +205,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                     sink.adopt_checkpoints(checkpoint_dir(out_dir))
                     rungs = rung_check(settings, job_id, claim.rungs) if claim.rungs else None
                     request = RunRequest(
-                        spec,
+                        read_as_stored(spec, dataset),
                         out_dir,
                         corpus,
                         sink,

@@ -105,7 +105,7 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
         return "skipped"  # a redelivery, a finished job, a full gang
     attempt, index, spec = joined.attempt, joined.node, joined.spec
     # run_attempt calls this module: imported once both are loaded
-    from worker.attempt import dataset_file, model_directory, model_missing, warm_start_file
+    from worker.attempt import dataset_file, model_directory, model_missing, read_as_stored, warm_start_file
 
     model_id = spec.model.hf.model_id if spec.model.hf is not None else None
     model_dir = model_directory(settings, model_id, joined.model_path)
@@ -121,7 +121,7 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
             with dataset_file(settings, joined.dataset) as corpus:
                 run_job(
                     RunRequest(
-                        spec,
+                        read_as_stored(spec, joined.dataset),
                         out_dir,
                         corpus,
                         init_from=init_from,

@@ -25,12 +25,13 @@ from app.services.leases import DatasetObject
 from app.settings import Settings
 from app.storage import ArtifactCache, ArtifactStore, StoreUnavailable
 from app.storage.s3 import S3Store
+from contract.spec import JobSpec
 from tests.support.api import bearer, job, new_key
 from tests.support.net import wait_for
 from tests.support.s3 import S3Server, s3_server  # noqa: F401
 from tests.support.services import launch, service_env, stop, wait_worker
 from tests.support.specs import tiny_spec
-from worker.attempt import DATASET_CHANGED, DATASET_MISSING, StoreOutage, dataset_file
+from worker.attempt import DATASET_CHANGED, DATASET_MISSING, StoreOutage, dataset_file, read_as_stored
 
 pytestmark = pytest.mark.system
 CORPUS = b"the quick brown fox jumps over the lazy dog. " * 60
@@ -148,7 +149,7 @@ def s3_settings(settings: Settings, server: S3Server, tmp_path: Path, monkeypatc
     return settings.model_copy(update=update)
 
 
-def test_a_cached_corpus_keeps_its_key_s_file_name_and_its_entry_is_held_while_open(
+def test_a_cached_corpus_is_read_in_its_keys_format_and_its_entry_is_held_while_open(
     settings,
     s3_server,  # noqa: F811
     tmp_path,
@@ -161,10 +162,13 @@ def test_a_cached_corpus_keeps_its_key_s_file_name_and_its_entry_is_held_while_o
     dataset = DatasetObject("ds_1", "datasets/t/ds_1.jsonl", len(data), hashlib.sha256(data).hexdigest())
     entry = local.cache_dir / "objects" / dataset.sha256
     with dataset_file(local, dataset) as corpus:
-        assert corpus is not None and corpus.name == "ds_1.jsonl"  # its suffix gives the engine its format
-        assert corpus.read_bytes() == data and corpus.resolve() == entry.resolve()
+        assert corpus == entry and corpus.read_bytes() == data
         assert ArtifactCache(local.cache_dir, 0, store).trim() == []  # in use: never evicted
-    assert not corpus.exists() and not entry.exists()  # the link went, then the entry (a budget of 0)
+    assert not entry.exists()  # released, it goes (a budget of 0)
+    spec = JobSpec.model_validate(tiny_spec() | {"data": {"dataset_id": "ds_1"}})
+    assert read_as_stored(spec, dataset).data.format == "jsonl"  # the entry's name has no suffix: the key's
+    given = spec.model_copy(update={"data": spec.data.model_copy(update={"format": "text"})})
+    assert read_as_stored(given, dataset).data.format == "text" and read_as_stored(spec, None) is spec
 
 
 def test_a_store_out_of_reach_past_the_patience_is_an_outage_the_attempt_hands_back(
