@@ -10,6 +10,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tests.engine.test_documents import CHATML
 from tests.engine.test_uploaded_models import save_upload
 from tests.service.test_models import files_in, tar_of
 from tests.service.test_models import upload as upload_model
@@ -18,11 +19,23 @@ from tests.support.net import wait_for
 from tests.support.specs import tiny_spec
 
 
-def finished(client, auth, job_id: str, timeout: float) -> dict:
-    """The job once it succeeded or failed."""
-    return wait_for(
-        lambda: (j := job(client, auth, job_id))["status"] in ("succeeded", "failed") and j, timeout=timeout
-    )
+def succeeded(client, auth, settings, spec: dict, timeout: float = 120) -> tuple[dict, list[tuple[str, dict]]]:
+    """Submit ``spec`` and wait for it: the job, which must have succeeded, and its stored events."""
+    created = client.post("/v1/jobs", json=spec, headers=auth)
+    assert created.status_code == 201, created.text
+    ended = ("succeeded", "failed")
+    done = wait_for(lambda: (j := job(client, auth, created.json()["id"]))["status"] in ended and j, timeout=timeout)
+    assert done["status"] == "succeeded", done["error"]
+    return done, events(settings, done["id"])
+
+
+def log_lines(stored: list[tuple[str, dict]]) -> list[str]:
+    return [payload["message"] for kind, payload in stored if kind == "log"]
+
+
+def tokenized_with_a_mask(lines: list[str]) -> bool:
+    """Whether the job's log says it tokenized its corpus, with some tokens not trained on."""
+    return any(line.startswith("tokenized in ") and "of them trained on" in line for line in lines)
 
 
 def upload(client, auth, filename: str, body: bytes):
@@ -91,22 +104,11 @@ def test_a_job_trains_on_prompt_completion_rows(client, auth, settings, worker):
     dataset = upload(client, auth, "sums.jsonl", sums(20)).json()
     spec = tiny_spec(steps=20) | {"data": {"dataset_id": dataset["id"], "tokenizer": "char"}}
     spec["model"]["seq_len"] = 32
-    created = client.post("/v1/jobs", json=spec, headers=auth)
-    assert created.status_code == 201, created.text
-    done = finished(client, auth, created.json()["id"], timeout=120)
-    assert done["status"] == "succeeded", done["error"]
-    stored = events(settings, done["id"])
-    lines = [payload["message"] for kind, payload in stored if kind == "log"]
-    assert any(line.startswith("tokenized in ") and "of them trained on" in line for line in lines), lines
+    done, stored = succeeded(client, auth, settings, spec)
+    assert tokenized_with_a_mask(log_lines(stored)), log_lines(stored)
     samples = [payload for kind, payload in stored if kind == "sample"]
     assert samples and all(s["prompt"].endswith("=") and "+" in s["prompt"] for s in samples)
     assert done["summary"]["val_loss"] > 0
-
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def test_an_uploaded_model_fine_tunes_on_chats_with_its_chat_template(client, auth, settings, worker, tmp_path):
@@ -129,13 +131,8 @@ def test_an_uploaded_model_fine_tunes_on_chats_with_its_chat_template(client, au
         "train": {"steps": 6, "batch_size": 4, "eval_every": 3, "checkpoint_every": 6},
         "telemetry": {"sample_tokens": 8},
     }
-    created = client.post("/v1/jobs", json=spec, headers=auth)
-    assert created.status_code == 201, created.text
-    done = finished(client, auth, created.json()["id"], timeout=180)
-    assert done["status"] == "succeeded", done["error"]
-    stored = events(settings, done["id"])
-    lines = [p["message"] for kind, p in stored if kind == "log"]
-    assert any(line.startswith("tokenized in ") and "of them trained on" in line for line in lines), lines
+    _, stored = succeeded(client, auth, settings, spec, timeout=180)
+    assert tokenized_with_a_mask(log_lines(stored)), log_lines(stored)
     prompts = {p["prompt"] for kind, p in stored if kind == "sample"}
     assert len(prompts) == 1 and prompts.pop().replace(" ", "").endswith("|>assistant\n")  # the generation prompt
 
@@ -145,11 +142,7 @@ def test_jobs_on_one_dataset_tokenize_it_once_and_its_delete_removes_the_tokens(
     spec = tiny_spec(steps=2) | {"data": {"dataset_id": dataset["id"], "tokenizer": {"type": "bpe", "vocab_size": 512}}}
     logs = []
     for _ in range(2):
-        created = client.post("/v1/jobs", json=spec, headers=auth)
-        assert created.status_code == 201, created.text
-        done = finished(client, auth, created.json()["id"], timeout=120)
-        assert done["status"] == "succeeded", done["error"]
-        logs.append([p["message"] for kind, p in events(settings, done["id"]) if kind == "log"])
+        logs.append(log_lines(succeeded(client, auth, settings, spec)[1]))
     assert "learning a byte-level BPE of 512 tokens from the corpus" in logs[0]
     assert not any("BPE" in line for line in logs[1]) and any(line.startswith("tokenized earlier") for line in logs[1])
     tokens = settings.artifact_dir / "tokens"
