@@ -44,13 +44,13 @@ from contract.documents import file_format
 from contract.spec import JobSpec
 from contract.status import JobStatus
 from worker.engine.checkpoints import checkpoint_path
+from worker.engine.device import device_type
 from worker.engine.early_stop import RungCheck
 from worker.engine.facts import TOKEN_DIR, peak_memory_bytes, vocabulary
 from worker.engine.launch import RankFailed
 from worker.engine.outcome import TrainingError
 from worker.engine.request import RunRequest
 from worker.engine.run import checkpoint_dir, run_job
-from worker.engine.trainer import device_type
 from worker.gang import nnodes_of, run_node, this_node
 from worker.lease import GangBroken, Lease
 from worker.sink import JobSink, LeaseLost

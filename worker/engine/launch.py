@@ -36,10 +36,10 @@ from contract.status import JobStatus
 
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, deliver, encode
 from .config import job_config
+from .device import resolve_device
 from .outcome import NotEnoughGpus, RunResult, TrainingError
 from .request import RunRequest
 from .telemetry import TelemetrySink
-from .trainer import resolve_device
 
 log = logging.getLogger("muonforge.engine")
 RANK_MODULE = "worker.engine.rank"

@@ -16,11 +16,11 @@ import torch
 
 from .channel import ADDRESS_ENV, REPORT_ENV, REPORT_TOKEN_ENV, TOKEN_ENV, RankChannel
 from .config import job_config
+from .device import resolve_device
 from .distributed import join_group, leave_group
 from .outcome import TrainingError
 from .request import RunRequest
 from .run import run_process
-from .trainer import resolve_device
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,12 +16,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import optim
 from contract import metrics
-from contract.spec import TrainSpec
 from contract.status import JobStatus
 
 from .checkpoints import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from .config import JobConfig
 from .data import TokenData, target_loss
+from .device import resolve_device
 from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
 from .models import LanguageModel, build_model
@@ -31,21 +31,6 @@ from .sample import PROMPT_TOKENS, generate
 from .telemetry import Report, TelemetrySink, model_metrics, to_floats
 
 STOPS = (None, "time_limit", "cancel")  # why a run stops before a step (Trainer._stop), by number
-
-
-def device_type(device: str) -> str:
-    """Where a run with ``train.device`` goes on this machine: "cuda" or "cpu"."""
-    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def resolve_device(cfg: TrainSpec, index: int | None = None) -> tuple[torch.device, torch.dtype | None]:
-    """(device, autocast dtype or None for plain fp32); ``index``: the CUDA device of a rank."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device is 'cuda' but no CUDA device is available")
-    kind = device_type(cfg.device)
-    device = torch.device(kind, index) if kind == "cuda" and index is not None else torch.device(kind)
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    return device, torch.bfloat16 if bf16 else None
 
 
 class Trainer:
