@@ -7,6 +7,7 @@ service side use it; the training engine (worker.engine) never does.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from app.storage.base import (
@@ -48,7 +49,14 @@ __all__ = [
 def store_from(settings: Settings) -> ArtifactStore:
     """The store the settings name: S3 for an artifact URL, else the artifact directory."""
     if settings.artifact_url:
-        from app.storage.s3 import S3Store  # obstore loads only where a bucket is configured
-
-        return S3Store.from_url(settings.artifact_url)
+        return bucket(settings.artifact_url)
     return LocalStore(settings.artifact_dir)
+
+
+@lru_cache(maxsize=None)  # noqa: UP033 - functools.cache: this package's cache module holds the name
+def bucket(url: str) -> ArtifactStore:
+    """The S3 store of ``url``, one per process (its client keeps its connections), configured
+    from the environment when first asked for."""
+    from app.storage.s3 import S3Store  # obstore loads only where a bucket is configured
+
+    return S3Store.from_url(url)

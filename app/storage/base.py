@@ -27,8 +27,9 @@ class StoreError(Exception):
     """The artifact store refused an operation (the base of the store's errors)."""
 
 
-class StoreUnavailable(StoreError):
-    """The store could not be reached or answered with a server error: retry later."""
+class StoreUnavailable(StoreError, ConnectionError):
+    """The store could not be reached or answered with a server error: retry later (a
+    ConnectionError, so that the retries and hand-backs of a database outage apply to it too)."""
 
 
 class ObjectNotFound(StoreError):
@@ -117,6 +118,11 @@ class ArtifactStore(Protocol):
         """A streaming writer to a new staging key (bounded memory: multipart for large objects)."""
         ...
 
+    def stage_file(self, path: Path) -> Staged:
+        """The file at ``path`` written under a staging key (a file already in the store's own
+        directory is staged where it is: its key is its path there, and nothing is copied)."""
+        ...
+
     def commit(self, staged: str, final: str) -> None:
         """Make the object at ``staged`` visible at ``final`` (replacing what was there).
 
@@ -150,6 +156,24 @@ class ArtifactStore(Protocol):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under the folder ``prefix`` (whole path segments; empty: everything)."""
         ...
+
+
+def copy_file(writer: StagingWriter, path: Path) -> Staged:
+    """Write the file at ``path`` through ``writer`` (a context it opens and closes); what it staged."""
+    with writer, path.open("rb") as file:
+        while chunk := file.read(CHUNK_BYTES):
+            writer.write(chunk)
+    assert writer.staged is not None
+    return writer.staged
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of the file at ``path``, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_key(key: str) -> str:
@@ -210,6 +234,22 @@ def download_verified(key: str, chunks: Iterable[bytes | memoryview], dest: Path
     finally:
         tmp.unlink(missing_ok=True)
     return dest
+
+
+def verified(key: str, chunks: Iterable[bytes], size: int, sha256: str | None) -> Iterator[bytes]:
+    """The chunks of a whole object, the last one held back until everything read matched the
+    recorded size and sha256 (IntegrityError instead of it, so a reader never gets a complete copy
+    of changed bytes). ``sha256`` None checks the size alone."""
+    digest, total, held = hashlib.sha256(), 0, None
+    for chunk in chunks:
+        if held is not None:
+            yield held
+        digest.update(chunk)
+        total += len(chunk)
+        held = chunk
+    verify(key, total, digest.hexdigest() if sha256 else "", size, sha256 or "")
+    if held is not None:
+        yield held
 
 
 def verify(key: str, size: int, sha256: str, want_size: int, want_sha256: str) -> None:

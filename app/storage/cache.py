@@ -93,16 +93,19 @@ class ArtifactCache:
         return f"ArtifactCache({str(self.directory)!r}, {self.max_bytes}, {self.store!r})"
 
     @contextmanager
-    def open(self, key: str, size: int, sha256: str) -> Iterator[Path]:
+    def open(self, key: str, size: int, sha256: str | None) -> Iterator[Path]:
         """A local file of ``key``'s bytes (``size`` bytes, ``sha256``), kept while the context is open.
 
         A miss downloads through the store's verified fetch: its errors (ObjectNotFound,
-        IntegrityError, StoreUnavailable) pass through, and nothing is cached then.
+        IntegrityError, StoreUnavailable) pass through, and nothing is cached then. ``sha256``
+        None (a row recorded before digests were kept) opens the local store's own file only.
         """
         check_request(key, size, sha256)
         if self.local is not None:
             yield store_file(self.local, key, size)
             return
+        if sha256 is None:
+            raise IntegrityError(f"{key}: no sha256 recorded to verify a copy against")
         self.objects.mkdir(parents=True, exist_ok=True)
         self.locks.mkdir(parents=True, exist_ok=True)
         path = self.objects / sha256
@@ -200,12 +203,13 @@ def cache_from(settings: Settings, store: ArtifactStore) -> ArtifactCache:
     return ArtifactCache(settings.cache_dir, settings.cache_bytes, store)
 
 
-def check_request(key: str, size: int, sha256: str) -> None:
-    """ValueError unless ``key`` is a valid key, ``size`` a byte count and ``sha256`` lowercase hex."""
+def check_request(key: str, size: int, sha256: str | None) -> None:
+    """ValueError unless ``key`` is a valid key, ``size`` a byte count and ``sha256`` lowercase hex
+    (or None)."""
     check_key(key)
     if size < 0:
         raise ValueError(f"{key}: size must be >= 0, got {size}")
-    if not SHA256.fullmatch(sha256):
+    if sha256 is not None and not SHA256.fullmatch(sha256):
         raise ValueError(f"{key}: sha256 must be 64 lowercase hex digits, got {sha256!r}")
 
 

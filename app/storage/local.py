@@ -13,11 +13,14 @@ from app.storage.base import (
     CHUNK_BYTES,
     ObjectInfo,
     ObjectNotFound,
+    Staged,
     StagingWriter,
     check_key,
     check_prefix,
     check_range,
+    copy_file,
     download_verified,
+    file_sha256,
     staging_key,
 )
 
@@ -60,6 +63,14 @@ class LocalStore:
         """A writer to a new staging file."""
         key = staging_key()
         return StagingWriter(key, FileSink(self.path(key)))
+
+    def stage_file(self, path: Path) -> Staged:
+        """A file under ``root`` as it is (its key: its path there), hashed; any other copied in."""
+        try:
+            key = path.resolve().relative_to(self.root.resolve()).as_posix()
+        except ValueError:
+            return copy_file(self.writer(), path)
+        return Staged(check_key(key), path.stat().st_size, file_sha256(path))
 
     def commit(self, staged: str, final: str) -> None:
         """Rename the staging file onto the final key's file (atomic on one filesystem)."""

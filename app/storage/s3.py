@@ -26,6 +26,7 @@ from app.storage.base import (
     IntegrityError,
     ObjectInfo,
     ObjectNotFound,
+    Staged,
     StagingWriter,
     StoreError,
     StoreUnavailable,
@@ -33,6 +34,7 @@ from app.storage.base import (
     check_prefix,
     check_range,
     chunk_bounds,
+    copy_file,
     download_verified,
     staging_key,
 )
@@ -166,6 +168,10 @@ class S3Store:
         """A writer to a new staging object, streamed in parts."""
         key = staging_key()
         return StagingWriter(key, UploadSink(self.store, key, self.part_size, self.concurrency))
+
+    def stage_file(self, path: Path) -> Staged:
+        """Upload the file to a new staging object, in parts."""
+        return copy_file(self.writer(), path)
 
     def commit(self, staged: str, final: str) -> None:
         """Copy the staging object to its final key on the server, then delete the staging one
