@@ -76,6 +76,13 @@ class ServiceUnavailable(DomainError):
     code, status = "service_unavailable", 503
 
 
+class ArtifactChanged(DomainError):
+    """A stored object's bytes are not the ones its row records (changed behind the service's
+    back): the store, upstream of the API, answered with something other than what was stored."""
+
+    code, status = "artifact_changed", 502
+
+
 class RateLimited(DomainError):
     code, status = "rate_limited", 429
 

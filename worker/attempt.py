@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -39,28 +38,28 @@ from app.services.caps import gib
 from app.services.reaper import release_attempt
 from app.services.staged_models import is_staged, staged_directory
 from app.settings import Settings
-from app.storage import ArtifactCache, IntegrityError, ObjectNotFound, StoreUnavailable, cache_from, store_from
-from contract.documents import file_format
-from contract.spec import JobSpec
 from contract.status import JobStatus
-from worker.engine.checkpoints import checkpoint_path
+from worker.artifacts import (
+    InputUnusable,
+    dataset_file,
+    discard_scratch,
+    read_as_stored,
+    restore_checkpoint,
+    run_directory,
+    warm_start_file,
+)
 from worker.engine.device import device_type
 from worker.engine.early_stop import RungCheck
 from worker.engine.facts import TOKEN_DIR, peak_memory_bytes, vocabulary
 from worker.engine.launch import RankFailed
 from worker.engine.outcome import TrainingError
 from worker.engine.request import RunRequest
-from worker.engine.run import checkpoint_dir, run_job
+from worker.engine.run import run_job
 from worker.gang import nnodes_of, run_node, this_node
 from worker.lease import GangBroken, Lease
 from worker.sink import JobSink, LeaseLost
 
 log = logging.getLogger("muonforge.worker")
-DATASET_MISSING = "the file of dataset {dataset_id} is missing from the service's storage; upload the corpus again"
-DATASET_CHANGED = (
-    "the file of dataset {dataset_id} in the service's storage is not the one uploaded (its size or sha256 "
-    "changed since); upload the corpus again"
-)
 EXCEEDS_MEMORY = (
     "this job needs about {needed} of memory at its peak; this worker gives a job {budget} "
     "(MUONFORGE_WORKER_MEMORY_BYTES): lower train.batch_size, model.seq_len or the model's size"
@@ -74,67 +73,10 @@ STAGED_MISSING = (
     "the staged model {model_id} this job starts from is not on the worker that took the job ({where}); the "
     "operators stage the same model directory under MUONFORGE_MODEL_DIR on every worker host"
 )
-INIT_MISSING = (
-    "the checkpoint this job starts from (init_from: job {job_id}, step {step}) is missing from the service's "
-    "storage; submit the job again from another checkpoint"
-)
 INTERNAL_ERROR = (
     "the job stopped on an internal error; the service's operators can find it in the worker log "
     "(job {job_id}, attempt {attempt})"
 )
-
-
-class DatasetUnusable(Exception):
-    """The job's dataset cannot be read as its row records it: the job fails with :attr:`error`."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.error = {"code": code, "message": message}
-
-
-class StoreOutage(ConnectionError):
-    """The artifact store is out of reach (StoreUnavailable): transient, as a database outage is."""
-
-
-@contextmanager
-def dataset_file(settings: Settings, dataset: leases.DatasetObject | None) -> Iterator[Path | None]:
-    """The dataset's file on this host for as long as the context is open (None without a dataset).
-
-    It comes through the worker cache (app.storage.ArtifactCache) in front of the artifact store:
-    with the local artifact dir, the dir's own file; with a bucket, the cache's entry, downloaded
-    and verified on a miss, and pinned (never evicted) while the context is open. A missing object
-    raises DatasetUnusable (``dataset_missing``), one whose size or sha256 is not the row's
-    DatasetUnusable (``dataset_changed``); a store out of reach is tried again for up to the outage
-    patience, then raises StoreOutage (the attempt hands the job back, as after a database outage).
-    """
-    if dataset is None:
-        yield None
-        return
-    cache = cache_from(settings, store_from(settings))
-    with ExitStack() as held:
-        what = f"dataset {dataset.id}: reading it from the artifact store"
-        yield retrying(partial(_open_cached, held, cache, dataset), what, settings.outage_patience_seconds)
-
-
-def _open_cached(held: ExitStack, cache: ArtifactCache, dataset: leases.DatasetObject) -> Path:
-    """The dataset's cache entry, held open by ``held``; the store's errors as the job sees them."""
-    try:
-        return held.enter_context(cache.open(dataset.key, dataset.bytes, dataset.sha256))
-    except ObjectNotFound:
-        raise DatasetUnusable("dataset_missing", DATASET_MISSING.format(dataset_id=dataset.id)) from None
-    except IntegrityError as exc:
-        log.error("dataset %s: %s", dataset.id, exc)
-        raise DatasetUnusable("dataset_changed", DATASET_CHANGED.format(dataset_id=dataset.id)) from None
-    except StoreUnavailable as exc:
-        raise StoreOutage(str(exc)) from exc
-
-
-def read_as_stored(spec: JobSpec, dataset: leases.DatasetObject | None) -> JobSpec:
-    """``spec`` with ``data.format: auto`` resolved to its dataset's format (its key's suffix): a
-    cache entry is named by its sha256 alone, so the engine could not read the format from it."""
-    if dataset is None or spec.data.format != "auto":
-        return spec
-    return spec.model_copy(update={"data": spec.data.model_copy(update={"format": file_format(dataset.key)})})
 
 
 def model_directory(settings: Settings, model_id: str | None, model_path: str | None) -> Path | None:
@@ -187,12 +129,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         message = EXCEEDS_MEMORY.format(needed=gib(needed), budget=gib(settings.worker_memory_bytes))
         error = {"code": "exceeds_worker_memory", "message": message}
         return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
-    init_from = warm_start_file(settings, spec)
-    if init_from is not None and not init_from.is_file() and spec.init_from is not None:
-        message = INIT_MISSING.format(job_id=spec.init_from.job_id, step=spec.init_from.step)
-        error = {"code": "init_checkpoint_missing", "message": message}
-        return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
-    out_dir = settings.artifact_dir / "jobs" / job_id
+    out_dir = run_directory(settings, job_id)
     sink = JobSink(settings, job_id, attempt, progress, summary, spec.train.keep_checkpoints)
     nnodes = nnodes_of(spec)
     with Lease(settings, job_id, attempt, nnodes=nnodes) as lease:
@@ -200,9 +137,11 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         node = this_node(settings, job_id, attempt, 0, lease, nnodes) if nnodes > 1 else None
         try:
             try:
-                with dataset_file(settings, dataset) as corpus:  # held, so kept in the cache, for the whole run
+                # Held, so kept in the cache, for the whole run.
+                with dataset_file(settings, dataset) as corpus, warm_start_file(settings, spec) as init_from:
+                    sink.adopt_checkpoints()
+                    restore_checkpoint(settings, job_id)
                     lease.pulse()  # a download's time is not the run's: the wait for its first step starts now
-                    sink.adopt_checkpoints(checkpoint_dir(out_dir))
                     rungs = rung_check(settings, job_id, claim.rungs) if claim.rungs else None
                     request = RunRequest(
                         read_as_stored(spec, dataset),
@@ -224,7 +163,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                 sink.close()  # the metrics are stored before the outcome
         except LeaseLost:
             return "lease_lost"
-        except DatasetUnusable as exc:
+        except InputUnusable as exc:
             return _finish(settings, job_id, attempt, JobStatus.FAILED, sink.step, sink.summary, exc.error)
         except RankFailed as exc:
             log.warning("job %s: attempt %d lost a process or a node of its group: %s", job_id, attempt, exc)
@@ -250,15 +189,6 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     if result.status == JobStatus.PAUSED:
         return _pause(settings, job_id, attempt, result.steps, result.summary)
     return _finish(settings, job_id, attempt, JobStatus(result.status), result.steps, result.summary, None)
-
-
-def warm_start_file(settings: Settings, spec: JobSpec) -> Path | None:
-    """The checkpoint file a warm-started job loads: its parent's at the step resolved at intake
-    (where the parent's attempts wrote it), or None without ``init_from``."""
-    init = spec.init_from
-    if init is None or init.step is None:
-        return None
-    return checkpoint_path(checkpoint_dir(settings.artifact_dir / "jobs" / init.job_id), init.step)
 
 
 def peak_memory(claim: lifecycle.Claim) -> int | None:
@@ -322,6 +252,7 @@ def _end(
     ended = retrying(end, f"job {job_id}: recording how attempt {attempt} ended", settings.outage_patience_seconds)
     if ended is None:
         return "lease_lost"
+    discard_scratch(settings, job_id)
     log.info("job %s: attempt %d %s", job_id, attempt, ended.status)
     # A sweep's trial: its next trial starts (or a waiting one resumes) now, else at the reaper's pass.
     if ended.sweep_id:

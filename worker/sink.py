@@ -1,11 +1,12 @@
-"""The engine's telemetry sink for a service job.
+"""The engine's telemetry sink for a service job, and where its checkpoints go.
 
 The trainer hands each telemetry step over and goes on: a background thread publishes it to
 the live bus at once (one Redis pipeline for whatever is pending, typically within a few ms)
 and writes the job's metrics to the database every ``telemetry_flush_seconds``, in the same
 transaction as the job's progress and summary (latest loss, val_loss, attn_max_logit, ...).
 Every write of progress is fenced by the attempt number: an attempt that lost its lease learns
-so at its next step.
+so at its next step. Checkpoints go to the artifact store on a thread of their own while training
+goes on; each is recorded once stored (worker.artifacts says where its file is).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +32,31 @@ from app.repositories.jobs import JobRepository
 from app.services.job_journal import record_checkpoint, record_log, record_sample
 from app.services.metric_history import store_metrics
 from app.settings import Settings
+from app.storage import Staged, StoreError, StoreUnavailable, store_from
 from contract import metrics
-from worker.engine.checkpoints import checkpoints_in, load_checkpoint, remove_stale_temp_files, to_prune
+from worker.artifacts import checkpoint_key, is_scratch, run_directory
+from worker.engine.checkpoints import (
+    checkpoint_path,
+    checkpoints_in,
+    load_checkpoint,
+    remove_stale_temp_files,
+    to_prune,
+)
+from worker.engine.run import checkpoint_dir
 from worker.engine.telemetry import Report
 
 log = logging.getLogger("muonforge.worker")
 _FLUSH = object()  # asks the thread to write everything pending now
 MAX_FAILURES = 5  # consecutive failed writes for a reason other than an outage before the attempt fails
+UPLOADS_PENDING = 2  # checkpoints handed over and not yet stored before the next one waits
+
+
+@dataclass
+class Recording:
+    """A checkpoint's recording, carried out on the telemetry thread; ``done`` its outcome."""
+
+    record: Callable[[], None]
+    done: Future[None] = field(default_factory=Future)
 
 
 class LeaseLost(RuntimeError):
@@ -68,11 +91,16 @@ class JobSink:
         self._mark: str | None = None  # the bus position of the last step published
         self._unpublished: list[tuple[int, str]] | None = []  # steps to publish, oldest first (None: no more)
         self._progress: tuple[int, dict[str, float]] | None = None
+        self._next_step = step  # the first telemetry step not yet handed to the bus (where an event goes)
         self._flushed = threading.Event()
         self._error: BaseException | None = None  # ends the attempt
         self._store_error: BaseException | None = None  # the last store failed (an outage): points still buffered
         self._thread = threading.Thread(target=self._run, name=f"telemetry-{job_id}", daemon=True)
         self._thread.start()
+        self.store, self.scratch = store_from(settings), is_scratch(settings)
+        self.directory = checkpoint_dir(run_directory(settings, job_id))  # this host's checkpoint files
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoints-{job_id}")
+        self._uploads: deque[Future[None]] = deque()
 
     # -- the engine's TelemetrySink ------------------------------------------------------------
     def metrics(self, report: Report) -> None:
@@ -81,21 +109,68 @@ class JobSink:
         self._pending.put(report)
 
     def checkpoint(self, step: int, path: Path, nbytes: int, metrics: dict[str, float]) -> None:
-        self.flush()  # the metrics before it are stored first
-        relative = str(path.relative_to(self.settings.artifact_dir))
+        """Hand a checkpoint file over: it goes to the artifact store, and its row to the database,
+        in the background while training goes on. At most UPLOADS_PENDING wait their turn; one more
+        waits for the oldest to be stored (a store slower than the checkpoints holds training back)."""
+        self._raise_if_failed()
+        while len(self._uploads) >= UPLOADS_PENDING:
+            self._uploads.popleft().result()
+        self._uploads.append(self._uploader.submit(self._store_checkpoint, step, path, dict(metrics)))
 
-        def record() -> None:
-            with transaction(self.settings) as session:
-                if not JobRepository(session).record_progress(self.job_id, self.attempt, self.step, self.summary):
-                    raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")  # fenced
-                record_checkpoint(session, self.bus, self.job_id, self.attempt, step, relative, nbytes, metrics)
-                self._prune(session)
+    def _store_checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None:
+        """Stage the file in the store and commit it to its key, then record it in one transaction
+        (fenced): its row, its event and the retention policy. The metrics before it are stored
+        first, so a resumed attempt that starts from it lacks none. A store out of reach is tried
+        again for up to the outage patience (StoreUnavailable after); no database lock is held
+        while the store is waited for.
 
-        self._retrying(record, f"recording checkpoint {step}")
+        With a bucket the key names the attempt: a stale attempt's commit never replaces the
+        object another attempt's row records (with the local store the engine's file is the
+        object, written in place as it has always been)."""
+        patience, what = self.settings.outage_patience_seconds, f"job {self.job_id}: storing checkpoint {step}"
+        staged = retrying(partial(self.store.stage_file, path), what, patience)
+        key = checkpoint_key(self.job_id, step, self.attempt if self.scratch else None)
+        retrying(partial(self.store.commit, staged.key, key), what, patience)
+
+        def record() -> None:  # on the telemetry thread, in order with the steps handed over
+            recorded = Recording(partial(self._record_checkpoint, step, staged, key, metrics))
+            self._pending.put(recorded)
+            while not recorded.done.done():
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"job {self.job_id}: the telemetry thread stopped before checkpoint {step}")
+                wait([recorded.done], timeout=1.0)
+            recorded.done.result()
+
+        try:
+            self._retrying(record, f"recording checkpoint {step}")
+        except LeaseLost:
+            if self.scratch:
+                self._discard([key], [])  # no row names it: the attempt that holds the job writes its own
+            raise
+
+    def _record_checkpoint(self, step: int, staged: Staged, key: str, metrics: dict[str, float]) -> None:
+        """The checkpoint's row, its event and the retention policy, in one transaction (fenced),
+        on the telemetry thread once every step handed over before is published and stored: its
+        event comes after those steps, live and read back from the database alike."""
+        self._store()
+        with transaction(self.settings) as session:
+            if JobRepository(session).held(self.job_id, self.attempt) is None:
+                raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds the lease")  # fenced
+            replaced = CheckpointRepository(session).checkpoint(self.job_id, step)
+            if replaced is not None and replaced.path != key:  # an earlier attempt's, of the same step
+                on_commit(session, partial(self._discard, [replaced.path], []))
+            position = self._next_step
+            record_checkpoint(session, self.bus, self.job_id, self.attempt, step, staged, key, metrics, position)
+            self._prune(session)
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait until every checkpoint handed over is stored (the first failure raised)."""
+        while self._uploads:
+            self._uploads.popleft().result()
 
     def _prune(self, session) -> None:
         """The retention policy (``train.keep_checkpoints``, and every checkpoint a warm start
-        names): rows now, files once committed."""
+        names): rows now, the store's objects and this host's files once committed."""
         repo = CheckpointRepository(session)
         # The job's row, for update, before its warm starts are read: an intake that inserts one
         # holds it shared until that commits, so no checkpoint goes that a new job was admitted on.
@@ -107,44 +182,49 @@ class JobSink:
         if not steps:
             return
         repo.delete_checkpoints(self.job_id, steps)
-        paths = [self.settings.artifact_dir / rows[s].path for s in steps]
+        keys = [rows[s].path for s in steps]
+        files = [checkpoint_path(self.directory, s) for s in steps]
+        on_commit(session, partial(self._discard, keys, files))
 
-        def unlink() -> None:
-            for path in paths:
-                path.unlink(missing_ok=True)
+    def _discard(self, keys: list[str], files: list[Path]) -> None:
+        """Delete pruned checkpoints: the store's objects and this host's files (one and the same
+        with the local store). A store out of reach leaves its objects behind, logged."""
+        for key in keys:
+            try:
+                self.store.delete(key)
+            except StoreError as exc:
+                log.warning("job %s: pruned checkpoint %s stays in the store: %s", self.job_id, key, exc)
+        for path in files:
+            path.unlink(missing_ok=True)
 
-        on_commit(session, unlink)
+    def adopt_checkpoints(self) -> None:
+        """Settle the checkpoint files in this host's run directory that no attempt recorded (an
+        attempt that died, or lost its lease, between writing a checkpoint and recording it). A
+        file past the latest recorded checkpoint and within the stored progress (every metric
+        before it is stored) is stored and recorded, and the attempt resumes from it; any other is
+        deleted: one past the progress, so that the attempt resumes from an earlier one and redoes
+        those steps, their metrics included; one before the latest recorded, as retention would."""
 
-    def adopt_checkpoints(self, directory: Path) -> None:
-        """Settle the checkpoint files in ``directory`` that no attempt recorded (an attempt that
-        died, or lost its lease, between writing a checkpoint and recording it). A file within the
-        stored progress (every metric before it is stored) is recorded, and the attempt resumes
-        from it; a file past it is deleted, so that the attempt resumes from an earlier one and
-        redoes those steps, their metrics included."""
-
-        if removed := remove_stale_temp_files(directory):
+        if removed := remove_stale_temp_files(self.directory):
             log.info("job %s: removed %d temp file(s) of attempts that died mid-write", self.job_id, removed)
 
-        def adopt() -> None:
+        def recorded() -> set[int]:
             with transaction(self.settings) as session:
-                recorded = {c.step for c in CheckpointRepository(session).checkpoints(self.job_id)}
-                for step, path in checkpoints_in(directory):
-                    if step in recorded:
-                        continue
-                    if step > self.step:
-                        log.warning(
-                            "job %s: checkpoint %d is past the stored metrics (%d): redone",
-                            self.job_id,
-                            step,
-                            self.step,
-                        )
-                        path.unlink(missing_ok=True)
-                        continue
-                    nbytes, metrics = path.stat().st_size, load_checkpoint(path, mmap=True).get("last_metrics", {})
-                    relative = str(path.relative_to(self.settings.artifact_dir))
-                    record_checkpoint(session, self.bus, self.job_id, self.attempt, step, relative, nbytes, metrics)
+                return {c.step for c in CheckpointRepository(session).checkpoints(self.job_id)}
 
-        self._retrying(adopt, "adopting checkpoints")
+        steps = retrying(recorded, f"job {self.job_id}: its checkpoints", self.settings.outage_patience_seconds)
+        latest = max(steps, default=-1)
+        for step, path in checkpoints_in(self.directory):
+            if step in steps:
+                continue
+            if step > self.step or step < latest:
+                if step > self.step:
+                    log.warning(
+                        "job %s: checkpoint %d is past the stored metrics (%d): redone", self.job_id, step, self.step
+                    )
+                path.unlink(missing_ok=True)
+                continue
+            self._store_checkpoint(step, path, load_checkpoint(path, mmap=True).get("last_metrics", {}))
 
     def log(self, level: str, message: str) -> None:
         def record() -> None:
@@ -173,11 +253,12 @@ class JobSink:
         self._retrying(record, "recording the parameter routing")
 
     def _retrying(self, fn, what: str) -> None:
-        """``fn`` through a database outage of up to the outage patience (then DatabaseUnavailable)."""
+        """``fn`` through a database or store outage of up to the outage patience (then
+        DatabaseUnavailable, or the store's StoreUnavailable)."""
         try:
             retrying(fn, f"job {self.job_id}: {what}", self.settings.outage_patience_seconds)
         except Exception as exc:
-            if is_transient(exc):
+            if is_transient(exc) and not isinstance(exc, StoreUnavailable):
                 raise DatabaseUnavailable(f"the database was out of reach while {what}: {exc}") from exc
             raise
 
@@ -198,16 +279,21 @@ class JobSink:
             raise self._store_error
 
     def close(self) -> None:
-        """Flush, then stop the thread."""
+        """Store the checkpoints handed over, flush, then stop the threads."""
         try:
+            self.wait_for_checkpoints()
             self.flush()
         finally:
+            self._uploader.shutdown(wait=True, cancel_futures=True)
             self._pending.put(None)
             self._thread.join(timeout=30)
 
     def _raise_if_failed(self) -> None:
+        """The error that ends the attempt, if the telemetry thread or a checkpoint's upload met one."""
         if self._error is not None:
             raise self._error
+        while self._uploads and self._uploads[0].done():
+            self._uploads.popleft().result()
 
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -227,11 +313,9 @@ class JobSink:
                     items.append(self._pending.get_nowait())
                 except queue.Empty:
                     break
-            reports = [item for item in items if isinstance(item, Report)]
             flush, stop = _FLUSH in items, None in items
             try:
-                if reports:
-                    self._publish(reports)
+                self._handle(items)
                 if flush or stop or time.monotonic() >= next_store:
                     next_store = time.monotonic() + flush_every
                     self._store()
@@ -258,6 +342,26 @@ class JobSink:
                 self._flushed.set()
         self._flushed.set()
 
+    def _handle(self, items: list[Any]) -> None:
+        """Publish the reports among ``items`` and carry out their checkpoint recordings, in order
+        (a recording's outcome goes to the thread that waits for it)."""
+        reports: list[Report] = []
+        for item in items:
+            if isinstance(item, Report):
+                reports.append(item)
+            elif isinstance(item, Recording):
+                if reports:
+                    self._publish(reports)
+                    reports = []
+                try:
+                    item.record()
+                except BaseException as exc:
+                    item.done.set_exception(exc)
+                else:
+                    item.done.set_result(None)
+        if reports:
+            self._publish(reports)
+
     def _publish(self, reports: list[Report]) -> None:
         """Into the buffer for the next store, and to the live bus now. If the bus is down or does
         not answer, the events stream reads the database instead: the mark stays at the last step
@@ -268,6 +372,7 @@ class JobSink:
         (readers get them from the database)."""
         self._buffer += [(r.step, r.values) for r in reports]
         self._progress = (reports[-1].completed, reports[-1].summary)
+        self._next_step = reports[-1].step + 1
         if self._unpublished is None:
             return
         self._unpublished += [(r.step, json.dumps(r.values)) for r in reports]

@@ -187,8 +187,9 @@ class Checkpoint(Timestamped, Base):
     id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("ckpt"))
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
-    path: Mapped[str] = mapped_column(String(500))  # relative to MUONFORGE_ARTIFACT_DIR
+    path: Mapped[str] = mapped_column(String(500))  # its key in the artifact store
     bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str | None] = mapped_column(String(64))  # None: a row written before digests were kept
     attempt: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSONDoc, default=dict)  # latest value of each metric then
 

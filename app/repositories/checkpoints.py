@@ -19,15 +19,15 @@ class CheckpointRepository:
         self.session = session
 
     def add_checkpoint(
-        self, job_id: str, attempt: int, step: int, path: str, nbytes: int, metrics: dict[str, float]
+        self, job_id: str, attempt: int, step: int, path: str, nbytes: int, sha256: str, metrics: dict[str, float]
     ) -> None:
         existing = self.checkpoint(job_id, step)
         if existing is None:
-            self.session.add(
-                Checkpoint(job_id=job_id, attempt=attempt, step=step, path=path, bytes=nbytes, metrics=metrics)
-            )
-        else:  # a resumed attempt rewrote the same step: the file is the same path
-            existing.attempt, existing.bytes, existing.metrics = attempt, nbytes, metrics
+            row = Checkpoint(job_id=job_id, attempt=attempt, step=step, path=path, bytes=nbytes, sha256=sha256)
+            row.metrics = metrics
+            self.session.add(row)
+        else:  # a resumed attempt rewrote the same step: the object is at the same key
+            existing.attempt, existing.bytes, existing.sha256, existing.metrics = attempt, nbytes, sha256, metrics
 
     def delete_checkpoints(self, job_id: str, steps: Sequence[int]) -> None:
         self.session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(steps)))

@@ -51,6 +51,12 @@ class JobRepository:
         query = select(Job).where(Job.id == job_id).with_for_update().execution_options(populate_existing=True)
         return self.session.scalars(query).one_or_none()
 
+    def held(self, job_id: str, attempt: int) -> Job | None:
+        """The job's row, locked until the transaction ends, while ``attempt`` still holds it; None
+        once it does not (the fence of a write that is not an update of the row itself)."""
+        job = self.locked(job_id)
+        return job if job is not None and job.status in RUNNING and job.attempt == attempt else None
+
     def page(
         self, tenant_id: str, limit: int, after: str | None, status: str | None, trials: bool | None = None
     ) -> list[Job]:

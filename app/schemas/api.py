@@ -212,6 +212,7 @@ class ModelList(BaseModel):
 class Checkpoint(BaseModel):
     step: int
     bytes: int
+    sha256: str | None = Field(description="The file's sha256 (null for a checkpoint written before they were kept).")
     created_at: datetime
     metrics: dict[str, float] = Field(description="The latest value of every metric when it was written.")
 

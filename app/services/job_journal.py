@@ -26,6 +26,7 @@ from app.repositories.jobs import JobRepository
 from app.repositories.metrics import MetricRepository
 from app.schemas import api as schemas
 from app.services import webhooks
+from app.storage import Staged
 from contract import metrics
 from contract.status import is_finished
 from contract.webhooks import job_event_type
@@ -50,14 +51,17 @@ def record_checkpoint(
     job_id: str,
     attempt: int,
     step: int,
-    path: str,
-    nbytes: int,
+    stored: Staged,
+    key: str,
     metrics: dict[str, float],
+    position: int,
 ) -> None:
-    """Record a checkpoint file (``path`` relative to the artifact dir) written after ``step``
-    steps, with every metric's latest value, and its ``checkpoint`` event."""
-    CheckpointRepository(session).add_checkpoint(job_id, attempt, step, path, nbytes, metrics)
-    _record(session, bus, job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=step)
+    """Record a checkpoint written after ``step`` steps (the store's object at ``key``, of the size
+    and sha256 ``stored``), with every metric's latest value, and its ``checkpoint`` event, which
+    streams before the telemetry step ``position`` (the first step not yet published)."""
+    nbytes = stored.size
+    CheckpointRepository(session).add_checkpoint(job_id, attempt, step, key, nbytes, stored.sha256, metrics)
+    _record(session, bus, job_id, "checkpoint", {"step": step, "bytes": nbytes}, step=position)
 
 
 def record_log(session: Session, bus: LiveBus, job_id: str, level: str, message: str, step: int | None) -> None:

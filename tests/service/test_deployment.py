@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ import redis
 
 from tests.support.compose import SECRETS, load_compose
 from tests.support.net import free_port, wait_for
+from tests.support.s3 import moto_server
 from tests.support.services import PG_ADMIN, ROOT, create_database, drop_database, unavailable
 
 pytestmark = pytest.mark.system  # its tests start processes: the service's, torchrun's or a command's
@@ -61,6 +63,10 @@ def test_the_compose_services_run_as_processes(tmp_path):
     if server is None or shutil.which("redis-cli") is None:
         unavailable("needs redis-server and redis-cli to run the compose file's Redis")
     database, stack = create_database(), Stack(tmp_path)
+    # The bucket of the compose file's MinIO, on moto's S3 server standing in for it.
+    store_server, store_endpoint = moto_server()
+    bucket = urlsplit(services["api"]["environment"]["MUONFORGE_ARTIFACT_URL"]).netloc
+    httpx.put(f"{store_endpoint}/{bucket}", timeout=10).raise_for_status()
     try:
         # Redis, with the password from .env.
         redis_port = free_port()
@@ -94,6 +100,7 @@ def test_the_compose_services_run_as_processes(tmp_path):
             env["MUONFORGE_DATABASE_URL"] = f"{base}/{database}"  # trust auth: the password is not asked for
             env["MUONFORGE_REDIS_URL"] = env["MUONFORGE_REDIS_URL"].replace("@redis:6379", f"@127.0.0.1:{redis_port}")
             env["MUONFORGE_ARTIFACT_DIR"] = str(tmp_path / "artifacts")
+            env["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL"].replace("http://minio:9000", store_endpoint)
             if "MUONFORGE_WORKER_ALIVE_FILE" in env:
                 env["MUONFORGE_WORKER_ALIVE_FILE"] = str(tmp_path / "worker-alive")
             return env
@@ -153,8 +160,13 @@ def test_the_compose_services_run_as_processes(tmp_path):
             return current if current["status"] in ("succeeded", "failed", "cancelled") else None
 
         assert wait_for(finished, timeout=120)["status"] == "succeeded"
+        listed = httpx.get(f"{url}/v1/jobs/{job['id']}/checkpoints", headers=headers).json()["data"]
+        stored = httpx.get(f"{url}/v1/jobs/{job['id']}/checkpoints/5", headers=headers)  # from the bucket
+        assert stored.status_code == 200 and len(stored.content) == listed[0]["bytes"]
+        assert not (tmp_path / "artifacts" / "jobs" / job["id"] / "checkpoints").exists()  # the bucket's alone
     finally:
         stack.stop()
+        store_server.stop()
         drop_database(database)
 
 

@@ -365,7 +365,7 @@ def test_checkpoints_come_a_page_at_a_time(client, settings, auth):
     job_id = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"]
     with transaction(settings) as session:
         for step in (10, 20, 30, 40, 50):
-            CheckpointRepository(session).add_checkpoint(job_id, 1, step, f"jobs/{job_id}/x{step}.pt", 1, {})
+            CheckpointRepository(session).add_checkpoint(job_id, 1, step, f"jobs/{job_id}/x{step}.pt", 1, "0" * 64, {})
     steps, after = [], None
     for _ in range(5):
         params = {"limit": 2, **({"after": after} if after else {})}

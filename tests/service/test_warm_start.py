@@ -28,7 +28,9 @@ def with_checkpoints(client, settings, auth, spec: dict, steps=(10, 20, 30)) -> 
     client.post(f"/v1/jobs/{job_id}/cancel", headers=auth)
     with transaction(settings) as session:
         for step in steps:
-            CheckpointRepository(session).add_checkpoint(job_id, 1, step, f"jobs/{job_id}/checkpoints/{step}.pt", 1, {})
+            CheckpointRepository(session).add_checkpoint(
+                job_id, 1, step, f"jobs/{job_id}/checkpoints/{step}.pt", 1, "0" * 64, {}
+            )
     return job_id
 
 

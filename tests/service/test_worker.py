@@ -151,7 +151,7 @@ def test_a_checkpoint_written_but_not_recorded_is_adopted_by_the_next_attempt(se
     save_checkpoint(directory, 30, {"model": {}, "last_metrics": {"loss": 1.0}})
     for _ in range(2):
         sink = JobSink(settings, created["id"], attempt, 25, {})  # metrics stored up to step 25
-        sink.adopt_checkpoints(directory)
+        sink.adopt_checkpoints()
         sink.close()
     listed = client.get(f"/v1/jobs/{created['id']}/checkpoints", headers=auth).json()["data"]
     assert [(c["step"], c["metrics"]) for c in listed] == [(20, {"loss": 1.25, "val_loss": 1.5})]

@@ -31,7 +31,7 @@ from tests.support.net import wait_for
 from tests.support.s3 import S3Server, s3_server  # noqa: F401
 from tests.support.services import launch, service_env, stop, wait_worker
 from tests.support.specs import tiny_spec
-from worker.attempt import DATASET_CHANGED, DATASET_MISSING, StoreOutage, dataset_file, read_as_stored
+from worker.artifacts import DATASET_CHANGED, DATASET_MISSING, dataset_file, read_as_stored
 
 pytestmark = pytest.mark.system
 CORPUS = b"the quick brown fox jumps over the lazy dog. " * 60
@@ -184,6 +184,6 @@ def test_a_store_out_of_reach_past_the_patience_is_an_outage_the_attempt_hands_b
 
     monkeypatch.setattr(ArtifactCache, "open", unavailable)
     dataset = DatasetObject("ds_2", "datasets/t/ds_2.txt", 3, "0" * 64)
-    with pytest.raises(StoreOutage) as raised, dataset_file(local, dataset):
+    with pytest.raises(StoreUnavailable) as raised, dataset_file(local, dataset):
         pass
     assert is_transient(raised.value)  # run_attempt's "handed_back": the lease lapses, the job is queued again

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
+from app.api import ranges
 from app.api.deps import JobId, Work
 from app.api.routes.jobs import ERRORS
 from app.schemas import api as schemas
 from app.services import checkpoints as service
 from app.services import export
 from app.services.metric_history import MAX_STEP
+from app.storage import store_from
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 
@@ -37,8 +39,9 @@ FILE = {
 }
 
 
-@router.get("/{step}", response_class=FileResponse, responses={**ERRORS, 200: FILE})
+@router.get("/{step}", response_class=StreamingResponse, responses={**ERRORS, 200: FILE, 206: FILE})
 async def download_checkpoint(
+    request: Request,
     job_id: JobId,
     step: Annotated[int, Path(ge=0, le=MAX_STEP)],
     work: Work,
@@ -57,15 +60,28 @@ async def download_checkpoint(
     ] = "pt",
 ):
     """The checkpoint written after `step` optimizer steps, streamed: the file itself, its weights as
-    safetensors, or a transformers model directory as a tar archive (converted on request)."""
-    path = await work(service.checkpoint_file, job_id, step, work.settings)
-    name = f"{job_id}-step{step:08d}"
+    safetensors, or a transformers model directory as a tar archive (converted on request). The
+    file itself honours one `Range` (206; `If-Range` with its ETag, the file's sha256), so an
+    interrupted download resumes where it stopped."""
+    stored = await work(service.checkpoint_object, job_id, step)
     if file_format == "pt":
-        return FileResponse(path, media_type="application/octet-stream", filename=f"{name}.pt")
+        name = f"{job_id}-step{step:08d}.pt"
+        with service.reading(job_id, step):
+            return await run_in_threadpool(
+                ranges.download,
+                store_from(work.settings),
+                stored.key,
+                stored.bytes,
+                stored.sha256,
+                media_type="application/octet-stream",
+                filename=name,
+                range_header=request.headers.get("range"),
+                if_range=request.headers.get("if-range"),
+            )
     convert, media_type, filename = {
-        "safetensors": (export.exported, "application/octet-stream", f"{name}.safetensors"),
-        "hf": (export.exported_hf, "application/x-tar", f"{name}-hf.tar"),
+        "safetensors": (export.exported, "application/octet-stream", f"{job_id}-step{step:08d}.safetensors"),
+        "hf": (export.exported_hf, "application/x-tar", f"{job_id}-step{step:08d}-hf.tar"),
     }[file_format]
-    chunks, size = await run_in_threadpool(convert, path, work.settings.artifact_dir / "exports")
+    chunks, size = await run_in_threadpool(service.exported, work.settings, job_id, step, stored, convert)
     headers = {"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'}
     return StreamingResponse(chunks, media_type=media_type, headers=headers)

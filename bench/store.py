@@ -1,0 +1,158 @@
+"""The artifact store's checkpoint and cache paths, a bucket against the local store, side by side.
+
+    .venv/bin/python bench/store.py [--mb 256] [--rounds 3] [--url s3://bucket/prefix] [--json PATH]
+
+The bucket is moto's S3 server on 127.0.0.1, started here (or, with ``--url``, the one the
+``AWS_*`` variables reach, such as MinIO). Each round times, for each backend, in alternating
+order:
+
+- **save**: what a worker does with a checkpoint of ``--mb`` MB of fp32 tensors: the engine's
+  durable write into the run's directory (``save_checkpoint``: temp file, fsync, rename), then the
+  store's ``stage_file`` and ``commit`` (local: the file is hashed where it is; bucket: uploaded in
+  parts, then copied to its key). "blocked" is the engine's write alone: the time training stops
+  for, since the rest runs on the attempt's upload thread.
+- **restore**: what an attempt resuming on a host does: a bucket's checkpoint is fetched
+  (verified) into a fresh run directory, then loaded; the local store's own file is loaded.
+- **cache hit**: a job opening a cached object and reading it whole: the worker cache's hit
+  path in front of the bucket (flock pin, size check, touch, the entry's file read) against the
+  local store's own file through the same cache (``direct``).
+
+Ratios are bucket / local of the medians (targets: save and restore <= 1.2, cache hit <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import secrets
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from stack import ROOT  # noqa: F401 - puts this checkout on sys.path, for tests.support
+
+from app.storage import ArtifactCache, ArtifactStore, LocalStore
+from app.storage.s3 import S3Store
+from tests.support.s3 import BUCKET, MOTO_ENV, moto_server
+from worker.engine.checkpoints import load_checkpoint, save_checkpoint
+
+
+def payload(mb: int) -> dict:
+    """A checkpoint's payload of ``mb`` MB of fp32 weights in 16 tensors."""
+    per = mb * 2**20 // 4 // 16
+    generator = torch.Generator().manual_seed(0)
+    return {"model": {f"w{i}": torch.randn(per, generator=generator) for i in range(16)}}
+
+
+def save(store: ArtifactStore, run_dir: Path, state: dict, step: int) -> tuple[float, float, str, int, str]:
+    """Seconds blocked (the engine's write) and in all (stored and committed); the key, size, sha256."""
+    start = time.perf_counter()
+    path, _ = save_checkpoint(run_dir / "checkpoints", step, state)
+    blocked = time.perf_counter() - start
+    staged = store.stage_file(path)
+    key = f"bench/{secrets.token_hex(4)}/step_{step:08d}.pt" if isinstance(store, S3Store) else staged.key
+    store.commit(staged.key, key)
+    return blocked, time.perf_counter() - start, key, staged.size, staged.sha256
+
+
+def restore(store: ArtifactStore, key: str, size: int, sha256: str, host_dir: Path) -> float:
+    """Seconds to have the checkpoint loaded on a host: fetched first from a bucket."""
+    start = time.perf_counter()
+    path = store.path(key) if isinstance(store, LocalStore) else store.fetch(key, host_dir / "step.pt", size, sha256)
+    load_checkpoint(path)
+    return time.perf_counter() - start
+
+
+def read_whole(path: Path) -> int:
+    total = 0
+    with path.open("rb", buffering=0) as f:
+        while chunk := f.read(8 * 2**20):
+            total += len(chunk)
+    return total
+
+
+def hit(cache: ArtifactCache, key: str, size: int, sha256: str) -> float:
+    """Seconds to open a cached object and read it whole."""
+    start = time.perf_counter()
+    with cache.open(key, size, sha256) as path:
+        assert read_whole(path) == size
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run(mb: int, rounds: int, bucket: S3Store, work: Path) -> dict:
+    local = LocalStore(work / "artifacts")
+    stores: dict[str, ArtifactStore] = {"local": local, "bucket": bucket}
+    state = payload(mb)
+    times: dict[str, dict[str, list[float]]] = {
+        name: {"blocked": [], "save": [], "restore": [], "hit": []} for name in stores
+    }
+    caches = {
+        "local": ArtifactCache(work / "cache-local", 10 * 2**30, local),
+        "bucket": ArtifactCache(work / "cache-bucket", 10 * 2**30, bucket),
+    }
+    for r in range(rounds):
+        order = list(stores) if r % 2 == 0 else list(reversed(stores))
+        for name in order:
+            store = stores[name]
+            run_dir = (local.root if name == "local" else work / "scratch") / "jobs" / f"r{r}"
+            blocked, total, key, size, sha256 = save(store, run_dir, state, 100)
+            host = Path(tempfile.mkdtemp(dir=work, prefix="host-"))
+            restored = restore(store, key, size, sha256, host)
+            hit(caches[name], key, size, sha256)  # the miss that fills the bucket's cache
+            hits = [hit(caches[name], key, size, sha256) for _ in range(5)]
+            for label, value in (("blocked", blocked), ("save", total), ("restore", restored), ("hit", median(hits))):
+                times[name][label].append(value)
+            print(
+                f"round {r} {name:6s}: blocked {blocked:.3f} s, saved {total:.3f} s ({mb / total:.0f} MB/s), "
+                f"restored {restored:.3f} s, cache hit {median(hits) * 1000:.1f} ms",
+                flush=True,
+            )
+    result = {"mb": mb, "rounds": rounds, "host": platform.processor() or platform.machine()}
+    for label in ("blocked", "save", "restore", "hit"):
+        result[label] = {name: median(times[name][label]) for name in stores}
+        result[label]["ratio"] = result[label]["bucket"] / result[label]["local"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--url", help="s3://bucket/prefix of a running server (default: moto's, started here)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    server = None
+    if args.url:
+        bucket = S3Store.from_url(args.url)
+    else:
+        server, endpoint = moto_server()
+        httpx.put(f"{endpoint}/{BUCKET}", timeout=10).raise_for_status()
+        bucket = S3Store.from_url(f"s3://{BUCKET}/bench", env={**MOTO_ENV, "AWS_ENDPOINT_URL": endpoint})
+    try:
+        with tempfile.TemporaryDirectory(prefix="store-bench-") as work:
+            result = run(args.mb, args.rounds, bucket, Path(work))
+    finally:
+        if server is not None:
+            server.stop()
+    for label, what in (
+        ("blocked", "training blocked"),
+        ("save", "save"),
+        ("restore", "restore"),
+        ("hit", "cache hit"),
+    ):
+        row = result[label]
+        print(f"{what:17s} local {row['local']:.3f} s  bucket {row['bucket']:.3f} s  bucket/local {row['ratio']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""A run's artifacts on this host: the store objects it reads, and where its checkpoints go.
+
+The engine reads and writes plain files; this module puts the artifact store behind them. A run's
+directory (``run_directory``: MUONFORGE_ARTIFACT_DIR/jobs/<id>) holds what the engine writes: its
+checkpoints, metrics.jsonl, samples.jsonl and summary.json. With the local store that directory is
+the store's own, so a checkpoint is stored where the engine wrote it. With a bucket it is this
+host's scratch: checkpoints go up to the bucket in the background (worker.sink), and the latest
+one comes down again when an attempt resumes on a host that lacks it (``restore_checkpoint``).
+
+What a run reads comes through the host's cache (app.storage.ArtifactCache), pinned for as long
+as the run holds it: its dataset (``dataset_file``) and a warm start's checkpoint
+(``warm_start_file``). A store out of reach is tried again for up to the outage patience, then
+its StoreUnavailable (a ConnectionError) reaches the attempt, which hands the job back.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from pathlib import Path
+
+from app.db.session import retrying, transaction
+from app.repositories.checkpoints import CheckpointRepository
+from app.services import leases
+from app.settings import Settings
+from app.storage import ArtifactCache, IntegrityError, LocalStore, ObjectNotFound, cache_from, store_from
+from app.storage.base import file_sha256
+from contract.documents import file_format
+from contract.spec import JobSpec
+from worker.engine.checkpoints import checkpoint_path
+from worker.engine.run import checkpoint_dir
+
+log = logging.getLogger("muonforge.worker")
+JOBS = "jobs"
+DATASET_MISSING = "the file of dataset {dataset_id} is missing from the service's storage; upload the corpus again"
+DATASET_CHANGED = (
+    "the file of dataset {dataset_id} in the service's storage is not the one uploaded (its size or sha256 "
+    "changed since); upload the corpus again"
+)
+INIT_MISSING = (
+    "the checkpoint this job starts from (init_from: job {job_id}, step {step}) is missing from the service's "
+    "storage; submit the job again from another checkpoint"
+)
+INIT_CHANGED = (
+    "the checkpoint this job starts from (init_from: job {job_id}, step {step}) in the service's storage is not "
+    "the one recorded (its size or sha256 changed since); submit the job again from another checkpoint"
+)
+
+
+class InputUnusable(Exception):
+    """A file the run reads cannot be read as its row records it: the job fails with :attr:`error`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.error = {"code": code, "message": message}
+
+
+def run_directory(settings: Settings, job_id: str) -> Path:
+    """Where this host's runs of the job write (the engine's ``out_dir``)."""
+    return settings.artifact_dir / JOBS / job_id
+
+
+def checkpoint_key(job_id: str, step: int, attempt: int | None = None) -> str:
+    """The store key of the job's checkpoint after ``step`` steps: the path of the file the engine
+    writes, relative to the artifact dir (the local store's own), or with a bucket, that of the
+    ``attempt`` which stored it."""
+    path = checkpoint_path(checkpoint_dir(Path(JOBS, job_id)), step)
+    return (path if attempt is None else path.with_suffix(f".{attempt}{path.suffix}")).as_posix()
+
+
+def is_scratch(settings: Settings) -> bool:
+    """Whether run directories are this host's scratch (a bucket holds what is kept), rather than
+    the local store's own directory."""
+    return not isinstance(store_from(settings), LocalStore)
+
+
+def read_as_stored(spec: JobSpec, dataset: leases.DatasetObject | None) -> JobSpec:
+    """``spec`` with ``data.format: auto`` resolved to its dataset's format (its key's suffix): a
+    cache entry is named by its sha256 alone, so the engine could not read the format from it."""
+    if dataset is None or spec.data.format != "auto":
+        return spec
+    return spec.model_copy(update={"data": spec.data.model_copy(update={"format": file_format(dataset.key)})})
+
+
+@contextmanager
+def stored_file(
+    settings: Settings, key: str, size: int, sha256: str | None, missing: InputUnusable, changed: InputUnusable
+) -> Iterator[Path]:
+    """The object's file on this host for as long as the context is open, through the cache: with
+    the local store, the store's own file; with a bucket, the cache's entry, downloaded and
+    verified on a miss, and never evicted while open. A missing object raises ``missing``, one
+    whose size or sha256 is not the row's ``changed``."""
+    cache = cache_from(settings, store_from(settings))
+    with ExitStack() as held:
+        opened = partial(_open_cached, held, cache, key, size, sha256, missing, changed)
+        yield retrying(opened, f"{key}: reading it from the artifact store", settings.outage_patience_seconds)
+
+
+def _open_cached(
+    held: ExitStack,
+    cache: ArtifactCache,
+    key: str,
+    size: int,
+    sha256: str | None,
+    missing: InputUnusable,
+    changed: InputUnusable,
+) -> Path:
+    """The object's cache entry, held open by ``held``; the store's errors as the job sees them."""
+    try:
+        return held.enter_context(cache.open(key, size, sha256))
+    except ObjectNotFound:
+        raise missing from None
+    except IntegrityError as exc:
+        log.error("%s", exc)
+        raise changed from None
+
+
+@contextmanager
+def dataset_file(settings: Settings, dataset: leases.DatasetObject | None) -> Iterator[Path | None]:
+    """The job's dataset on this host while the context is open (None without one); fails the job
+    with ``dataset_missing`` or ``dataset_changed``."""
+    if dataset is None:
+        yield None
+        return
+    missing = InputUnusable("dataset_missing", DATASET_MISSING.format(dataset_id=dataset.id))
+    changed = InputUnusable("dataset_changed", DATASET_CHANGED.format(dataset_id=dataset.id))
+    with stored_file(settings, dataset.key, dataset.bytes, dataset.sha256, missing, changed) as path:
+        yield path
+
+
+@contextmanager
+def warm_start_file(settings: Settings, spec: JobSpec) -> Iterator[Path | None]:
+    """The checkpoint a warm-started job loads (its parent's at the step resolved at intake) while
+    the context is open, or None without ``init_from``; fails the job with
+    ``init_checkpoint_missing`` or ``init_checkpoint_changed``."""
+    init = spec.init_from
+    if init is None or init.step is None:
+        yield None
+        return
+    job_id, step = init.job_id, init.step
+    facts = {"job_id": job_id, "step": step}
+    missing = InputUnusable("init_checkpoint_missing", INIT_MISSING.format(**facts))
+    changed = InputUnusable("init_checkpoint_changed", INIT_CHANGED.format(**facts))
+
+    def row() -> tuple[str, int, str | None] | None:
+        with transaction(settings) as session:
+            found = CheckpointRepository(session).checkpoint(job_id, step)
+            return (found.path, found.bytes, found.sha256) if found is not None else None
+
+    stored = retrying(row, f"job {job_id}: its checkpoint {step}", settings.outage_patience_seconds)
+    if stored is None:
+        raise missing
+    with stored_file(settings, *stored, missing, changed) as path:
+        yield path
+
+
+def restore_checkpoint(settings: Settings, job_id: str) -> int | None:
+    """Put the job's latest stored checkpoint in this host's run directory, where the engine resumes
+    from the latest one; its step, or None when there is none to put (or the run directory is the
+    local store's own). A local file of that step is kept when it has the row's sha256; an object
+    missing from the store or changed there is passed over for the one before it."""
+    if not is_scratch(settings):
+        return None
+    store, patience = store_from(settings), settings.outage_patience_seconds
+
+    def rows() -> list[tuple[int, str, int, str | None]]:
+        with transaction(settings) as session:
+            return [(c.step, c.path, c.bytes, c.sha256) for c in CheckpointRepository(session).checkpoints(job_id)]
+
+    directory = checkpoint_dir(run_directory(settings, job_id))
+    for step, key, size, sha256 in retrying(rows, f"job {job_id}: its checkpoints", patience):
+        if sha256 is None:
+            continue  # recorded before digests were kept: no copy can be verified
+        path = checkpoint_path(directory, step)
+        if path.is_file() and path.stat().st_size == size and file_sha256(path) == sha256:
+            return step
+        try:
+            retrying(
+                partial(store.fetch, key, path, size, sha256), f"job {job_id}: fetching checkpoint {step}", patience
+            )
+        except (ObjectNotFound, IntegrityError) as exc:
+            log.warning("job %s: checkpoint %d cannot be restored from the store: %s", job_id, step, exc)
+            continue
+        log.info("job %s: checkpoint %d restored from the store (%d bytes)", job_id, step, size)
+        return step
+    return None
+
+
+def discard_scratch(settings: Settings, job_id: str) -> None:
+    """Remove this host's copies of the job's checkpoints once its attempt has ended, when the
+    store holds them elsewhere (a bucket); with the local store they are the stored ones."""
+    if is_scratch(settings):
+        shutil.rmtree(checkpoint_dir(run_directory(settings, job_id)), ignore_errors=True)
