@@ -76,6 +76,24 @@ class ServiceUnavailable(DomainError):
     code, status = "service_unavailable", 503
 
 
+class UploadNotPending(Conflict):
+    """A part or a completion of an upload that is completing, completed or cancelled."""
+
+    code = "upload_not_pending"
+
+
+class UploadPartsMismatch(Conflict):
+    """A completion whose parts are not the ones stored (missing, extra, or another sha256)."""
+
+    code = "upload_parts_mismatch"
+
+
+class UploadExpired(DomainError):
+    """An upload past its expiry: its parts are deleted."""
+
+    code, status = "upload_expired", 410
+
+
 class ArtifactChanged(DomainError):
     """A stored object's bytes are not the ones its row records (changed behind the service's
     back): the store, upstream of the API, answered with something other than what was stored."""

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from app.api.limits import Limits
 from app.api.observability import install_metrics
-from app.api.routes import checkpoints, datasets, health, jobs, models, session, sweeps, webhooks
+from app.api.routes import checkpoints, datasets, health, jobs, models, session, sweeps, uploads, webhooks
 from app.errors import install_error_handlers
 from app.messaging.live_bus import LiveReader
 from app.messaging.shared_limits import SharedLimits
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None, reaper: bool = True) -> FastAPI
     app.state.live_reader = None
     app.state.tenant_limits = TenantLimits(settings, SharedLimits(settings.redis_url) if settings.redis_url else None)
     app.state.tenant_threads = TenantThreads(settings.tenant_threads)
-    for module in (jobs, checkpoints, datasets, models, sweeps, webhooks, session, health):
+    for module in (jobs, checkpoints, datasets, models, uploads, sweeps, webhooks, session, health):
         app.include_router(module.router)
     install_web(app)
     install_error_handlers(app)

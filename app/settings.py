@@ -97,6 +97,12 @@ class Settings(BaseSettings):
         description="Largest model upload: the archive, and the sum of the sizes its members declare (more: 413 "
         "for the archive, 422 for its declared contents).",
     )
+    upload_expiry_seconds: float = Field(
+        86400.0,
+        gt=0,
+        description="How long a resumable upload (POST /v1/uploads) waits for its parts and its completion; then "
+        "its parts are deleted and it answers 410.",
+    )
     max_model_members: int = Field(64, ge=1, description="Most members a model archive may hold (more answers 422).")
     tenant_storage_bytes: int = Field(
         10 * 2**30,

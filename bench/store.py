@@ -1,6 +1,7 @@
 """The artifact store's checkpoint and cache paths, a bucket against the local store, side by side.
 
-    .venv/bin/python bench/store.py [--mb 256] [--rounds 3] [--url s3://bucket/prefix] [--json PATH]
+    .venv/bin/python bench/store.py [--part all|checkpoint|upload] [--mb 256] [--rounds 3]
+        [--upload-mb 2048] [--url s3://bucket/prefix] [--json PATH]
 
 The bucket is moto's S3 server on 127.0.0.1, started here (or, with ``--url``, the one the
 ``AWS_*`` variables reach, such as MinIO). Each round times, for each backend, in alternating
@@ -18,6 +19,11 @@ order:
   local store's own file through the same cache (``direct``).
 
 Ratios are bucket / local of the medians (targets: save and restore <= 1.2, cache hit <= 1.05).
+
+``--part upload``: a file of ``--upload-mb`` MB sent through a real API process (one process, the
+local store, a fresh database) by the Python client in 64 MiB parts, 4 at a time, over loopback:
+MB/s of the parts (target >= 200), the completion's time (the dataset's checks and its write),
+and the API's RSS growth over its idle value, sampled every 50 ms (target <= 64 MB).
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import platform
 import secrets
 import statistics
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -37,6 +45,7 @@ from stack import ROOT  # noqa: F401 - puts this checkout on sys.path, for tests
 
 from app.storage import ArtifactCache, ArtifactStore, LocalStore
 from app.storage.s3 import S3Store
+from muonforge import api
 from tests.support.s3 import BUCKET, MOTO_ENV, moto_server
 from worker.engine.checkpoints import load_checkpoint, save_checkpoint
 
@@ -122,13 +131,82 @@ def run(mb: int, rounds: int, bucket: S3Store, work: Path) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--url", help="s3://bucket/prefix of a running server (default: moto's, started here)")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its children (from /proc)."""
+    total = 0
+    for p in [pid, *children(pid)]:
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+    return total
+
+
+def children(pid: int) -> list[int]:
+    try:
+        direct = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return direct + [g for c in direct for g in children(c)]
+
+
+def upload(mb: int, work: Path) -> dict:
+    """MB/s of a file's parts through the API, the completion's seconds and the API's RSS growth."""
+    from muonforge import Client
+    from tests.support.stack import Stack
+
+    path = work / "corpus.txt"
+    line = b"the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
+    block = line * (2**20 // len(line))
+    with path.open("wb") as f:
+        for _ in range(mb):
+            f.write(block)
+    size = path.stat().st_size
+    env = {"MUONFORGE_UPLOAD_LIMIT_BYTES": str(size), "MUONFORGE_TENANT_STORAGE_BYTES": str(4 * size)}
+    with Stack("store_upload", "redis://127.0.0.1:6379/11", env) as stack:
+        url = stack.start_api(processes=1)
+        key = stack.api_key("bench")
+        assert stack.api is not None
+        pid = stack.api.pid
+        time.sleep(1.0)
+        idle = tree_rss(pid)
+        peak, stop = [idle], threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.05):
+                peak.append(tree_rss(pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        with Client(url, key, timeout=600) as client:
+            start = time.perf_counter()
+            created = client._call(api.create_upload("dataset", path.name, size, None))
+            from muonforge.transfer import SharedProgress, parts_of
+
+            shared = SharedProgress(None, size)
+            parts = parts_of(size)
+            with ThreadPoolExecutor(4) as pool:
+                digests = list(pool.map(lambda p: client._send_part(created["id"], path, p, shared), parts))
+            sent = time.perf_counter()
+            done = client._call(api.complete_upload(created["id"], list(enumerate(digests, 1))))
+            completed = time.perf_counter()
+        stop.set()
+        sampler.join()
+        assert done["status"] == "completed"
+    return {
+        "mb": size / 1e6,
+        "parts": len(parts),
+        "parts_mb_s": size / 1e6 / (sent - start),
+        "complete_s": completed - sent,
+        "whole_mb_s": size / 1e6 / (completed - start),
+        "rss_idle_mb": idle / 1e6,
+        "rss_growth_mb": (max(peak) - idle) / 1e6,
+    }
+
+
+def checkpoints(args: argparse.Namespace) -> dict:
+    """The checkpoint and cache paths, a bucket against the local store; prints the table."""
     server = None
     if args.url:
         bucket = S3Store.from_url(args.url)
@@ -150,8 +228,31 @@ def main() -> None:
     ):
         row = result[label]
         print(f"{what:17s} local {row['local']:.3f} s  bucket {row['bucket']:.3f} s  bucket/local {row['ratio']:.3f}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["all", "checkpoint", "upload"], default="all")
+    parser.add_argument("--upload-mb", type=int, default=2048)
+    parser.add_argument("--mb", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--url", help="s3://bucket/prefix of a running server (default: moto's, started here)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = {}
+    if args.part in ("all", "checkpoint"):
+        results["checkpoint"] = checkpoints(args)
+    if args.part in ("all", "upload"):
+        with tempfile.TemporaryDirectory(prefix="store-upload-") as work:
+            up = results["upload"] = upload(args.upload_mb, Path(work))
+        print(
+            f"upload of {up['mb']:,.0f} MB in {up['parts']} parts through the API: parts {up['parts_mb_s']:.0f} MB/s, "
+            f"completion {up['complete_s']:.1f} s (whole {up['whole_mb_s']:.0f} MB/s); API RSS "
+            f"{up['rss_idle_mb']:.0f} MB idle, +{up['rss_growth_mb']:.1f} MB at most"
+        )
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,16 @@ class TrialStatus(StrEnum):
     NOT_STARTED = "not_started"  # could not start (its error says why)
 
 
+class UploadStatus(StrEnum):
+    """A resumable upload: taking parts, being made into its dataset or model, and how it ended."""
+
+    PENDING = "pending"
+    COMPLETING = "completing"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
 # A trial that will not change any more: its job finished, or it never started.
 TRIAL_FINISHED = frozenset(FINISHED | {TrialStatus.NOT_STARTED})
 

@@ -49,6 +49,7 @@ class Call:
     headers: dict[str, str] | None = None
     files: dict[str, Any] | None = None
     data: dict[str, Any] | None = None
+    content: Any = None
     timeout: httpx.Timeout | None = None
     repeat: Repeat = Repeat.SAFE
     answers: tuple[int, ...] = ()
@@ -56,7 +57,7 @@ class Call:
 
     def request(self) -> dict[str, Any]:
         """The keyword arguments of httpx's ``stream()``."""
-        sent = {k: getattr(self, k) for k in ("params", "json", "headers", "files", "data", "timeout")}
+        sent = {k: getattr(self, k) for k in ("params", "json", "headers", "files", "data", "content", "timeout")}
         return {"method": self.method, "url": self.path, **{k: v for k, v in sent.items() if v is not None}}
 
     @property
@@ -166,6 +167,35 @@ def get_model(model_id: str) -> Call:
 def delete_model(model_id: str) -> Call:
     # Not repeated after an unanswered attempt: had it deleted the model, the repeat would answer 404.
     return Call("DELETE", f"/v1/models/{_id(model_id)}", repeat=Repeat.UNSENT)
+
+
+# -- resumable uploads ----------------------------------------------------------------------------
+def create_upload(purpose: str, filename: str, nbytes: int, name: str | None) -> Call:
+    # Not repeated after an unanswered attempt: a repeat would start a second upload.
+    body = {"purpose": purpose, "filename": filename, "bytes": nbytes, **_query(name=name)}
+    return Call("POST", "/v1/uploads", json=body, repeat=Repeat.UNSENT)
+
+
+def get_upload(upload_id: str) -> Call:
+    return Call("GET", f"/v1/uploads/{_id(upload_id)}")
+
+
+def put_part(upload_id: str, number: int, content: Any, nbytes: int) -> Call:
+    # The body is read from the file as it is sent: the client sends the part again itself.
+    headers = {"Content-Type": "application/octet-stream", "Content-Length": str(nbytes)}
+    return Call(
+        "PUT",
+        f"/v1/uploads/{_id(upload_id)}/parts/{int(number)}",
+        content=content,
+        headers=headers,
+        repeat=Repeat.NEVER,
+    )
+
+
+def complete_upload(upload_id: str, parts: list[tuple[int, str]]) -> Call:
+    # Not repeated after an unanswered attempt: the client reads the upload to learn what happened.
+    body = {"parts": [{"number": n, "sha256": sha256} for n, sha256 in parts]}
+    return Call("POST", f"/v1/uploads/{_id(upload_id)}/complete", json=body, repeat=Repeat.UNSENT)
 
 
 # -- webhooks -------------------------------------------------------------------------------------

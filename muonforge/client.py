@@ -16,26 +16,38 @@ in ``muonforge.api``; the methods here only send them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypedDict
 
 import httpx
 
 from contract.export import EXPORT_FILE, FORMATS
+from contract.status import UploadStatus
 from muonforge import api
 from muonforge.api import ACTIVE, FINISHED, STATUSES, Call, Event, SseParser
-from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError
+from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError, RateLimited, ServerError
+from muonforge.errors import NotFound as NotFoundError
 from muonforge.retry import NO_RETRY, Attempts, Retry
 from muonforge.transfer import (
+    PART_BYTES,
     Download,
+    Part,
     Progress,
+    SharedProgress,
+    UploadState,
     extract_export,
     open_model_upload,
     open_upload,
+    part_chunks,
+    part_sha256,
+    parts_of,
     write_export_config,
 )
 
@@ -237,6 +249,9 @@ class Client(ClientBase):
         """Upload a corpus: UTF-8 text, .jsonl rows or .parquet by its file name (a path, or a
         binary file read from its start); ``progress(done, total)`` is called in bytes as it is
         sent. Returns the Dataset."""
+        if isinstance(file, str | os.PathLike) and os.path.getsize(file) > PART_BYTES:
+            done = self.upload_in_parts(file, "dataset", name, progress)
+            return self.get_dataset(done["dataset_id"])
         with open_upload(file, progress) as (filename, reader):
             return self._call(api.upload_dataset(filename, reader, name or filename))
 
@@ -260,8 +275,91 @@ class Client(ClientBase):
         fly) or a .tar, .tar.gz or .zip of one, sent as it is. It needs config.json and safetensors
         weights; ValidationError (``file``) says what the server refused. ``progress(done, total)``
         is called in bytes as it is sent. Returns the Model, with its sizes and config."""
+        if Path(path).is_file() and Path(path).stat().st_size > PART_BYTES:
+            done = self.upload_in_parts(path, "model", name, progress)
+            return self.get_model(done["model_id"])
         with open_model_upload(path, progress) as (filename, reader):
             return self._call(api.upload_model(filename, reader, name or Path(path).name))
+
+    # -- resumable uploads ------------------------------------------------------------------------
+    def upload_in_parts(
+        self,
+        path: str | os.PathLike,
+        purpose: str,
+        name: str | None = None,
+        progress: Progress | None = None,
+        *,
+        part_size: int = PART_BYTES,
+        parallel: int = 4,
+    ) -> Json:
+        """Upload a file as a dataset or a model (``purpose``) in parts of ``part_size`` bytes,
+        ``parallel`` at a time, each checked against the sha256 the server computed and sent again
+        when it differs or fails. An upload of the same file that stopped before its end (the
+        same path, size and modification time, to this server) is resumed: the parts the server
+        holds with this file's bytes are not sent again. Returns the completed Upload, with its
+        ``dataset_id`` or ``model_id``."""
+        path = Path(path)
+        size, state = path.stat().st_size, UploadState(self.url, path, purpose)
+        upload = self._resumable(state)
+        if upload is None:
+            upload = self._call(api.create_upload(purpose, path.name, size, name or path.name))
+            state.remember(upload["id"])
+        received = {p["number"]: p for p in upload["parts"]}
+        shared = SharedProgress(progress, size)
+
+        def send(part: Part) -> str:
+            have = received.get(part.number)
+            if have is not None and have["bytes"] == part.length and part_sha256(path, part) == have["sha256"]:
+                shared.add(part.length)
+                return have["sha256"]
+            return self._send_part(upload["id"], path, part, shared)
+
+        with ThreadPoolExecutor(max(1, parallel)) as pool:
+            digests = list(pool.map(send, parts_of(size, part_size)))
+        done = self._call(api.complete_upload(upload["id"], list(enumerate(digests, 1))))
+        state.forget()
+        return done
+
+    def _send_part(self, upload_id: str, path: Path, part: Part, shared: SharedProgress) -> str:
+        """PUT one part, read from the file as it goes; sent again (up to the retry policy's count)
+        after a failure that may be passing or an answer whose sha256 is not the bytes read."""
+        for attempt in range(self.retry.max_retries + 1):
+            digest, sent = hashlib.sha256(), shared.counter()
+            chunks = part_chunks(path, part, digest, sent.add)
+            try:
+                answer = self._call(api.put_part(upload_id, part.number, chunks, part.length))
+            except (ConnectionFailed, ServerError, RateLimited):
+                sent.undo()
+                if attempt == self.retry.max_retries:
+                    raise
+                self._sleep(min(self.retry.backoff * 2**attempt, self.retry.max_backoff))
+                continue
+            if answer["sha256"] == digest.hexdigest():
+                return answer["sha256"]
+            sent.undo()  # changed on the way: sent again
+        raise MuonforgeError(f"part {part.number} of {path} did not arrive intact in {attempt + 1} tries")
+
+    def get_upload(self, upload_id: str) -> Json:
+        """A resumable upload: its status and the parts the server holds."""
+        return self._call(api.get_upload(upload_id))
+
+    def _resumable(self, state: UploadState) -> Json | None:
+        """The pending upload ``state`` remembers, if the server still has it."""
+        upload_id = state.upload_id()
+        if upload_id is None:
+            return None
+        try:
+            upload = self.get_upload(upload_id)
+        except NotFoundError:
+            upload = None
+        if (
+            upload is None
+            or upload["status"] != UploadStatus.PENDING
+            or parse_time(upload["expires_at"]) <= time.time() + 60
+        ):
+            state.forget()
+            return None
+        return upload
 
     def list_models(self, page_size: int = PAGE_SIZE) -> Iterator[Json]:
         return self._each(lambda after: api.models_page(page_size, after))
@@ -366,3 +464,8 @@ class Client(ClientBase):
             if not body["has_more"]:
                 return
             after = body["next_after"]
+
+
+def parse_time(value: str) -> float:
+    """An API timestamp (ISO 8601) as Unix time."""
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()

@@ -6,6 +6,7 @@ AsyncClient.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -13,8 +14,10 @@ import re
 import shutil
 import tarfile
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -170,3 +173,101 @@ def extract_export(archive: Path, directory: Path) -> list[Path]:
             part.replace(path)
             written.append(path)
     return written
+
+
+# -- resumable uploads in parts -----------------------------------------------------------------
+PART_BYTES = 64 * 2**20  # the server's largest part: files larger than one go up in parts
+READ_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of a file: its number (from 1), where it starts and its length."""
+
+    number: int
+    offset: int
+    length: int
+
+
+def parts_of(size: int, part_size: int = PART_BYTES) -> list[Part]:
+    """A file of ``size`` bytes cut into parts of ``part_size`` (the last one shorter)."""
+    return [Part(n, offset, min(part_size, size - offset)) for n, offset in enumerate(range(0, size, part_size), 1)]
+
+
+def part_chunks(path: Path, part: Part, digest: hashlib._Hash, sent: Callable[[int], None]) -> Iterator[bytes]:
+    """The part's bytes read from the file in chunks, each added to ``digest`` and counted by ``sent``."""
+    with path.open("rb") as f:
+        f.seek(part.offset)
+        left = part.length
+        while left and (chunk := f.read(min(READ_BYTES, left))):
+            left -= len(chunk)
+            digest.update(chunk)
+            sent(len(chunk))
+            yield chunk
+
+
+def part_sha256(path: Path, part: Part) -> str:
+    """The sha256 of the part's bytes in the file."""
+    digest = hashlib.sha256()
+    for _ in part_chunks(path, part, digest, lambda n: None):
+        pass
+    return digest.hexdigest()
+
+
+class UploadState:
+    """Where an interrupted upload of a file is remembered, so that the next upload of the same file
+    (the same path, size and modification time, to the same server, for the same purpose) resumes
+    it: a small JSON file under ``$XDG_CACHE_HOME/muonforge/uploads`` (``~/.cache`` by default)."""
+
+    def __init__(self, server: str, path: Path, purpose: str) -> None:
+        st = path.stat()
+        identity = f"{server}\n{path.resolve()}\n{st.st_size}\n{st.st_mtime_ns}\n{purpose}"
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        self.file = cache / "muonforge" / "uploads" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+
+    def upload_id(self) -> str | None:
+        try:
+            return str(json.loads(self.file.read_text())["upload_id"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def remember(self, upload_id: str) -> None:
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        self.file.write_text(json.dumps({"upload_id": upload_id}))
+
+    def forget(self) -> None:
+        self.file.unlink(missing_ok=True)
+
+
+class SharedProgress:
+    """``progress(done, total)`` for parts sent from several threads: their bytes added up."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self._progress, self.total, self.done = progress, total, 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            if self._progress is not None:
+                self._progress(self.done, self.total)
+
+    def counter(self) -> PartProgress:
+        """A part's share, to take back if the part is sent again."""
+        return PartProgress(self)
+
+
+class PartProgress:
+    """The bytes of one send of a part, counted into the shared progress."""
+
+    def __init__(self, shared: SharedProgress) -> None:
+        self.shared, self.sent = shared, 0
+
+    def add(self, nbytes: int) -> None:
+        self.sent += nbytes
+        self.shared.add(nbytes)
+
+    def undo(self) -> None:
+        """Take this send's bytes back (the part goes again)."""
+        self.shared.add(-self.sent)
+        self.sent = 0

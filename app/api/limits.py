@@ -25,11 +25,13 @@ from app.errors import DomainError, Unauthorized, error_response
 from app.services.auth import MISSING_KEY, KeyCache, TenantRef, bearer_digest, cached_tenant
 from app.services.quotas import TenantLimits
 from app.settings import Settings
+from app.storage.base import MAX_PART_BYTES
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 SIGN_IN = "/v1/session"  # its body is the key: bounded, not authenticated beforehand
 UPLOAD_PATHS = frozenset({"/v1/datasets"})
 MODEL_UPLOAD_PATH = "/v1/models"  # a model archive: MUONFORGE_MAX_MODEL_BYTES
+UPLOAD_PART_PATH = re.compile(r"^/v1/uploads/[^/]+/parts/[^/]+$")  # one part of a resumable upload
 EVENTS_PATH = re.compile(r"^/v1/jobs/[^/]+/events$")  # a stream: it takes one of the tenant's stream slots
 MULTIPART_SLACK = 64 * 1024  # boundaries, part headers and the form's other fields
 
@@ -50,6 +52,8 @@ class Limits:
             return self.settings.upload_limit_bytes + MULTIPART_SLACK
         if path == MODEL_UPLOAD_PATH:
             return self.settings.max_model_bytes + MULTIPART_SLACK
+        if UPLOAD_PART_PATH.match(path):
+            return MAX_PART_BYTES
         return self.settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -13,7 +13,7 @@ from sqlalchemy import BigInteger, Boolean, Double, ForeignKey, Index, Integer, 
 from sqlalchemy.orm import Mapped, mapped_column
 from sqlalchemy.types import Text
 
-from contract.status import JobStatus, SweepStatus
+from contract.status import JobStatus, SweepStatus, UploadStatus
 from contract.webhooks import DeliveryStatus
 
 from .base import Base, IdColumn, JSONDoc, Timestamped, UTCDateTime, new_id
@@ -60,6 +60,38 @@ class Dataset(Timestamped, Base):
     path: Mapped[str] = mapped_column(String(500))  # relative to MUONFORGE_ARTIFACT_DIR
 
     __table_args__ = (Index("ix_datasets_tenant_id_id", "tenant_id", "id"),)
+
+
+class Upload(Timestamped, Base):
+    """A resumable upload of a dataset or a model in parts (app.services.uploads): what it will be,
+    its declared size, until when its parts are kept, and what it became."""
+
+    __tablename__ = "uploads"
+    id: Mapped[str] = mapped_column(IdColumn, primary_key=True, default=lambda: new_id("upl"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(16))  # dataset | model
+    filename: Mapped[str] = mapped_column(String(200))
+    name: Mapped[str] = mapped_column(String(200))
+    bytes: Mapped[int] = mapped_column(BigInteger)  # declared at creation: the parts must add up to it
+    status: Mapped[str] = mapped_column(String(16), default=UploadStatus.PENDING)  # contract.status.UploadStatus
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    result_id: Mapped[str | None] = mapped_column(String(40), nullable=True)  # the dataset or model made
+
+    __table_args__ = (
+        Index("ix_uploads_tenant_id_id", "tenant_id", "id"),
+        Index("ix_uploads_status_expires_at", "status", "expires_at"),
+    )
+
+
+class UploadPart(Base):
+    """One part of an upload, as stored: its number (from 1), size, sha256 and store key."""
+
+    __tablename__ = "upload_parts"
+    upload_id: Mapped[str] = mapped_column(ForeignKey("uploads.id", ondelete="CASCADE"), primary_key=True)
+    number: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(500))
 
 
 class UploadedModel(Timestamped, Base):

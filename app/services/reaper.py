@@ -22,7 +22,7 @@ from app.messaging.broker import send_train_tasks, train_tasks
 from app.messaging.live_bus import live_bus
 from app.repositories.jobs import JobRepository
 from app.repositories.leases import LeaseRepository
-from app.services import lifecycle, models
+from app.services import lifecycle, models, uploads
 from app.services.datasets import sweep_orphans
 from app.services.sweeps import advance_running
 from app.settings import Settings
@@ -83,7 +83,8 @@ def reap_once(settings: Settings) -> int:
 
 def sweep_once(settings: Settings) -> int:
     with transaction(settings) as session:
-        return sweep_orphans(session, settings) + models.sweep_orphans(session, settings)
+        swept = sweep_orphans(session, settings) + models.sweep_orphans(session, settings)
+        return swept + uploads.sweep_expired(session, settings)
 
 
 def run_reaper(settings: Settings, stop: threading.Event) -> None:

@@ -1,0 +1,84 @@
+"""The clients' resumable uploads against a real API process: parts in parallel, an interrupted
+upload resumed where it stopped, and `muonforge datasets upload` of a file larger than one part."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+
+import pytest
+
+from muonforge import Client
+from muonforge.transfer import PART_BYTES, UploadState
+from tests.support.api import new_key
+from tests.support.cli import client_env, command
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    """Where the client remembers interrupted uploads: this test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def corpus(tmp_path, size: int):
+    path = tmp_path / "corpus.txt"
+    line = b"all the world's a stage, and all the men and women merely players\n"
+    path.write_bytes((line * (size // len(line) + 1))[:size])
+    return path
+
+
+def test_a_file_goes_up_in_parallel_parts_and_an_interrupted_upload_resumes(api_url, settings, tmp_path):
+    key = new_key(settings)
+    path = corpus(tmp_path, 1_000_000)
+    seen: list[tuple[int, int | None]] = []
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at_40_percent(done: int, total: int | None) -> None:
+        seen.append((done, total))
+        if done >= 400_000:
+            raise Interrupted
+
+    with Client(api_url, key) as client:
+        with pytest.raises(Interrupted):
+            client.upload_in_parts(path, "dataset", progress=stop_at_40_percent, part_size=65_536, parallel=1)
+        state = UploadState(api_url, path, "dataset")
+        upload_id = state.upload_id()
+        assert upload_id is not None
+        received = client.get_upload(upload_id)
+        assert 0 < len(received["parts"]) < 16
+
+        sent: list[int] = []
+        send = client._send_part
+
+        def counting(upload_id, path, part, shared):
+            sent.append(part.number)
+            return send(upload_id, path, part, shared)
+
+        client._send_part = counting
+        progress: list[int] = []
+        done = client.upload_in_parts(path, "dataset", progress=lambda d, t: progress.append(d), part_size=65_536)
+        assert done["id"] == upload_id and done["status"] == "completed"
+        assert set(sent) == set(range(1, 17)) - {p["number"] for p in received["parts"]}  # only what it lacked
+        assert progress[-1] == 1_000_000 == max(progress)
+        dataset = client.get_dataset(done["dataset_id"])
+        assert dataset["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert state.upload_id() is None  # forgotten once completed
+
+
+def test_the_cli_uploads_a_file_larger_than_a_part(api_url, settings, tmp_path, cache_home):
+    key = new_key(settings)
+    path = corpus(tmp_path, PART_BYTES + 100_000)
+    env = {**client_env(api_url, key), "XDG_CACHE_HOME": str(cache_home)}
+    result = subprocess.run(command("datasets", "upload", path), env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    dataset_id = result.stdout.strip()
+    assert f"uploaded {path} as {dataset_id} ({path.stat().st_size:,} bytes)" in result.stderr
+    with Client(api_url, key) as client:
+        assert client.get_dataset(dataset_id)["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert not any(os.scandir(cache_home / "muonforge" / "uploads"))
