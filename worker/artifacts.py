@@ -8,15 +8,18 @@ host's scratch: checkpoints go up to the bucket in the background (worker.sink),
 one comes down again when an attempt resumes on a host that lacks it (``restore_checkpoint``).
 
 What a run reads comes through the host's cache (app.storage.ArtifactCache), pinned for as long
-as the run holds it: its dataset (``dataset_file``) and a warm start's checkpoint
-(``warm_start_file``). A store out of reach is tried again for up to the outage patience, then
-its StoreUnavailable (a ConnectionError) reaches the attempt, which hands the job back.
+as the run holds it: its dataset (``dataset_file``), a warm start's checkpoint
+(``warm_start_file``) and an uploaded model's files (``model_directory``). A store out of reach
+is tried again for up to the outage patience, then its StoreUnavailable (a ConnectionError)
+reaches the attempt, which hands the job back.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -24,7 +27,8 @@ from pathlib import Path
 
 from app.db.session import retrying, transaction
 from app.repositories.checkpoints import CheckpointRepository
-from app.services import leases
+from app.services import leases, lifecycle
+from app.services.staged_models import is_staged, staged_directory
 from app.settings import Settings
 from app.storage import ArtifactCache, IntegrityError, LocalStore, ObjectNotFound, cache_from, store_from
 from app.storage.base import file_sha256
@@ -43,6 +47,18 @@ DATASET_CHANGED = (
 INIT_MISSING = (
     "the checkpoint this job starts from (init_from: job {job_id}, step {step}) is missing from the service's "
     "storage; submit the job again from another checkpoint"
+)
+MODEL_MISSING = (
+    "the uploaded model {model_id} this job starts from is missing from the service's storage (deleted since "
+    "the job was submitted?); upload it again and submit the job with its new id"
+)
+MODEL_CHANGED = (
+    "the files of the uploaded model {model_id} in the service's storage are not the ones uploaded (a size or "
+    "sha256 changed since); upload it again and submit the job with its new id"
+)
+STAGED_MISSING = (
+    "the staged model {model_id} this job starts from is not on the worker that took the job ({where}); the "
+    "operators stage the same model directory under MUONFORGE_MODEL_DIR on every worker host"
 )
 INIT_CHANGED = (
     "the checkpoint this job starts from (init_from: job {job_id}, step {step}) in the service's storage is not "
@@ -155,6 +171,63 @@ def warm_start_file(settings: Settings, spec: JobSpec) -> Iterator[Path | None]:
         raise missing
     with stored_file(settings, *stored, missing, changed) as path:
         yield path
+
+
+@contextmanager
+def model_directory(
+    settings: Settings, job_id: str, model_id: str | None, model: lifecycle.ModelObjects | None
+) -> Iterator[Path | None]:
+    """The directory of the model the job starts from on this host, while the context is open (None
+    without a model): a staged model's under this worker's MUONFORGE_MODEL_DIR; an upload's, the
+    local store's own directory, or with a bucket a directory of links to its files in the host's
+    cache (each downloaded and verified on a miss, and held while open). A model not here fails the
+    job with ``model_missing``, an upload's file changed in the store with ``model_changed``."""
+    if model_id is None:
+        yield None
+        return
+    missing = InputUnusable("model_missing", model_missing(settings, model_id))
+    if is_staged(model_id):
+        directory = staged_directory(settings, model_id)
+        if directory is None or not (directory / "config.json").is_file():
+            raise missing
+        yield directory
+        return
+    if model is None:
+        raise missing
+    if not is_scratch(settings):
+        directory = settings.artifact_dir / model.path
+        if not directory.is_dir():
+            raise missing
+        yield directory
+        return
+    if not model.files:
+        raise missing  # recorded before its files' digests were kept: no copy can be verified
+    changed = InputUnusable("model_changed", MODEL_CHANGED.format(model_id=model_id))
+    links = run_directory(settings, job_id) / f"model-{secrets.token_hex(4)}"
+    links.mkdir(parents=True)
+    try:
+        with ExitStack() as held:
+            for name, (size, sha256) in model.files.items():
+                path = held.enter_context(stored_file(settings, f"{model.path}/{name}", size, sha256, missing, changed))
+                (links / name).symlink_to(path)
+            yield links
+    finally:
+        shutil.rmtree(links, ignore_errors=True)
+
+
+def model_missing(settings: Settings, model_id: str) -> str:
+    """Why the job's model is not here (``model_missing``), and what to do; a staged model's host
+    and path go to this worker's log alone."""
+    if not is_staged(model_id):
+        return MODEL_MISSING.format(model_id=model_id)
+    directory = staged_directory(settings, model_id)
+    if directory is None:
+        where = "its MUONFORGE_MODEL_DIR is not set"
+    else:
+        where = f"its MUONFORGE_MODEL_DIR has no {directory.name} directory with a config.json"
+    if directory is None or not (directory / "config.json").is_file():
+        log.warning("staged model %s is not on %s: %s (%s)", model_id, socket.gethostname(), where, directory)
+    return STAGED_MISSING.format(model_id=model_id, where=where)
 
 
 def restore_checkpoint(settings: Settings, job_id: str) -> int | None:

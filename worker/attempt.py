@@ -20,12 +20,10 @@ and a task that finds the job running takes one of its other nodes instead.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -36,13 +34,13 @@ from app.services import leases, lifecycle, sweeps
 from app.services.asha import record_rung, rung_outcome
 from app.services.caps import gib
 from app.services.reaper import release_attempt
-from app.services.staged_models import is_staged, staged_directory
 from app.settings import Settings
 from contract.status import JobStatus
 from worker.artifacts import (
     InputUnusable,
     dataset_file,
     discard_scratch,
+    model_directory,
     read_as_stored,
     restore_checkpoint,
     run_directory,
@@ -65,45 +63,10 @@ EXCEEDS_MEMORY = (
     "(MUONFORGE_WORKER_MEMORY_BYTES): lower train.batch_size, model.seq_len or the model's size"
 )
 OUT_OF_MEMORY = "the run ran out of the accelerator's memory: lower train.batch_size, model.seq_len or the model's size"
-MODEL_MISSING = (
-    "the uploaded model {model_id} this job starts from is missing from the service's storage (deleted since "
-    "the job was submitted?); upload it again and submit the job with its new id"
-)
-STAGED_MISSING = (
-    "the staged model {model_id} this job starts from is not on the worker that took the job ({where}); the "
-    "operators stage the same model directory under MUONFORGE_MODEL_DIR on every worker host"
-)
 INTERNAL_ERROR = (
     "the job stopped on an internal error; the service's operators can find it in the worker log "
     "(job {job_id}, attempt {attempt})"
 )
-
-
-def model_directory(settings: Settings, model_id: str | None, model_path: str | None) -> Path | None:
-    """The directory of the model the job starts from, on this host: an upload's under the artifact
-    dir (``model_path``, from its row), a staged one's under this worker's own MUONFORGE_MODEL_DIR.
-    None without a model, or where its directory (with a staged model's config.json) is not here."""
-    if model_id is None:
-        return None
-    if is_staged(model_id):
-        directory = staged_directory(settings, model_id)
-        return directory if directory is not None and (directory / "config.json").is_file() else None
-    directory = settings.artifact_dir / model_path if model_path else None
-    return directory if directory is not None and directory.is_dir() else None
-
-
-def model_missing(settings: Settings, model_id: str) -> str:
-    """Why the job's model is not here (``model_missing``), and what to do; a staged model's host
-    and path go to this worker's log alone."""
-    if not is_staged(model_id):
-        return MODEL_MISSING.format(model_id=model_id)
-    directory = staged_directory(settings, model_id)
-    if directory is None:
-        where = "its MUONFORGE_MODEL_DIR is not set"
-    else:
-        where = f"its MUONFORGE_MODEL_DIR has no {directory.name} directory with a config.json"
-    log.warning("staged model %s is not on %s: %s (%s)", model_id, socket.gethostname(), where, directory)
-    return STAGED_MISSING.format(model_id=model_id, where=where)
 
 
 def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
@@ -119,10 +82,6 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
     log.info("job %s: attempt %d started by %s", job_id, attempt, owner)
 
     model_id = spec.model.hf.model_id if spec.model.hf is not None else None
-    model_dir = model_directory(settings, model_id, claim.model_path)
-    if model_id is not None and model_dir is None:
-        error = {"code": "model_missing", "message": model_missing(settings, model_id)}
-        return _finish(settings, job_id, attempt, JobStatus.FAILED, progress, summary, error)
     if needed is not None and needed > settings.worker_memory_bytes:
         # The API admitted it under its own budget; this worker is smaller. Failing with the figures
         # beats starting a run that the kernel's OOM killer ends, again at every restart.
@@ -138,7 +97,11 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
         try:
             try:
                 # Held, so kept in the cache, for the whole run.
-                with dataset_file(settings, dataset) as corpus, warm_start_file(settings, spec) as init_from:
+                with (
+                    dataset_file(settings, dataset) as corpus,
+                    warm_start_file(settings, spec) as init_from,
+                    model_directory(settings, job_id, model_id, claim.model) as model_dir,
+                ):
                     sink.adopt_checkpoints()
                     restore_checkpoint(settings, job_id)
                     lease.pulse()  # a download's time is not the run's: the wait for its first step starts now

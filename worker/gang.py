@@ -24,7 +24,14 @@ from app.db.session import retrying, transaction
 from app.services import leases
 from app.settings import Settings
 from contract.spec import JobSpec
-from worker.artifacts import dataset_file, read_as_stored, restore_checkpoint, run_directory, warm_start_file
+from worker.artifacts import (
+    dataset_file,
+    model_directory,
+    read_as_stored,
+    restore_checkpoint,
+    run_directory,
+    warm_start_file,
+)
 from worker.engine.facts import TOKEN_DIR
 from worker.engine.launch import Meeting, Node
 from worker.engine.request import RunRequest
@@ -105,21 +112,19 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
     if joined is None:
         return "skipped"  # a redelivery, a finished job, a full gang
     attempt, index, spec = joined.attempt, joined.node, joined.spec
-    # run_attempt calls this module: imported once both are loaded
-    from worker.attempt import model_directory, model_missing
-
     model_id = spec.model.hf.model_id if spec.model.hf is not None else None
-    model_dir = model_directory(settings, model_id, joined.model_path)
     log.info("job %s: attempt %d: node %d joined by %s", job_id, attempt, index, owner)
 
     out_dir = run_directory(settings, job_id)
     with Lease(settings, job_id, attempt, node=index, owner=owner) as lease:
         node = this_node(settings, job_id, attempt, index, lease, nnodes_of(spec))
         try:
-            if model_id is not None and model_dir is None:  # this host lacks it: the node leaves, as on an error
-                raise FileNotFoundError(model_missing(settings, model_id))
             # Through this host's cache, held for the whole run; a file it cannot read: the node leaves.
-            with dataset_file(settings, joined.dataset) as corpus, warm_start_file(settings, spec) as init_from:
+            with (
+                dataset_file(settings, joined.dataset) as corpus,
+                warm_start_file(settings, spec) as init_from,
+                model_directory(settings, job_id, model_id, joined.model) as model_dir,
+            ):
                 restore_checkpoint(settings, job_id)  # every node resumes from the same checkpoint
                 run_job(
                     RunRequest(

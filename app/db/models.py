@@ -108,6 +108,9 @@ class UploadedModel(Timestamped, Base):
     sha256: Mapped[str] = mapped_column(String(64))  # of the archive as uploaded
     config: Mapped[dict[str, Any]] = mapped_column(JSONDoc)  # its config.json
     files: Mapped[list[str]] = mapped_column(JSONDoc)  # the directory's file names, sorted
+    # Each file's [size, sha256] as the artifact store holds it (its key: path/name); None for a row
+    # from before they were kept (such a model is read from the local store's directory alone).
+    objects: Mapped[dict[str, list[Any]] | None] = mapped_column(JSONDoc, nullable=True)
     path: Mapped[str] = mapped_column(String(500))  # a directory, relative to MUONFORGE_ARTIFACT_DIR
 
     __table_args__ = (Index("ix_models_tenant_id_id", "tenant_id", "id"),)

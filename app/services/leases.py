@@ -38,7 +38,7 @@ class NodeClaim:
     node: int
     spec: JobSpec
     dataset: DatasetObject | None  # the corpus; None for a builtin corpus
-    model_path: str | None = None  # model.hf.model_id's directory, relative to the artifact dir (None: gone)
+    model: lifecycle.ModelObjects | None = None  # model.hf.model_id's files (None: none, or deleted since)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def join(session: Session, job_id: str, owner: str, lease: timedelta) -> NodeCla
     if job is None:  # the slot is the job's: it is there
         return None
     spec = JobSpec.model_validate(job.spec)
-    return NodeClaim(*claimed, spec, dataset_object(session, job_id), lifecycle.uploaded_model_path(session, job))
+    return NodeClaim(*claimed, spec, dataset_object(session, job_id), lifecycle.uploaded_model(session, job))
 
 
 def publish_meeting(

@@ -47,6 +47,16 @@ class Rungs:
 
 
 @dataclass(frozen=True)
+class ModelObjects:
+    """An uploaded model's directory as the artifact store holds it: its folder's key (``path``,
+    relative to the artifact dir with the local store) and each file's size and sha256 (empty for a
+    row from before they were kept)."""
+
+    path: str
+    files: dict[str, tuple[int, str]]
+
+
+@dataclass(frozen=True)
 class Claim:
     """A new attempt at a job, with what its worker needs to run it."""
 
@@ -58,7 +68,7 @@ class Claim:
     progress: int  # steps completed by earlier attempts
     summary: dict[str, Any]
     rungs: Rungs | None  # a trial of a sweep with ASHA
-    model_path: str | None = None  # model.hf.model_id's directory, relative to the artifact dir (None: gone)
+    model: ModelObjects | None = None  # model.hf.model_id's files (None: none, or deleted since)
 
 
 class Promotion(StrEnum):
@@ -101,16 +111,18 @@ def claim(session: Session, bus: LiveBus, job_id: str, owner: str, lease: timede
         progress=job.progress_step,
         summary=dict(job.summary or {}),
         rungs=Rungs(sweep.id, dict(sweep.asha), sweep.metric) if sweep is not None and sweep.asha else None,
-        model_path=uploaded_model_path(session, job),
+        model=uploaded_model(session, job),
     )
 
 
-def uploaded_model_path(session: Session, job: Job) -> str | None:
-    """The directory of the uploaded model the job starts from, relative to the artifact dir;
-    None without one, or once it was deleted."""
+def uploaded_model(session: Session, job: Job) -> ModelObjects | None:
+    """The store objects of the uploaded model the job starts from; None without one, or once it
+    was deleted."""
     model_id = (job.spec["model"].get("hf") or {}).get("model_id")
     model = ModelRepository(session).get(model_id, job.tenant_id) if model_id else None
-    return model.path if model is not None else None
+    if model is None:
+        return None
+    return ModelObjects(model.path, {name: (size, sha) for name, (size, sha) in (model.objects or {}).items()})
 
 
 def finish(

@@ -15,8 +15,12 @@ config builds (transformers on the meta device: no memory, no weights). Anything
 The row and the directory are stored together as a dataset's row and file are
 (app.services.datasets): the directory is written as ``<id>.part``, the row inserted under the
 tenant's lock (the storage quota, shared with datasets, exact there), then the directory renamed
-to ``<id>`` and removed again if the transaction does not commit. ``sweep_orphans`` removes what
-a process that died midway left behind. An upload that an unfinished job starts from is not deleted
+to ``<id>`` and removed again if the transaction does not commit. With a bucket
+(MUONFORGE_ARTIFACT_URL) each file goes up to ``models/<tenant>/<id>/<file>`` before the lock is
+taken (staged, then committed: no row names them until the row commits), the row records each
+file's size and sha256 (``objects``, what workers verify their copies against), and the API host
+keeps no copy. ``sweep_orphans`` removes what a process that died midway left behind, on disk and
+in the bucket. An upload that an unfinished job starts from is not deleted
 (409 ``model_in_use``); a staged model never is through the API (409 ``conflict``).
 """
 
@@ -27,7 +31,7 @@ import os
 import shutil
 import time
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from sqlalchemy.orm import Session
@@ -40,11 +44,13 @@ from app.repositories.models import ModelRepository
 from app.repositories.tenants import TenantRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
-from app.services.datasets import ORPHAN_AGE_SECONDS, mtime, over_quota
+from app.services.datasets import ORPHAN_AGE_SECONDS, mtime, over_quota, store_reachable
 from app.services.model_archive import CONFIG, TOKENIZER_FILES, extract, fsync_file, gunzipped, write_archive
 from app.services.model_weights import NOT_SHAPES, check_config, check_weights
 from app.services.staged_models import StagedModel, StagedModelMissing, is_staged, staged_model, staged_models
 from app.settings import Settings
+from app.storage import ArtifactStore, LocalStore, StoreError, store_from
+from app.storage.base import file_sha256
 from app.storage.local import sync_directory
 from contract.hf import Shape, normalized
 
@@ -81,10 +87,19 @@ def upload_model(session: Session, tenant: TenantRef, stream: BinaryIO, name: st
         unpacked.unlink(missing_ok=True)
         config = check_config(staging / CONFIG)
         parameters = check_weights(staging, files, config)
-        stored = sum((staging / f).stat().st_size for f in files)
-        for f in files:
-            fsync_file(staging / f)
-        sync_directory(staging)
+        sizes = {f: (staging / f).stat().st_size for f in files}
+        objects: dict[str, list[Any]] = {f: [sizes[f], file_sha256(staging / f)] for f in files}
+        stored = sum(sizes.values())
+        key = str(PurePosixPath(MODELS, tenant.id, model_id))
+        store = store_from(settings)
+        remote = not isinstance(store, LocalStore)
+        if remote:  # the files go up before the lock is taken; until the row commits, nothing names them
+            with store_reachable():
+                put_files(store, staging, key, files)
+        else:
+            for f in files:
+                fsync_file(staging / f)
+            sync_directory(staging)
         tenants.lock([tenant.id])  # exact under concurrent uploads (datasets' too): held until the commit
         used = tenants.stored_bytes(tenant.id)
         if used + stored > quota:
@@ -100,13 +115,18 @@ def upload_model(session: Session, tenant: TenantRef, stream: BinaryIO, name: st
                 sha256=sha256,
                 config=config,
                 files=sorted(files),
-                path=str(Path(MODELS) / tenant.id / model_id),
+                objects=objects,
+                path=key,
             )
         )
-        on_rollback(session, partial(shutil.rmtree, target, ignore_errors=True))
-        os.utime(staging)  # its age counts from here: the sweep leaves it alone while this commits
-        staging.replace(target)
-        sync_directory(parent)
+        if remote:
+            on_rollback(session, partial(delete_files, store, key, files))
+            shutil.rmtree(staging)  # the bucket holds them: no host keeps a copy
+        else:
+            on_rollback(session, partial(shutil.rmtree, target, ignore_errors=True))
+            os.utime(staging)  # its age counts from here: the sweep leaves it alone while this commits
+            staging.replace(target)
+            sync_directory(parent)
     except BaseException:
         archive.unlink(missing_ok=True)
         unpacked.unlink(missing_ok=True)
@@ -229,19 +249,40 @@ def delete_model(session: Session, tenant: TenantRef, model_id: str, settings: S
             param="model_id",
         )
     repo.delete(model)
-    on_commit(session, partial(shutil.rmtree, settings.artifact_dir / model.path, ignore_errors=True))
+    store = store_from(settings)
+    if isinstance(store, LocalStore):
+        on_commit(session, partial(shutil.rmtree, settings.artifact_dir / model.path, ignore_errors=True))
+    else:
+        on_commit(session, partial(delete_files, store, model.path, model.files))
+
+
+def put_files(store: ArtifactStore, directory: Path, key: str, files: list[str]) -> None:
+    """Write each of the directory's ``files`` to the store under ``key/<file>``, staged then committed."""
+    for f in files:
+        staged = store.stage_file(directory / f)
+        store.commit(staged.key, f"{key}/{f}")
+
+
+def delete_files(store: ArtifactStore, key: str, files: list[str]) -> None:
+    """Delete a model's objects; what the store refuses is left to the sweep (logged)."""
+    for f in files:
+        try:
+            store.delete(f"{key}/{f}")
+        except StoreError as exc:
+            log.warning("model file %s/%s stays in the store: %s", key, f, exc)
 
 
 def sweep_orphans(session: Session, settings: Settings, now: float | None = None) -> int:
     """Remove what no row names under the models directory, once older than ORPHAN_AGE_SECONDS;
     returns how many entries went: archives and directories of uploads cut off (``.upload``,
     ``.tar``, ``.part``), and directories whose row was never committed or whose delete committed before
-    its directory went."""
+    its directory went; with a bucket, its models' objects that no row names too."""
+    cutoff = (time.time() if now is None else now) - ORPHAN_AGE_SECONDS
+    removed = sweep_bucket(session, settings, cutoff)
     root = settings.artifact_dir / MODELS
     if not root.is_dir():
-        return 0
-    cutoff = (time.time() if now is None else now) - ORPHAN_AGE_SECONDS
-    repo, removed = ModelRepository(session), 0
+        return removed
+    repo = ModelRepository(session)
     for directory in (d for d in root.iterdir() if d.is_dir()):
         old = [e for e in directory.iterdir() if mtime(e) < cutoff]
         known = repo.existing_ids({e.name for e in old if "." not in e.name})
@@ -256,3 +297,17 @@ def sweep_orphans(session: Session, settings: Settings, now: float | None = None
     if removed:
         log.info("removed %d model upload(s) that no model names", removed)
     return removed
+
+
+def sweep_bucket(session: Session, settings: Settings, cutoff: float) -> int:
+    """With a bucket, delete its model objects (``models/<tenant>/<model id>/<file>``) older than
+    ``cutoff`` whose model has no row; how many."""
+    store = store_from(settings)
+    if isinstance(store, LocalStore):
+        return 0
+    old = [o for o in store.list(MODELS) if o.modified.timestamp() < cutoff and o.key.count("/") == 3]
+    known = ModelRepository(session).existing_ids({o.key.split("/")[2] for o in old})
+    orphans = [o.key for o in old if o.key.split("/")[2] not in known]
+    for key in orphans:
+        store.delete(key)
+    return len(orphans)

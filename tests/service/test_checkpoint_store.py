@@ -26,7 +26,10 @@ from app.main import create_app
 from app.repositories.checkpoints import CheckpointRepository
 from app.settings import Settings
 from app.storage import IntegrityError, LocalStore, ObjectNotFound, store_from
-from app.storage.base import verified
+from app.storage.base import file_sha256, verified
+from tests.engine.test_uploaded_models import save_upload
+from tests.service.test_model_jobs import from_model
+from tests.service.test_models import files_in, tar_of
 from tests.support.api import events, job, new_key
 from tests.support.net import wait_for
 from tests.support.s3 import S3Server, s3_server  # noqa: F401
@@ -293,3 +296,31 @@ def test_a_whole_read_holds_its_last_chunk_back_until_it_is_verified():
 )
 def test_a_range_header_is_read_as_rfc_9110_asks(header, expected):
     assert byte_range(header, 100) == expected
+
+
+def test_an_uploaded_model_reaches_a_worker_through_the_bucket(deployment, auth, tmp_path):
+    """A model uploaded to the API goes to the bucket file by file (the API keeps no copy); a worker
+    with nothing of it on disk trains from it through its cache, and the model's delete empties
+    the bucket of it."""
+    client, store = deployment.client, store_from(deployment.settings)
+    worker = deployment.start_worker("modeller")
+    save_upload(tmp_path, "llama")
+    uploaded = client.post("/v1/models", files={"file": ("llama.tar", tar_of(files_in(tmp_path)))}, headers=auth)
+    assert uploaded.status_code == 201, uploaded.text
+    model = uploaded.json()
+    objects = {o.key.rsplit("/", 1)[1]: o for o in store.list("models") if f"/{model['id']}/" in o.key}
+    assert set(objects) == set(model["files"])
+    assert files_under(deployment.settings.artifact_dir / "models") == []  # the bucket is the only copy
+    assert all(
+        hashlib.sha256(b"".join(store.open_range(o.key))).hexdigest() == file_sha256(tmp_path / name)
+        for name, o in objects.items()
+    )
+
+    spec = from_model(model["id"])
+    job_id = client.post("/v1/jobs", json=spec, headers=auth).json()["id"]
+    done = wait_for(lambda: (j := job(client, auth, job_id))["status"] in FINISHED and j, timeout=180)
+    assert done["status"] == "succeeded", done
+    cached = {p.name for p in (worker.home / "cache" / "objects").iterdir()}
+    assert {file_sha256(tmp_path / name) for name in objects} <= cached  # each file came through the cache
+    assert client.delete(f"/v1/models/{model['id']}", headers=auth).status_code == 204
+    assert not [o for o in store.list("models") if f"/{model['id']}/" in o.key]
