@@ -1,7 +1,8 @@
-"""Faults of four kinds under training jobs: no job lost, run twice or failed, no telemetry point
-lost or stored twice, no gap in any follower's event stream.
+"""Faults of four kinds (five with --store moto) under training jobs: no job lost, run twice or
+failed, no telemetry point lost or stored twice, no gap in any follower's event stream.
 
-    .venv/bin/python bench/chaos.py [--jobs 50] [--faults 100] [--seed 0] [--quick] [--json PATH]
+    .venv/bin/python bench/chaos.py [--jobs 50] [--faults 100] [--seed 0] [--quick] [--store moto]
+        [--json PATH]
 
 Setup: a fresh Postgres database (dropped at the end), a redis-server of its own on a free port
 (append-only file, as deployed), one API process and --workers Celery workers, the API and the
@@ -18,7 +19,9 @@ Faults, one at a time, --gap seconds apart (uniform), in an order drawn with --s
   redis     kill -9 of redis-server, restarted on the same port 0.5-3 s later; or a pause
             (SIGSTOP, 2-8 s, then SIGCONT);
   postgres  a restart: the proxy drops every connection and refuses new ones for 1-5 s; and once,
-            an outage of --outage seconds (30).
+            an outage of --outage seconds (30);
+  store     with --store moto (the API and the workers on an S3 bucket of moto's server, started
+            here): the server stopped, and started again on the same port 1-10 s later.
 --faults and --jobs are minimums: faults go on (kinds drawn with the same weights) until --jobs
 jobs have been submitted, and jobs are submitted until --faults faults are done.
 
@@ -26,8 +29,9 @@ Checks, once every job has finished: every job succeeded (else lost; failed ones
 infrastructure: the jobs are valid); no job ran twice and every job's invariants hold
 (stack.check_job); its stored ``loss`` history holds steps 0..N-1 each once; every follower got
 each stored metrics step once, in order, every job event (seq 1..last) once, and a final
-``done``. Prints a table; exits 1 if a target is missed or an invariant fails (logs and
-artifacts are then kept).
+``done``; with a bucket, every checkpoint a job's rows record is in it with its recorded size.
+Prints a table; exits 1 if a target is missed or an invariant fails (logs and artifacts are then
+kept).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -51,7 +56,9 @@ import psycopg
 from faults import RedisServer, TcpProxy
 from stack import FINISHED, PG_ADMIN, Stack, chaos_spec, check_job, free_port, pick_victim, task_outcomes
 
+from app.storage.s3 import S3Store
 from muonforge import AsyncClient, Client, MuonforgeError, Retry
+from tests.support.s3 import BUCKET, MOTO_ENV, moto_server
 
 STEP_BITS = 32  # an event id is seq << 32 | next step (app/services/event_stream.py)
 # The clients wait through a 30 s outage: 120 retries, at most 2 s apart, counted afresh at every event.
@@ -64,21 +71,23 @@ KIND_OF = {
     "redis_pause": "redis",
     "pg_restart": "postgres",
     "pg_outage": "postgres",
+    "store_restart": "store",
 }
+STORE_WEIGHT = 15  # with --store: the share of the store's restarts
 
 
-def plan(rng: random.Random, faults: int):
-    """Fault names: first ``faults`` of them in a random order, shares as WEIGHTS says (at least one
-    of each, one Postgres restart replaced by the outage), then, for as long as asked, more drawn
-    with the same weights (no outage)."""
-    counts = {name: max(1, round(faults * w / sum(WEIGHTS.values()))) for name, w in WEIGHTS.items()}
+def plan(rng: random.Random, faults: int, weights: dict[str, int]):
+    """Fault names: first ``faults`` of them in a random order, shares as ``weights`` says (at least
+    one of each, one Postgres restart replaced by the outage), then, for as long as asked, more
+    drawn with the same weights (no outage)."""
+    counts = {name: max(1, round(faults * w / sum(weights.values()))) for name, w in weights.items()}
     counts["worker_kill"] += faults - sum(counts.values())
     counts["pg_restart"] -= 1
     first = [name for name, n in counts.items() for _ in range(n)] + ["pg_outage"]
     rng.shuffle(first)
     yield from first
     while True:
-        yield rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+        yield rng.choices(list(weights), weights=list(weights.values()))[0]
 
 
 @dataclass
@@ -154,8 +163,18 @@ class Followers:
 class Chaos:
     """The deployment, its faults and its jobs."""
 
-    def __init__(self, stack: Stack, redis_server: RedisServer, proxy: TcpProxy, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        stack: Stack,
+        redis_server: RedisServer,
+        proxy: TcpProxy,
+        args: argparse.Namespace,
+        store: tuple[Any, S3Store] | None = None,
+    ) -> None:
+        """``store``: moto's server and the bucket the API and the workers use (None: the local store)."""
         self.stack, self.redis, self.proxy, self.args = stack, redis_server, proxy, args
+        self.store, self.bucket = store if store is not None else (None, None)
+        self.weights = {**WEIGHTS, "store_restart": STORE_WEIGHT} if store is not None else dict(WEIGHTS)
         self.rng = random.Random(args.seed)
         random.seed(args.seed)  # stack.pick_victim's choice
         self.db = psycopg.connect(stack.db_url, autocommit=True)  # direct, not through the proxy
@@ -225,6 +244,10 @@ class Chaos:
             time.sleep(self.args.outage if name == "pg_outage" else self.rng.uniform(1.0, 5.0))
             self.proxy.restore()
             fault.detail = f"{self.proxy.dropped - dropped} connections dropped"
+        elif name == "store_restart":
+            self.store.stop()
+            time.sleep(self.rng.uniform(1.0, 10.0))
+            self.store.start()
         fault.seconds = time.monotonic() - t0
         return fault
 
@@ -248,7 +271,7 @@ class Chaos:
         """Faults and jobs until both minimums are reached (or --timeout), then the jobs finish
         (--grace); returns the wall time."""
         self.tick(submit=True)
-        names = plan(self.rng, self.args.faults)
+        names = plan(self.rng, self.args.faults, self.weights)
         while len(self.faults) < self.args.faults or len(self.jobs) < self.args.jobs:
             if self.now() > self.args.timeout:
                 print(f"  --timeout: faults stop at {self.now():.0f} s", flush=True)
@@ -321,8 +344,21 @@ def verify(chaos: Chaos) -> Result:
             counts["stream_gaps"] += bool(gap)
             counts["events_received"] += len(chaos.followers.received.get(job_id, []))
             problems += [f"stream: {g}" for g in gap]
+            if chaos.bucket is not None:
+                problems += missing_from_store(chaos, job_id)
             failures += [f"{job_id}: {p}" for p in problems]
     return Result(failures, counts)
+
+
+def missing_from_store(chaos: Chaos, job_id: str) -> list[str]:
+    """The job's recorded checkpoints that are not in the bucket with their recorded size."""
+    rows = chaos.db.execute("SELECT step, path, bytes FROM checkpoints WHERE job_id = %s", (job_id,)).fetchall()
+    problems = []
+    for step, key, size in rows:
+        found = chaos.bucket.stat(key)
+        if found is None or found.size != size:
+            problems.append(f"checkpoint {step}: {'missing from' if found is None else 'another size in'} the bucket")
+    return problems
 
 
 def stream_problems(received: list[tuple[str, str | None, int | None]], steps: list[int], seqs: list[int]) -> list[str]:
@@ -391,8 +427,8 @@ def report(chaos: Chaos, result: Result, wall: float) -> dict:
         (
             "faults",
             len(chaos.faults),
-            f">= {args.faults}, all four kinds",
-            len(chaos.faults) >= args.faults and len(by_kind) == 4,
+            f">= {args.faults}, all {len(set(KIND_OF[n] for n in chaos.weights))} kinds",
+            len(chaos.faults) >= args.faults and len(by_kind) == len({KIND_OF[n] for n in chaos.weights}),
         ),
         ("lost jobs (not succeeded)", c["lost"], "0", c["lost"] == 0),
         ("jobs run twice", c["run_twice"], "0", c["run_twice"] == 0),
@@ -446,6 +482,7 @@ def main() -> int:
     parser.add_argument("--grace", type=float, default=300.0, help="seconds the jobs get to finish after the faults")
     parser.add_argument("--seed", type=int, default=0, help="seeds the faults' order, gaps, lengths and victims")
     parser.add_argument("--quick", action="store_true", help="6 jobs of 400 steps, 12 faults, a 10 s outage")
+    parser.add_argument("--store", choices=["local", "moto"], default="local", help="moto: an S3 bucket, restarted")
     parser.add_argument("--json", type=Path, help="also write the figures and the targets to PATH")
     args = parser.parse_args()
     if args.quick:
@@ -460,6 +497,13 @@ def main() -> int:
         "MUONFORGE_TENANT_RATE_PER_SECOND": "0",
         "MUONFORGE_TENANT_STREAM_CAP": "100000",
     }
+    store_server = store = None
+    if args.store == "moto":
+        store_server, endpoint = moto_server()
+        httpx.put(f"{endpoint}/{BUCKET}", timeout=10).raise_for_status()
+        reach = {**MOTO_ENV, "AWS_ENDPOINT_URL": endpoint}
+        settings |= {**reach, "MUONFORGE_ARTIFACT_URL": f"s3://{BUCKET}/chaos"}
+        store = (store_server, S3Store.from_url(f"s3://{BUCKET}/chaos", env=reach))
     pg = urlsplit(PG_ADMIN)
     proxy = TcpProxy((pg.hostname or "127.0.0.1", pg.port or 5432))
     redis_port = free_port()
@@ -469,7 +513,7 @@ def main() -> int:
         redis_server.start()
         try:
             with stack:
-                chaos = Chaos(stack, redis_server, proxy, args)
+                chaos = Chaos(stack, redis_server, proxy, args, store)
                 try:
                     wall = chaos.run()
                     figures = report(chaos, verify(chaos), wall)
@@ -489,6 +533,8 @@ def main() -> int:
         return 130
     finally:
         proxy.close()
+        if store_server is not None:
+            store_server.stop()
 
 
 if __name__ == "__main__":

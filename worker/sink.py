@@ -59,6 +59,12 @@ class Recording:
     done: Future[None] = field(default_factory=Future)
 
 
+def attempt_of(key: str) -> int:
+    """The attempt that stored a checkpoint object (``step_00000100.2.pt``: 2); 0 for another name."""
+    parts = key.rsplit("/", 1)[-1].split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
+
+
 class LeaseLost(RuntimeError):
     """Another attempt owns the job now."""
 
@@ -203,16 +209,20 @@ class JobSink:
         file past the latest recorded checkpoint and within the stored progress (every metric
         before it is stored) is stored and recorded, and the attempt resumes from it; any other is
         deleted: one past the progress, so that the attempt resumes from an earlier one and redoes
-        those steps, their metrics included; one before the latest recorded, as retention would."""
+        those steps, their metrics included; one before the latest recorded, as retention would.
+        With a bucket, the objects of earlier attempts that no row records (an attempt that died
+        between its commit and its row) are deleted from it too."""
 
         if removed := remove_stale_temp_files(self.directory):
             log.info("job %s: removed %d temp file(s) of attempts that died mid-write", self.job_id, removed)
 
-        def recorded() -> set[int]:
+        def recorded() -> dict[int, str]:
             with transaction(self.settings) as session:
-                return {c.step for c in CheckpointRepository(session).checkpoints(self.job_id)}
+                return {c.step: c.path for c in CheckpointRepository(session).checkpoints(self.job_id)}
 
         steps = retrying(recorded, f"job {self.job_id}: its checkpoints", self.settings.outage_patience_seconds)
+        if self.scratch:
+            self._drop_unrecorded(set(steps.values()))
         latest = max(steps, default=-1)
         for step, path in checkpoints_in(self.directory):
             if step in steps:
@@ -225,6 +235,20 @@ class JobSink:
                 path.unlink(missing_ok=True)
                 continue
             self._store_checkpoint(step, path, load_checkpoint(path, mmap=True).get("last_metrics", {}))
+
+    def _drop_unrecorded(self, recorded: set[str]) -> None:
+        """Delete the bucket's checkpoints of this job that earlier attempts committed and no row
+        records (this attempt holds the job: the earlier ones are dead or fenced)."""
+        prefix = checkpoint_key(self.job_id, 0).rsplit("/", 1)[0]
+        listed = retrying(
+            lambda: [o.key for o in self.store.list(prefix)],
+            f"job {self.job_id}: listing its stored checkpoints",
+            self.settings.outage_patience_seconds,
+        )
+        orphans = [key for key in listed if key not in recorded and attempt_of(key) < self.attempt]
+        if orphans:
+            log.info("job %s: deleting %d checkpoint(s) stored but never recorded", self.job_id, len(orphans))
+            self._discard(orphans, [])
 
     def log(self, level: str, message: str) -> None:
         def record() -> None:

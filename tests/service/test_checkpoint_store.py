@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.ranges import byte_range
+from app.db.models import Job
 from app.db.session import transaction
 from app.main import create_app
+from app.messaging.live_bus import NoBus
 from app.repositories.checkpoints import CheckpointRepository
+from app.services import lifecycle
+from app.services.job_journal import record_checkpoint
 from app.settings import Settings
-from app.storage import IntegrityError, LocalStore, ObjectNotFound, store_from
+from app.storage import IntegrityError, LocalStore, ObjectNotFound, Staged, store_from
 from app.storage.base import file_sha256, verified
 from tests.engine.test_uploaded_models import save_upload
 from tests.service.test_model_jobs import from_model
@@ -36,6 +41,7 @@ from tests.support.s3 import S3Server, s3_server  # noqa: F401
 from tests.support.services import launch, service_env, stop, wait_worker
 from tests.support.specs import tiny_spec
 from worker.artifacts import checkpoint_key
+from worker.sink import JobSink
 
 pytestmark = pytest.mark.system
 CORPUS = b"to be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 40
@@ -324,3 +330,32 @@ def test_an_uploaded_model_reaches_a_worker_through_the_bucket(deployment, auth,
     assert {file_sha256(tmp_path / name) for name in objects} <= cached  # each file came through the cache
     assert client.delete(f"/v1/models/{model['id']}", headers=auth).status_code == 204
     assert not [o for o in store.list("models") if f"/{model['id']}/" in o.key]
+
+
+def test_an_attempt_deletes_the_checkpoints_earlier_attempts_stored_and_never_recorded(deployment, auth):
+    """An attempt killed between its commit and its row leaves an object no row names: the next
+    attempt deletes it from the bucket as it starts, and keeps the recorded ones."""
+    client, settings = deployment.client, deployment.settings
+    store = store_from(settings)
+    job_id = client.post("/v1/jobs", json=tiny_spec(), headers=auth).json()["id"]
+    with transaction(settings) as session:
+        first = lifecycle.claim(session, NoBus(), job_id, "test", timedelta(minutes=1)).attempt
+    put_object(store, checkpoint_key(job_id, 10, first), b"recorded")
+    put_object(store, checkpoint_key(job_id, 20, first), b"never recorded")
+    with transaction(settings) as session:
+        staged = Staged("x", 8, hashlib.sha256(b"recorded").hexdigest())
+        record_checkpoint(session, NoBus(), job_id, first, 10, staged, checkpoint_key(job_id, 10, first), {}, 10)
+        session.get(Job, job_id).attempt += 1  # the attempt that holds the job now
+    sink = JobSink(settings, job_id, first + 1, 10, {})
+    try:
+        sink.adopt_checkpoints()
+    finally:
+        sink.close()
+    assert [o.key for o in store.list(f"jobs/{job_id}")] == [checkpoint_key(job_id, 10, first)]
+    client.post(f"/v1/jobs/{job_id}/cancel", headers=auth)
+
+
+def put_object(store: Any, key: str, data: bytes) -> None:
+    with store.writer() as w:
+        w.write(data)
+    store.commit(w.staged.key, key)

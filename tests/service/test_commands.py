@@ -73,6 +73,8 @@ def test_migrations_upgrade_and_downgrade_cleanly():
             "sweep_rungs",
             "job_nodes",
             "models",
+            "uploads",
+            "upload_parts",
             "alembic_version",
         }
         assert tables(name) == expected
