@@ -65,9 +65,13 @@ class RedisBus:
         self._client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT, socket_connect_timeout=REDIS_TIMEOUT)
 
     def publish_metrics(self, job_id: str, steps: Sequence[tuple[int, str]]) -> list[str]:
-        """Append telemetry steps, (step, JSON of its values), in one round trip; their stream ids."""
+        """Append telemetry steps, (step, JSON of its values), in one round trip; their stream ids.
+
+        All or none (MULTI/EXEC): a Redis that refuses some of them (loading its append-only file
+        after a restart, or a connection cut midway) never keeps later steps without the earlier
+        ones, which a reader tailing the stream would skip."""
         key = stream_key(job_id)
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._client.pipeline(transaction=True)
         for step, data in steps:
             pipe.xadd(key, {"kind": "metrics", "step": step, "data": data}, maxlen=self.maxlen, approximate=True)
         pipe.expire(key, STREAM_TTL_SECONDS)
