@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contract import metrics
 from contract.documents import file_format
-from contract.spec import NO_NUL, in_field_order
-from contract.status import JobStatus, SweepStatus, TrialStatus, UploadStatus
+from contract.spec import in_field_order
+from contract.status import JobStatus, SweepStatus, TrialStatus
 from contract.webhooks import DeliveryStatus, WebhookEventType
 from worker.engine.facts import CHAR_VOCAB_MAX
 
@@ -160,74 +160,6 @@ class Dataset(BaseModel):
             char_tokenizer=dataset.char_vocab <= CHAR_VOCAB_MAX,
             created_at=dataset.created_at,
         )
-
-
-class UploadCreate(BaseModel):
-    """A resumable upload to make: what it will become, its file's name and size."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    purpose: Literal["dataset", "model"] = Field(description="A dataset (a corpus), or a model archive.")
-    filename: str = Field(
-        min_length=1,
-        max_length=200,
-        pattern=NO_NUL,
-        description="The file's name: its suffix gives a dataset's format (.txt, .jsonl, .parquet) or a model "
-        "archive's (.tar, .tar.gz, .zip).",
-    )
-    bytes: int = Field(ge=1, description="The file's size: the parts must add up to it.")
-    name: str | None = Field(None, max_length=200, pattern=NO_NUL, description="The dataset's or model's name.")
-
-
-class UploadPart(BaseModel):
-    number: int = Field(description="Its place in the file, from 1.")
-    bytes: int
-    sha256: str
-
-
-class Upload(BaseModel):
-    id: str
-    purpose: Literal["dataset", "model"]
-    filename: str
-    name: str
-    bytes: int
-    status: UploadStatus
-    created_at: datetime
-    expires_at: datetime = Field(description="When a pending upload's parts are deleted (then 410).")
-    parts: list[UploadPart] = Field(description="The parts received so far, by number.")
-    dataset_id: str | None = Field(None, description="The dataset it became, once completed.")
-    model_id: str | None = Field(None, description="The model it became, once completed.")
-
-    @classmethod
-    def of(cls, upload: Any, parts: list[Any]) -> Upload:
-        made = {f"{upload.purpose}_id": upload.result_id} if upload.result_id else {}
-        return cls(
-            id=upload.id,
-            purpose=upload.purpose,
-            filename=upload.filename,
-            name=upload.name,
-            bytes=upload.bytes,
-            status=upload.status,
-            created_at=upload.created_at,
-            expires_at=upload.expires_at,
-            parts=[UploadPart(number=p.number, bytes=p.bytes, sha256=p.sha256) for p in parts],
-            **made,
-        )
-
-
-class PartDigest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    number: int = Field(ge=1)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-
-
-class UploadComplete(BaseModel):
-    """Every part of the file, in order, with the sha256 the client computed of each."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    parts: list[PartDigest] = Field(min_length=1, max_length=10_000)
 
 
 class DatasetList(BaseModel):

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Header, Path, Request
 from app.api.deps import Work
 from app.api.routes.jobs import ERRORS
 from app.errors import ValidationFailed
-from app.schemas import api as schemas
+from app.schemas import uploads as schemas
 from app.services import uploads as service
 
 router = APIRouter(prefix="/v1/uploads", tags=["uploads"])
