@@ -87,6 +87,12 @@ def checkpoint_key(job_id: str, step: int, attempt: int | None = None) -> str:
     return (path if attempt is None else path.with_suffix(f".{attempt}{path.suffix}")).as_posix()
 
 
+def attempt_of(key: str) -> int:
+    """The attempt that stored a checkpoint object (``step_00000100.2.pt``: 2); 0 for another name."""
+    parts = key.rsplit("/", 1)[-1].split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
+
+
 def is_scratch(settings: Settings) -> bool:
     """Whether run directories are this host's scratch (a bucket holds what is kept), rather than
     the local store's own directory."""

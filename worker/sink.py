@@ -32,9 +32,9 @@ from app.repositories.jobs import JobRepository
 from app.services.job_journal import record_checkpoint, record_log, record_sample
 from app.services.metric_history import store_metrics
 from app.settings import Settings
-from app.storage import Staged, StoreError, StoreUnavailable, store_from
+from app.storage import Staged, StoreUnavailable, delete_all, store_from
 from contract import metrics
-from worker.artifacts import checkpoint_key, is_scratch, run_directory
+from worker.artifacts import attempt_of, checkpoint_key, is_scratch, run_directory
 from worker.engine.checkpoints import (
     checkpoint_path,
     checkpoints_in,
@@ -57,12 +57,6 @@ class Recording:
 
     record: Callable[[], None]
     done: Future[None] = field(default_factory=Future)
-
-
-def attempt_of(key: str) -> int:
-    """The attempt that stored a checkpoint object (``step_00000100.2.pt``: 2); 0 for another name."""
-    parts = key.rsplit("/", 1)[-1].split(".")
-    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
 
 
 class LeaseLost(RuntimeError):
@@ -195,11 +189,7 @@ class JobSink:
     def _discard(self, keys: list[str], files: list[Path]) -> None:
         """Delete pruned checkpoints: the store's objects and this host's files (one and the same
         with the local store). A store out of reach leaves its objects behind, logged."""
-        for key in keys:
-            try:
-                self.store.delete(key)
-            except StoreError as exc:
-                log.warning("job %s: pruned checkpoint %s stays in the store: %s", self.job_id, key, exc)
+        delete_all(self.store, keys)
         for path in files:
             path.unlink(missing_ok=True)
 

@@ -49,7 +49,7 @@ from app.services.model_archive import CONFIG, TOKENIZER_FILES, extract, fsync_f
 from app.services.model_weights import NOT_SHAPES, check_config, check_weights
 from app.services.staged_models import StagedModel, StagedModelMissing, is_staged, staged_model, staged_models
 from app.settings import Settings
-from app.storage import ArtifactStore, LocalStore, StoreError, store_from
+from app.storage import ArtifactStore, LocalStore, delete_all, store_from
 from app.storage.base import file_sha256
 from app.storage.local import sync_directory
 from contract.hf import Shape, normalized
@@ -120,7 +120,7 @@ def upload_model(session: Session, tenant: TenantRef, stream: BinaryIO, name: st
             )
         )
         if remote:
-            on_rollback(session, partial(delete_files, store, key, files))
+            on_rollback(session, partial(delete_all, store, model_keys(key, files)))
             shutil.rmtree(staging)  # the bucket holds them: no host keeps a copy
         else:
             on_rollback(session, partial(shutil.rmtree, target, ignore_errors=True))
@@ -253,23 +253,19 @@ def delete_model(session: Session, tenant: TenantRef, model_id: str, settings: S
     if isinstance(store, LocalStore):
         on_commit(session, partial(shutil.rmtree, settings.artifact_dir / model.path, ignore_errors=True))
     else:
-        on_commit(session, partial(delete_files, store, model.path, model.files))
+        on_commit(session, partial(delete_all, store, model_keys(model.path, model.files)))
 
 
 def put_files(store: ArtifactStore, directory: Path, key: str, files: list[str]) -> None:
     """Write each of the directory's ``files`` to the store under ``key/<file>``, staged then committed."""
-    for f in files:
+    for f, final in zip(files, model_keys(key, files), strict=True):
         staged = store.stage_file(directory / f)
-        store.commit(staged.key, f"{key}/{f}")
+        store.commit(staged.key, final)
 
 
-def delete_files(store: ArtifactStore, key: str, files: list[str]) -> None:
-    """Delete a model's objects; what the store refuses is left to the sweep (logged)."""
-    for f in files:
-        try:
-            store.delete(f"{key}/{f}")
-        except StoreError as exc:
-            log.warning("model file %s/%s stays in the store: %s", key, f, exc)
+def model_keys(key: str, files: list[str]) -> list[str]:
+    """The store keys of a model's files."""
+    return [f"{key}/{f}" for f in files]
 
 
 def sweep_orphans(session: Session, settings: Settings, now: float | None = None) -> int:

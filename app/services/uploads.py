@@ -43,7 +43,7 @@ from app.services import datasets, models
 from app.services.auth import TenantRef
 from app.services.datasets import over_quota, store_reachable
 from app.settings import Settings
-from app.storage import ArtifactStore, IntegrityError, ObjectNotFound, Staged, StoreError, store_from
+from app.storage import ArtifactStore, IntegrityError, ObjectNotFound, Staged, delete_all, store_from
 from app.storage.base import MAX_PART_BYTES, verified
 from contract.status import UploadStatus
 
@@ -144,9 +144,9 @@ def put_part(
             replaced = repo.put_part(upload_id, number, staged.size, staged.sha256, key)
             store.commit(staged.key, key)
             if replaced != key:  # the same bytes again share their key: nothing to undo or delete
-                on_rollback(session, partial(discard, store, [key]))
+                on_rollback(session, partial(delete_all, store, [key]))
                 if replaced is not None:
-                    on_commit(session, partial(discard, store, [replaced]))
+                    on_commit(session, partial(delete_all, store, [replaced]))
         except BaseException:
             datasets.discard(store, staged.key)
             raise
@@ -189,7 +189,7 @@ def complete_upload(
                 result_id = models.upload_model(session, tenant, stream, name, settings).id
             done = pending_row(session, tenant, upload_id)
             done.status, done.result_id = UploadStatus.COMPLETED, result_id
-            on_commit(session, partial(discard, store, [key for _, key, _, _ in keys]))
+            on_commit(session, partial(delete_all, store, [key for _, key, _, _ in keys]))
             session.commit()
     except BaseException:
         session.rollback()
@@ -233,7 +233,7 @@ def cancel_upload(session: Session, tenant: TenantRef, upload_id: str, settings:
     upload = pending(session, tenant, upload_id, lock=True)
     upload.status = UploadStatus.CANCELLED
     keys = [p.key for p in UploadRepository(session).parts(upload_id)]
-    on_commit(session, partial(discard, store_from(settings), keys))
+    on_commit(session, partial(delete_all, store_from(settings), keys))
     return upload
 
 
@@ -247,17 +247,8 @@ def sweep_expired(session: Session, settings: Settings) -> int:
         upload.status = UploadStatus.EXPIRED
         keys += [p.key for p in repo.parts(upload.id)]
     if keys:
-        on_commit(session, partial(discard, store_from(settings), keys))
+        on_commit(session, partial(delete_all, store_from(settings), keys))
     return len(expired)
-
-
-def discard(store: ArtifactStore, keys: list[str]) -> None:
-    """Delete parts' objects; what the store refuses stays (logged)."""
-    for key in keys:
-        try:
-            store.delete(key)
-        except StoreError as exc:
-            log.warning("upload part %s stays in the store: %s", key, exc)
 
 
 class PartsReader(io.RawIOBase):

@@ -20,6 +20,7 @@ from app.storage.base import (
     StagingWriter,
     StoreError,
     StoreUnavailable,
+    delete_all,
     sweep_staging,
 )
 from app.storage.cache import ArtifactCache, cache_from
@@ -41,6 +42,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "cache_from",
+    "delete_all",
     "store_from",
     "sweep_staging",
 ]

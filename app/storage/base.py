@@ -9,6 +9,7 @@ behind by a crash are swept by age (:func:`sweep_staging`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 from collections.abc import Iterable, Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, Self
 
+log = logging.getLogger("muonforge.storage")
 STAGING = "staging"
 CHUNK_BYTES = 8 * 2**20  # a read's unit: a range request, a file read, a hashed and written block
 MAX_PART_BYTES = 64 * 2**20
@@ -263,6 +265,15 @@ def verify(key: str, size: int, sha256: str, want_size: int, want_sha256: str) -
 def stale(objects: Iterable[ObjectInfo], cutoff: datetime) -> list[str]:
     """The keys of the objects last modified before ``cutoff``."""
     return [o.key for o in objects if o.modified < cutoff]
+
+
+def delete_all(store: ArtifactStore, keys: Iterable[str]) -> None:
+    """Delete ``keys``; one the store refuses stays (logged) for a sweep or a later delete."""
+    for key in keys:
+        try:
+            store.delete(key)
+        except StoreError as exc:
+            log.warning("%s stays in the store: %s", key, exc)
 
 
 def sweep_staging(store: ArtifactStore, older_than: timedelta, now: datetime | None = None) -> list[str]:
