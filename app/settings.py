@@ -53,7 +53,7 @@ class Settings(BaseSettings):
         description="A worker's local cache of store objects (datasets, token arrays, warm-start weights), "
         "least recently used evicted, never a file in use (docs/deploy.md, Worker cache); one per host, shared "
         "by its workers. Default var/cache, beside the embedded var/artifacts (never inside an artifact dir); "
-        "with the local artifact dir the cache hands out the store's own files and stays empty.",
+        "with the local artifact dir the cache hands out the store's own files and keeps only the token arrays.",
     )
     cache_bytes: int = Field(
         50 * 2**30,

@@ -20,7 +20,7 @@ import logging
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
@@ -177,6 +177,15 @@ def warm_start_file(settings: Settings, spec: JobSpec) -> Iterator[Path | None]:
         raise missing
     with stored_file(settings, *stored, missing, changed) as path:
         yield path
+
+
+@contextmanager
+def token_entries(settings: Settings) -> Iterator[Callable[[str], Path]]:
+    """The token cache of this host's runs: an entry's directory in the bounded cache by its name,
+    every entry handed out kept (never evicted) until the context ends."""
+    cache = cache_from(settings, store_from(settings))
+    with ExitStack() as held:
+        yield lambda name: held.enter_context(cache.derived(name))
 
 
 @contextmanager

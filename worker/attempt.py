@@ -44,11 +44,12 @@ from worker.artifacts import (
     read_as_stored,
     restore_checkpoint,
     run_directory,
+    token_entries,
     warm_start_file,
 )
 from worker.engine.device import device_type
 from worker.engine.early_stop import RungCheck
-from worker.engine.facts import TOKEN_DIR, peak_memory_bytes, vocabulary
+from worker.engine.facts import peak_memory_bytes, vocabulary
 from worker.engine.launch import RankFailed
 from worker.engine.outcome import TrainingError
 from worker.engine.request import RunRequest
@@ -101,6 +102,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                     dataset_file(settings, dataset) as corpus,
                     warm_start_file(settings, spec) as init_from,
                     model_directory(settings, job_id, model_id, claim.model) as model_dir,
+                    token_entries(settings) as tokens,
                 ):
                     sink.adopt_checkpoints()
                     restore_checkpoint(settings, job_id)
@@ -117,7 +119,7 @@ def run_attempt(settings: Settings, job_id: str, owner: str) -> str:
                         watch=lease.check,
                         node=node,
                         model_dir=model_dir,
-                        token_dir=settings.artifact_dir / TOKEN_DIR,
+                        tokens=tokens,
                     )
                     result = run_job(request)
                 if result is None:  # only a node other than 0 leaves the outcome to another

@@ -32,7 +32,6 @@ from worker.artifacts import (
     run_directory,
     warm_start_file,
 )
-from worker.engine.facts import TOKEN_DIR
 from worker.engine.launch import Meeting, Node
 from worker.engine.request import RunRequest
 from worker.engine.run import run_job
@@ -135,7 +134,6 @@ def run_node(settings: Settings, job_id: str, owner: str) -> str:
                         watch=lease.check,
                         node=node,
                         model_dir=model_dir,
-                        token_dir=settings.artifact_dir / TOKEN_DIR,
                     )
                 )
         except LeaseLost:

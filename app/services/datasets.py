@@ -46,9 +46,17 @@ from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.schemas import api as schemas
 from app.services.auth import TenantRef
 from app.settings import Settings
-from app.storage import ArtifactStore, Staged, StoreError, StoreUnavailable, store_from, sweep_staging
+from app.storage import (
+    ArtifactStore,
+    Staged,
+    StoreError,
+    StoreUnavailable,
+    cache_from,
+    store_from,
+    sweep_staging,
+)
 from contract import documents
-from worker.engine.facts import CHAR_VOCAB_MAX, TOKEN_DIR
+from worker.engine.facts import CHAR_VOCAB_MAX, TOKEN_NAME_DIGEST
 
 log = logging.getLogger("muonforge.datasets")
 
@@ -312,13 +320,12 @@ def delete_dataset(session: Session, tenant: TenantRef, dataset_id: str, setting
     repo.delete(dataset)
     on_commit(session, partial(store_from(settings).delete, dataset.path))
     if not repo.holds_sha256(dataset.sha256):  # no other dataset (of any tenant) reads these tokens
-        on_commit(session, partial(remove_tokens, settings.artifact_dir / TOKEN_DIR, dataset.sha256))
+        on_commit(session, partial(remove_tokens, settings, dataset.sha256))
 
 
-def remove_tokens(directory: Path, sha256: str) -> None:
-    """Remove the tokenized copies of a text (every tokenizer's) from the jobs' shared token cache."""
-    for path in directory.glob(f"{sha256[:16]}-*"):
-        path.unlink(missing_ok=True)
+def remove_tokens(settings: Settings, sha256: str) -> None:
+    """Evict a text's token arrays (every tokenizer's) from this host's cache; other hosts' age out."""
+    cache_from(settings, store_from(settings)).discard(sha256[:TOKEN_NAME_DIGEST])
 
 
 def sweep_orphans(session: Session, settings: Settings, now: float | None = None) -> int:

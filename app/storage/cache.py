@@ -25,6 +25,14 @@ Layout under the cache directory:
 A lock file is only removed by a process that holds it exclusively; whoever locks one checks
 afterwards that the path still names the file it locked, and starts again when not.
 
+- ``derived/<name>/``: a directory of files this host made from others (a corpus's token arrays:
+  the engine's token cache), named by what they were made from. ``cache.derived(name)`` pins it as
+  an object's entry is pinned (``locks/<name>.use``) and hands out the directory as it is: its
+  maker writes each file whole (a temporary file, then a rename) and the one that says the entry is
+  complete last, so a reader that does not find that file makes the entry itself. It counts by its
+  files' sizes, its last use is its modification time (set when it is opened and let go), and it is
+  evicted like an object: renamed aside (``.<name>.<random>.gone``), then removed.
+
 Eviction: least recently used first, by the entry's modification time, which every open sets to
 now (so recency survives restarts). A miss first evicts down to ``max_bytes`` less the object's
 size, then downloads; every context's exit evicts down to ``max_bytes``. Entries in use are
@@ -42,10 +50,12 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import secrets
+import shutil
 import stat
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,18 +67,23 @@ if TYPE_CHECKING:
     from app.settings import Settings
 
 OBJECTS = "objects"
+DERIVED = "derived"
 LOCKS = "locks"
 USE = "use"
 FETCH = "fetch"
 SHA256 = re.compile(r"[0-9a-f]{64}")
 PART = re.compile(r"\.([0-9a-f]{64})\..*\.part")
+NAME = re.compile(r"[0-9a-z][0-9a-z._-]{0,199}")
+GONE = re.compile(r"\..*\.gone")
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One cached object: its sha256, size in bytes and last use (ns since the epoch)."""
+    """One cache entry: an object (named by its sha256) or a derived directory (by its name), its
+    size in bytes and last use (ns since the epoch)."""
 
-    sha256: str
+    name: str
+    path: Path
     size: int
     used_ns: int
 
@@ -87,6 +102,7 @@ class ArtifactCache:
         self.store = store
         self.local = local if direct is not False else None
         self.objects = directory / OBJECTS
+        self.made = directory / DERIVED
         self.locks = directory / LOCKS
 
     def __repr__(self) -> str:
@@ -126,8 +142,36 @@ class ArtifactCache:
             self.trim(reserve=size)
             self.store.fetch(key, path, size, sha256)
 
+    @contextmanager
+    def derived(self, name: str) -> Iterator[Path]:
+        """The directory of the derived entry ``name`` (made if absent), kept while the context is open.
+
+        What is in it is whatever its makers left: files written whole, the entry complete once the
+        file its maker writes last is there. Trimmed to ``max_bytes`` on the way out, as ``open``.
+        """
+        if not NAME.fullmatch(name) or SHA256.fullmatch(name):
+            raise ValueError(f"a derived entry's name is lowercase letters, digits, '.', '_' and '-', got {name!r}")
+        self.made.mkdir(parents=True, exist_ok=True)
+        self.locks.mkdir(parents=True, exist_ok=True)
+        path = self.made / name
+        try:
+            with flocked(self.lock_path(name, USE), fcntl.LOCK_SH):
+                path.mkdir(exist_ok=True)
+                touch(path)
+                try:
+                    yield path
+                finally:
+                    touch(path)  # used until now; and a file written in it set a coarser clock's time
+        finally:
+            self.trim()
+
+    def discard(self, prefix: str) -> list[str]:
+        """Evict the derived entries whose name starts with ``prefix`` and that no one holds; their names."""
+        gone = [e.name for e in self.entries() if e.path.parent == self.made and e.name.startswith(prefix)]
+        return [name for name in gone if self.evict(self.made / name)]
+
     def entries(self) -> list[Entry]:
-        """The cached objects, least recently used first."""
+        """The cache's entries, objects and derived directories, least recently used first."""
         found = []
         for item in scan(self.objects):
             if SHA256.fullmatch(item.name):
@@ -136,8 +180,15 @@ class ArtifactCache:
                 except FileNotFoundError:
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    found.append(Entry(item.name, st.st_size, st.st_mtime_ns))
-        return sorted(found, key=lambda e: (e.used_ns, e.sha256))
+                    found.append(Entry(item.name, Path(item.path), st.st_size, st.st_mtime_ns))
+        for item in scan(self.made):
+            if NAME.fullmatch(item.name) and item.is_dir(follow_symlinks=False):
+                try:
+                    used = item.stat().st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                found.append(Entry(item.name, Path(item.path), tree_size(Path(item.path)), used))
+        return sorted(found, key=lambda e: (e.used_ns, e.name))
 
     def usage(self) -> int:
         """Bytes the cached objects take (those in use included)."""
@@ -145,32 +196,41 @@ class ArtifactCache:
 
     def trim(self, reserve: int = 0) -> list[str]:
         """Evict least recently used entries not in use until they total at most ``max_bytes -
-        reserve``; then remove what dead downloads left. Returns the evicted entries' sha256."""
+        reserve``; then remove what dead downloads and evictions left. Returns the evicted entries'
+        names (an object's is its sha256)."""
         entries = self.entries()
         goal, total, evicted = self.max_bytes - reserve, sum(e.size for e in entries), []
         for entry in entries:
             if total <= goal:
                 break
-            if self.evict(entry.sha256):
+            if self.evict(entry.path):
                 total -= entry.size
-                evicted.append(entry.sha256)
+                evicted.append(entry.name)
         self.sweep()
         return evicted
 
-    def evict(self, sha256: str) -> bool:
-        """Remove the entry unless it is in use; whether it was removed."""
-        path = self.lock_path(sha256, USE)
-        fd = try_lock(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    def evict(self, path: Path) -> bool:
+        """Remove the entry at ``path`` (an object's file or a derived directory) unless it is in
+        use; whether it was removed."""
+        lock = self.lock_path(path.name, USE)
+        fd = try_lock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if fd is None:
             return False
         try:
-            (self.objects / sha256).unlink(missing_ok=True)
+            if path.parent == self.made:
+                aside = path.with_name(f".{path.name}.{secrets.token_hex(4)}.gone")
+                with suppress(FileNotFoundError):
+                    path.rename(aside)
+                    shutil.rmtree(aside, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         finally:
-            unlock(fd, path, remove=True)
+            unlock(fd, lock, remove=True)
         return True
 
     def sweep(self) -> None:
-        """Remove the temporary files of downloads whose process died, and pins of absent entries."""
+        """Remove the temporary files of downloads whose process died, what an eviction that died
+        left of a derived entry, and pins of absent entries."""
         present = set()
         for item in scan(self.objects):
             part = PART.fullmatch(item.name)
@@ -178,24 +238,30 @@ class ArtifactCache:
                 Path(item.path).unlink(missing_ok=True)
             elif SHA256.fullmatch(item.name):
                 present.add(item.name)
+        for item in scan(self.made):
+            if GONE.fullmatch(item.name):
+                shutil.rmtree(item.path, ignore_errors=True)
+            else:
+                present.add(item.name)
         for item in scan(self.locks):
-            sha256, _, kind = item.name.partition(".")
-            if kind == FETCH or (kind == USE and sha256 not in present):
-                self.unused(sha256, kind)
+            name, _, kind = item.name.rpartition(".")
+            if kind == FETCH or (kind == USE and name not in present):
+                self.unused(name, kind)
 
-    def unused(self, sha256: str, kind: str) -> bool:
+    def unused(self, name: str, kind: str) -> bool:
         """Remove the lock file of ``kind`` when no one holds it and, for a pin, its entry is absent;
         whether no one held it."""
-        path = self.lock_path(sha256, kind)
+        path = self.lock_path(name, kind)
         fd = try_lock(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if fd is None:
             return False
-        unlock(fd, path, remove=kind == FETCH or not (self.objects / sha256).exists())
+        absent = not (self.objects / name).exists() and not (self.made / name).exists()
+        unlock(fd, path, remove=kind == FETCH or absent)
         return True
 
-    def lock_path(self, sha256: str, kind: str) -> Path:
+    def lock_path(self, name: str, kind: str) -> Path:
         """The lock file of ``kind`` (use or fetch) of an entry."""
-        return self.locks / f"{sha256}.{kind}"
+        return self.locks / f"{name}.{kind}"
 
 
 def cache_from(settings: Settings, store: ArtifactStore) -> ArtifactCache:
@@ -225,6 +291,16 @@ def store_file(store: LocalStore, key: str, size: int) -> Path:
     if st.st_size != size:
         raise IntegrityError(f"{key}: {st.st_size} bytes stored, {size} recorded")
     return path
+
+
+def tree_size(directory: Path) -> int:
+    """Bytes the files under ``directory`` hold (those removed meanwhile not counted)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def whole(path: Path, size: int) -> bool:

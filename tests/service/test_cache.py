@@ -1,7 +1,8 @@
 """The worker cache over a LocalStore (copying) and over S3 (moto's server on 127.0.0.1, or
 MUONFORGE_TEST_S3_URL's): hits and misses, least-recently-used eviction within the budget, entries
 in use kept (held by another process), concurrent misses in two processes, objects changed in the
-store, corrupted entries, an object larger than the budget, and the local store's files handed out."""
+store, corrupted entries, an object larger than the budget, the local store's files handed out, and
+derived entries (token arrays) in the same budget."""
 
 from __future__ import annotations
 
@@ -95,8 +96,8 @@ def sha(data: bytes) -> str:
 
 
 def cached(cache: ArtifactCache) -> list[str]:
-    """The cached entries' sha256, least recently used first."""
-    return [e.sha256 for e in cache.entries()]
+    """The cached entries' names (an object's sha256), least recently used first."""
+    return [e.name for e in cache.entries()]
 
 
 def use(cache: ArtifactCache, key: str, staged: Staged) -> bytes:
@@ -299,6 +300,52 @@ def test_leftovers_of_a_dead_download_are_swept(tmp_path):
     cache.trim()
     assert list(cache.objects.iterdir()) == []
     assert list(cache.locks.iterdir()) == []
+
+
+def make(cache: ArtifactCache, name: str, size: int) -> Path:
+    """The derived entry ``name`` with one file of ``size`` bytes, made and let go."""
+    with cache.derived(name) as entry:
+        (entry / "tokens.bin").write_bytes(payload(size))
+    return entry
+
+
+def test_derived_entries_share_the_budget_and_are_kept_while_held(tmp_path):
+    """An object and derived directories are evicted least recently used first by one budget; a
+    held directory is never evicted, a released one is, and one opened again is whole."""
+    store = LocalStore(tmp_path / "artifacts")
+    cache = ArtifactCache(tmp_path / "cache", 3 * SIZE, store, direct=False)
+    a = Case(store, {}).put("a", payload(seed=1))
+    use(cache, "a", a)
+    with cache.derived("0123-bpe512") as held:
+        (held / "tokens.bin").write_bytes(payload(2 * SIZE))
+        make(cache, "4567-char", SIZE)
+        assert cached(cache) == ["0123-bpe512", "4567-char"]  # the object went: least recently used
+        make(cache, "89ab-byte", SIZE)
+        assert cached(cache) == ["0123-bpe512", "89ab-byte"]  # held: over the budget, not evicted
+        assert (held / "tokens.bin").stat().st_size == 2 * SIZE
+    assert cache.usage() == 3 * SIZE
+    with cache.derived("89ab-byte") as again:
+        assert (again / "tokens.bin").read_bytes() == payload(SIZE)
+    make(cache, "cdef-char", SIZE)
+    assert cached(cache) == ["89ab-byte", "cdef-char"]
+    assert sorted(p.name for p in cache.made.iterdir()) == ["89ab-byte", "cdef-char"]
+    assert sorted(p.name for p in cache.locks.iterdir()) == ["89ab-byte.use", "cdef-char.use"]
+
+
+def test_discard_evicts_the_derived_entries_of_a_prefix_unless_held(tmp_path):
+    cache = ArtifactCache(tmp_path / "cache", 10 * SIZE, LocalStore(tmp_path / "artifacts"))
+    for name in ("aaaa-1-char", "aaaa-2-bpe512", "bbbb-1-char"):
+        make(cache, name, SIZE)
+    with cache.derived("aaaa-2-bpe512"):
+        assert cache.discard("aaaa") == ["aaaa-1-char"]
+    assert cache.discard("aaaa") == ["aaaa-2-bpe512"]
+    assert cached(cache) == ["bbbb-1-char"]
+    (cache.made / ".aaaa-1-char.0123abcd.gone").mkdir()  # an eviction that died half way
+    cache.trim()
+    assert sorted(p.name for p in cache.made.iterdir()) == ["bbbb-1-char"]
+    for name in ("../x", "A-char", "a/b", "", "a" * 64, ".gone"):
+        with pytest.raises(ValueError), cache.derived(name):
+            pass
 
 
 def test_requests_are_checked(tmp_path):

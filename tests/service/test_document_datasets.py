@@ -145,7 +145,7 @@ def test_jobs_on_one_dataset_tokenize_it_once_and_its_delete_removes_the_tokens(
         logs.append(log_lines(succeeded(client, auth, settings, spec)[1]))
     assert "learning a byte-level BPE of 512 tokens from the corpus" in logs[0]
     assert not any("BPE" in line for line in logs[1]) and any(line.startswith("tokenized earlier") for line in logs[1])
-    tokens = settings.artifact_dir / "tokens"
+    tokens = settings.cache_dir / "derived"  # the worker's bounded cache: on this host, the API's too
     assert list(tokens.glob(f"{dataset['sha256'][:16]}-*"))
     assert client.delete(f"/v1/datasets/{dataset['id']}", headers=auth).status_code == 204
     assert not list(tokens.glob(f"{dataset['sha256'][:16]}-*"))

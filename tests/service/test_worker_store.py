@@ -23,7 +23,7 @@ from app.db.session import is_transient, transaction
 from app.repositories.tenants import DatasetRepository, TenantRepository
 from app.services.leases import DatasetObject
 from app.settings import Settings
-from app.storage import ArtifactCache, ArtifactStore, StoreUnavailable
+from app.storage import ArtifactCache, ArtifactStore, StoreUnavailable, store_from
 from app.storage.s3 import S3Store
 from contract.spec import JobSpec
 from tests.support.api import bearer, job, new_key
@@ -31,7 +31,7 @@ from tests.support.net import wait_for
 from tests.support.s3 import S3Server, s3_server  # noqa: F401
 from tests.support.services import launch, service_env, stop, wait_worker
 from tests.support.specs import tiny_spec
-from worker.artifacts import DATASET_CHANGED, DATASET_MISSING, dataset_file, read_as_stored
+from worker.artifacts import DATASET_CHANGED, DATASET_MISSING, dataset_file, read_as_stored, token_entries
 
 pytestmark = pytest.mark.system
 CORPUS = b"the quick brown fox jumps over the lazy dog. " * 60
@@ -121,6 +121,9 @@ def test_a_job_trains_on_a_dataset_read_from_the_bucket_into_the_workers_cache(c
     entry = store_worker.cache_dir / "objects" / dataset.sha256
     assert entry.read_bytes() == CORPUS
     assert not (settings.artifact_dir / dataset.path).exists()  # the bucket was the only copy
+    (tokens,) = (store_worker.cache_dir / "derived").iterdir()  # its token array: in the same cache
+    assert tokens.name.startswith(dataset.sha256[:16]) and (tokens / "meta.json").is_file()
+    assert (tokens / "tokens.bin").stat().st_size > 0
 
 
 def test_a_dataset_missing_from_the_bucket_fails_the_job_with_dataset_missing(client, settings, tenant, store_worker):
@@ -169,6 +172,17 @@ def test_a_cached_corpus_is_read_in_its_keys_format_and_its_entry_is_held_while_
     assert read_as_stored(spec, dataset).data.format == "jsonl"  # the entry's name has no suffix: the key's
     given = spec.model_copy(update={"data": spec.data.model_copy(update={"format": "text"})})
     assert read_as_stored(given, dataset).data.format == "text" and read_as_stored(spec, None) is spec
+
+
+def test_a_runs_token_entries_are_held_until_it_ends(settings, tmp_path):
+    local = settings.model_copy(update={"cache_dir": tmp_path / "cache", "cache_bytes": 0})
+    cache = ArtifactCache(local.cache_dir, 0, store_from(local))
+    with token_entries(local) as tokens:
+        entry = tokens("0123456789abcdef-01234567-char")
+        (entry / "tokens.bin").write_bytes(b"tokens")
+        assert tokens("0123456789abcdef-01234567-char") == entry  # a second use of the same entry
+        assert cache.trim() == [] and entry.is_dir()  # in use: never evicted
+    assert not entry.exists()  # released, it goes (a budget of 0)
 
 
 def test_a_store_out_of_reach_past_the_patience_is_an_outage_the_attempt_hands_back(

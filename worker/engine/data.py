@@ -28,13 +28,17 @@ from contract.documents import Segment
 from contract.spec import BPESpec, DataSpec, ModelTokenizerSpec
 
 from . import documents
-from .facts import PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB
+from .facts import PYSOURCE_CHAR_VOCAB, SYNTHETIC_VOCAB, TOKEN_NAME_DIGEST
 from .tokenizer import Tokenizer
 
 SYNTHETIC_ALPHABET = (
     "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz+/"  # a token's character in samples
 )
 Log = Callable[[str], None]  # a line for the job's log
+# The token cache: a directory that holds its entries, or what hands out an entry's directory by its
+# name and keeps it in place until the run ends (a worker's bounded cache).
+Tokens = Path | Callable[[str], Path]
+TOKEN_FILE, MASK_FILE, META_FILE = "tokens.bin", "mask.bin", "meta.json"  # the meta last: the entry is whole
 IGNORE = -100  # a target the loss leaves out (cross_entropy's ignore_index)
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_BRANCHES = 4  # successors per token in the synthetic Markov chain
@@ -112,9 +116,9 @@ class TokenData:
 
 
 def load_corpus(
-    cfg: DataSpec, corpus: Path, cache_dir: Path, model_dir: Path | None = None, log: Log | None = None
+    cfg: DataSpec, corpus: Path, tokens: Tokens, model_dir: Path | None = None, log: Log | None = None
 ) -> TokenData:
-    """Tokenize a dataset file once into ``cache_dir`` and memory-map the result: UTF-8 text (one
+    """Tokenize a dataset file once into the token cache ``tokens`` and memory-map the result: UTF-8 text (one
     document), or JSONL rows or a parquet column (documents, data.format) read by documents.py."""
     fmt = documents.read_format(cfg, Path(corpus))
     if fmt == "text":
@@ -123,9 +127,9 @@ def load_corpus(
             raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{corpus} is not UTF-8 text: {exc}") from None
-        return load_text(cfg, raw, cache_dir, model_dir=model_dir, log=log)
+        return load_text(cfg, raw, tokens, model_dir=model_dir, log=log)
     source = documents.file_documents(cfg, Path(corpus), fmt, model_dir)
-    return tokenized(cfg, source, cache_dir, model_dir=model_dir, log=log)
+    return tokenized(cfg, source, tokens, model_dir=model_dir, log=log)
 
 
 def model_tokenizer(cfg: DataSpec, model_dir: Path | None) -> Tokenizer:
@@ -146,29 +150,29 @@ def model_tokenizer(cfg: DataSpec, model_dir: Path | None) -> Tokenizer:
 def load_text(
     cfg: DataSpec,
     raw: bytes,
-    cache_dir: Path,
+    tokens: Tokens,
     chars: str | None = None,
     model_dir: Path | None = None,
     log: Log | None = None,
 ) -> TokenData:
-    """UTF-8 text as one document (no end of text), tokenized once into ``cache_dir``: :func:`tokenized`."""
-    digest = hashlib.sha256(raw).hexdigest()[:16]
+    """UTF-8 text as one document (no end of text), tokenized once into ``tokens``: :func:`tokenized`."""
+    digest = hashlib.sha256(raw).hexdigest()[:TOKEN_NAME_DIGEST]
     text = documents.Documents(digest, lambda: [[Segment(raw.decode("utf-8"), True)]], separated=False)
-    return tokenized(cfg, text, cache_dir, chars=chars, model_dir=model_dir, log=log)
+    return tokenized(cfg, text, tokens, chars=chars, model_dir=model_dir, log=log)
 
 
 def tokenized(
     cfg: DataSpec,
     source: documents.Documents,
-    cache_dir: Path,
+    tokens: Tokens,
     chars: str | None = None,
     model_dir: Path | None = None,
     log: Log | None = None,
 ) -> TokenData:
-    """Documents tokenized once into ``cache_dir`` (named by their digest and the tokenizer) and
-    memory-mapped, with the loss mask where some tokens are not trained on. The directory may be
-    shared by jobs (facts.TOKEN_DIR): every one that reads the same documents with the same
-    tokenizer reuses the entry.
+    """Documents tokenized once into an entry of the token cache ``tokens`` (named by their digest
+    and the tokenizer) and memory-mapped, with the loss mask where some tokens are not trained on.
+    The cache may be shared by jobs (a worker host's bounded cache): every one that reads the same
+    documents with the same tokenizer reuses the entry.
 
     The tokenizer: a char tokenizer over ``chars`` when given, else over the documents' own
     characters; a BPE learned from the documents (and kept with its ids: every job that asks for the
@@ -178,7 +182,6 @@ def tokenized(
     how the tokenization goes (the job's log).
     """
     say = log or (lambda line: None)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     bpe = cfg.tokenizer if isinstance(cfg.tokenizer, BPESpec) else None
     given = model_tokenizer(cfg, model_dir) if isinstance(cfg.tokenizer, ModelTokenizerSpec) else None
     alphabet = chars if cfg.tokenizer == "char" else None
@@ -186,8 +189,8 @@ def tokenized(
     if given is not None and given.bpe:
         suffix = f"-{hashlib.sha256(given.bpe.encode()).hexdigest()[:16]}"
     kind = f"bpe{bpe.vocab_size}" if bpe else f"model{given.vocab_size}" if given else cfg.tokenizer
-    stem = cache_dir / f"{source.digest}-{kind}{suffix}"
-    meta_path, bin_path, mask_path = stem.with_suffix(".json"), stem.with_suffix(".bin"), stem.with_suffix(".mask")
+    entry = token_entry(tokens, f"{source.digest}-{kind}{suffix}")
+    meta_path, bin_path, mask_path = entry / META_FILE, entry / TOKEN_FILE, entry / MASK_FILE
     if meta_path.exists() and bin_path.exists():
         meta = json.loads(meta_path.read_text())
         tokenizer = Tokenizer(**{k: meta[k] for k in ("kind", "chars", "bpe", "vocab_size", "eos") if k in meta})
@@ -211,20 +214,30 @@ def tokenized(
             if values is not None:
                 write_atomically(path, values)
         write_atomically(meta_path, json.dumps(meta).encode())  # last: the cache entry is whole once it is there
-    tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
+    stored = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
     mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(meta["tokens"],)) if meta.get("masked") else None
-    split = int(len(tokens) * (1.0 - cfg.val_fraction))
+    split = int(len(stored) * (1.0 - cfg.val_fraction))
     if source.separated:
-        split = documents.split_point(tokens, split, tokenizer.eos_id)
+        split = documents.split_point(stored, split, tokenizer.eos_id)
     return TokenData(
-        tokens[:split],
-        tokens[split:],
+        stored[:split],
+        stored[split:],
         tokenizer,
         tokenizer.vocab_size,
         train_mask=None if mask is None else mask[:split],
         val_mask=None if mask is None else mask[split:],
         eos_id=tokenizer.eos_id if source.separated else None,
     )
+
+
+def token_entry(tokens: Tokens, name: str) -> Path:
+    """The directory of the token cache's entry ``name``: made under ``tokens`` when that is a
+    directory, else the one ``tokens`` hands out."""
+    if callable(tokens):
+        return tokens(name)
+    entry = tokens / name
+    entry.mkdir(parents=True, exist_ok=True)
+    return entry
 
 
 def write_atomically(path: Path, data: np.ndarray | bytes) -> None:
@@ -304,7 +317,7 @@ def synthetic_task(seed: int, val_fraction: float = 0.1, tokens: int = SYNTHETIC
 def load_data(
     cfg: DataSpec,
     seed: int,
-    cache_dir: Path,
+    tokens: Tokens,
     corpus: Path | None = None,
     model_dir: Path | None = None,
     log: Log | None = None,
@@ -317,12 +330,12 @@ def load_data(
             raise ValueError("the synthetic task has its own 64 tokens: a model's tokenizer applies to text")
         return synthetic_task(seed, cfg.val_fraction)
     if cfg.builtin == "pysource":
-        return load_text(cfg, pysource_text().encode(), cache_dir, chars=PYSOURCE_CHARS, model_dir=model_dir, log=log)
+        return load_text(cfg, pysource_text().encode(), tokens, chars=PYSOURCE_CHARS, model_dir=model_dir, log=log)
     if cfg.builtin == "pysource-instruct":
         from .instruct import pysource_instruct, pysource_instruct_sha256
 
         pairs = documents.rows_documents(pysource_instruct_sha256(), pysource_instruct, cfg.train_on_inputs)
-        return tokenized(cfg, pairs, cache_dir, chars=PYSOURCE_CHARS, model_dir=model_dir, log=log)
+        return tokenized(cfg, pairs, tokens, chars=PYSOURCE_CHARS, model_dir=model_dir, log=log)
     if cfg.builtin is not None:
         raise ValueError(f"unknown builtin task {cfg.builtin!r}")
     path = corpus or (Path(cfg.path) if cfg.path else None)
@@ -330,4 +343,4 @@ def load_data(
         raise ValueError("no corpus: give data.path, or the dataset's file for data.dataset_id")
     if not Path(path).is_file():
         raise FileNotFoundError(f"corpus {path} does not exist")
-    return load_corpus(cfg, Path(path), cache_dir, model_dir, log)
+    return load_corpus(cfg, Path(path), tokens, model_dir, log)

@@ -22,6 +22,7 @@ import numpy as np
 from contract.documents import NUL, Segment, file_format, parse_row, segments
 from contract.spec import DataSpec, ModelTokenizerSpec
 
+from .facts import TOKEN_NAME_DIGEST
 from .tokenizer import Tokenizer
 
 ENCODE_SEGMENTS = 1 << 14  # segments encoded at once (a BPE encodes them in parallel)
@@ -65,7 +66,7 @@ def file_documents(cfg: DataSpec, path: Path, fmt: str, model_dir: Path | None =
         template = template_source(Path(model_dir)) or ""
         render = chat_template(Path(model_dir)) if template else None
     layout = f"{fmt}|{cfg.text_column if fmt == 'parquet' else ''}|{cfg.train_on_inputs}|{template}"
-    digest = f"{content.hexdigest()[:16]}-{hashlib.sha256(layout.encode()).hexdigest()[:8]}"
+    digest = f"{content.hexdigest()[:TOKEN_NAME_DIGEST]}-{hashlib.sha256(layout.encode()).hexdigest()[:8]}"
 
     def rows() -> Iterator[dict[str, Any]]:
         return jsonl_rows(path) if fmt == "jsonl" else parquet_rows(path, cfg.text_column)
@@ -83,7 +84,7 @@ def file_documents(cfg: DataSpec, path: Path, fmt: str, model_dir: Path | None =
 def rows_documents(name: str, rows: Callable[[], Iterable[dict[str, Any]]], train_on_inputs: bool) -> Documents:
     """Documents of checked rows held in memory (a builtin set), named by ``name`` (their sha256)
     and their layout."""
-    digest = f"{name[:16]}-{hashlib.sha256(str(train_on_inputs).encode()).hexdigest()[:8]}"
+    digest = f"{name[:TOKEN_NAME_DIGEST]}-{hashlib.sha256(str(train_on_inputs).encode()).hexdigest()[:8]}"
     return Documents(digest, lambda: (segments(row, train_on_inputs) for row in rows()))
 
 

@@ -17,9 +17,8 @@ PYSOURCE_TASKS = ("pysource", "pysource-instruct")  # the builtin ASCII texts of
 PYSOURCE_CHAR_VOCAB = 128  # the builtin pysource text's char tokenizer: the ASCII alphabet on every Python
 CHAR_VOCAB_MAX = 1 << 16  # the most distinct characters the char tokenizer takes (its ids are uint16)
 BYTE_VOCAB = 256
-# Under the artifact dir: tokenized corpora, shared by every job that reads the same text with the
-# same tokenizer; each file's name starts with its text's sha256[:16] (a dataset's, for deletes).
-TOKEN_DIR = "tokens"
+# A token cache entry's name starts with its text's sha256[:16] (a dataset's, for deletes).
+TOKEN_NAME_DIGEST = 16
 MAX_LOGIT_BLOCK = 256  # query rows per block of the exact max-logit recompute on CUDA
 ROUTER_AUX_WEIGHT = 0.01  # Switch Transformer (arXiv 2101.03961) load-balancing coefficient
 ROUTER_SERIES = len(metrics.ROUTER)

@@ -13,6 +13,7 @@ from .early_stop import RungCheck
 from .telemetry import TelemetrySink
 
 if TYPE_CHECKING:
+    from .data import Tokens
     from .launch import Node
 
 
@@ -21,7 +22,7 @@ class RunRequest:
     """One run of a job: what to train, where its files go, and the hooks of whoever runs it.
 
     ``spec``: a JobSpec, or a dict that validates as one. ``out_dir`` holds ``metrics.jsonl``,
-    ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and, without a ``token_dir``, the
+    ``samples.jsonl``, ``checkpoints/``, ``summary.json`` and, without ``tokens``, the
     tokenized corpus cache.
     """
 
@@ -36,4 +37,4 @@ class RunRequest:
     watch: Callable[[], None] | None = None  # called every fraction of a second while a group runs
     node: Node | None = None  # this process's node of a job of several nodes
     model_dir: Path | None = None  # model.hf.model_id's directory: its weights and tokenizer.json
-    token_dir: Path | None = None  # tokenized corpora shared by every job (None: out_dir / "data")
+    tokens: Tokens | None = None  # the token cache (data.Tokens) jobs share (None: out_dir / "data")

@@ -54,8 +54,8 @@ def run_process(request: RunRequest, group: Group | None = None) -> RunResult:
         sink = FanOut(jsonl, request.sink)
         say = partial(sink.log, "info") if lead else None
         with group.lead_first() if group else contextlib.nullcontext():
-            cache = request.token_dir or out_dir / "data"
-            data = load_data(job.data, job.train.seed, cache, request.corpus, request.model_dir, say)
+            tokens = request.tokens or out_dir / "data"
+            data = load_data(job.data, job.train.seed, tokens, request.corpus, request.model_dir, say)
         trainer = Trainer(job, data, checkpoints, sink, request.should_cancel, group, request.rungs, pretrained)
         result = trainer.run(resume=request.resume, init_from=request.init_from)
     finally:
