@@ -9,8 +9,8 @@ order:
 
 - **save**: what a worker does with a checkpoint of ``--mb`` MB of fp32 tensors: the engine's
   durable write into the run's directory (``save_checkpoint``: temp file, fsync, rename), then the
-  store's ``stage_file`` and ``commit`` (local: the file is hashed where it is; bucket: uploaded in
-  parts, then copied to its key). "blocked" is the engine's write alone: the time training stops
+  store's ``put_file`` (local: the file is hashed where it is; bucket: uploaded in parts straight to
+  its attempt-unique key). "blocked" is the engine's write alone: the time training stops
   for, since the rest runs on the attempt's upload thread.
 - **restore**: what an attempt resuming on a host does: a bucket's checkpoint is fetched
   (verified) into a fresh run directory, then loaded; the local store's own file is loaded.
@@ -62,9 +62,9 @@ def save(store: ArtifactStore, run_dir: Path, state: dict, step: int) -> tuple[f
     start = time.perf_counter()
     path, _ = save_checkpoint(run_dir / "checkpoints", step, state)
     blocked = time.perf_counter() - start
-    staged = store.stage_file(path)
-    key = f"bench/{secrets.token_hex(4)}/step_{step:08d}.pt" if isinstance(store, S3Store) else staged.key
-    store.commit(staged.key, key)
+    local = isinstance(store, LocalStore)
+    key = path.relative_to(store.root).as_posix() if local else f"bench/{secrets.token_hex(4)}/{path.name}"
+    staged = store.put_file(path, key)
     return blocked, time.perf_counter() - start, key, staged.size, staged.sha256
 
 

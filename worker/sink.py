@@ -118,19 +118,19 @@ class JobSink:
         self._uploads.append(self._uploader.submit(self._store_checkpoint, step, path, dict(metrics)))
 
     def _store_checkpoint(self, step: int, path: Path, metrics: dict[str, float]) -> None:
-        """Stage the file in the store and commit it to its key, then record it in one transaction
-        (fenced): its row, its event and the retention policy. The metrics before it are stored
+        """Store the file at its key, then record it in one transaction (fenced): its row, its
+        event and the retention policy. The metrics before it are stored
         first, so a resumed attempt that starts from it lacks none. A store out of reach is tried
         again for up to the outage patience (StoreUnavailable after); no database lock is held
         while the store is waited for.
 
-        With a bucket the key names the attempt: a stale attempt's commit never replaces the
-        object another attempt's row records (with the local store the engine's file is the
-        object, written in place as it has always been)."""
+        With a bucket the key names the attempt, so it is written there directly, with no staging
+        copy: a stale attempt never replaces the object another attempt's row records, and an
+        object no row records is deleted by the next attempt (with the local store the engine's
+        file is the object, written in place as it has always been)."""
         patience, what = self.settings.outage_patience_seconds, f"job {self.job_id}: storing checkpoint {step}"
-        staged = retrying(partial(self.store.stage_file, path), what, patience)
         key = checkpoint_key(self.job_id, step, self.attempt if self.scratch else None)
-        retrying(partial(self.store.commit, staged.key, key), what, patience)
+        staged = retrying(partial(self.store.put_file, path, key), what, patience)
 
         def record() -> None:  # on the telemetry thread, in order with the steps handed over
             recorded = Recording(partial(self._record_checkpoint, step, staged, key, metrics))

@@ -132,6 +132,12 @@ class ArtifactStore(Protocol):
         """
         ...
 
+    def put_file(self, path: Path, key: str) -> Staged:
+        """The file at ``path`` stored at ``key`` itself, no staging copy: for a key nothing reads
+        before the caller's row names it (a checkpoint's attempt-unique key), so an object there
+        without a row is an orphan its owner deletes. An upload cut off leaves nothing there."""
+        ...
+
     def fetch(self, key: str, dest: Path, size: int, sha256: str) -> Path:
         """Download ``key`` to ``dest`` through a temporary file beside it, verified.
 

@@ -84,6 +84,13 @@ class LocalStore:
             return
         sync_directory(target.parent)
 
+    def put_file(self, path: Path, key: str) -> Staged:
+        """The file at ``path`` staged (in place when it is under ``root``) and committed to ``key``."""
+        staged = self.stage_file(path)
+        if staged.key != check_key(key):
+            self.commit(staged.key, key)
+        return Staged(key, staged.size, staged.sha256)
+
     def fetch(self, key: str, dest: Path, size: int, sha256: str) -> Path:
         """Copy the file to ``dest``, verified."""
         return download_verified(key, self.open_range(key), dest, size, sha256)

@@ -173,6 +173,12 @@ class S3Store:
         """Upload the file to a new staging object, in parts."""
         return copy_file(self.writer(), path)
 
+    def put_file(self, path: Path, key: str) -> Staged:
+        """Upload the file to ``key`` in parts: an S3 object appears whole when its upload completes."""
+        return copy_file(
+            StagingWriter(check_key(key), UploadSink(self.store, key, self.part_size, self.concurrency)), path
+        )
+
     def commit(self, staged: str, final: str) -> None:
         """Copy the staging object to its final key on the server, then delete the staging one
         (a delete that fails leaves it to the sweep: the object is committed)."""

@@ -167,6 +167,22 @@ def test_a_commit_replaces_the_object_at_its_final_key(case):
     assert read(case.store, "k") == b"new bytes"
 
 
+def test_put_file_stores_a_file_at_its_key_with_no_staging_copy(case, tmp_path):
+    data = payload(12 * MiB + 5)  # past one part
+    outside = tmp_path / "step.pt"
+    outside.write_bytes(data)
+    staged = case.store.put_file(outside, "checkpoints/j1/step_00000010.2.pt")
+    assert staged == Staged("checkpoints/j1/step_00000010.2.pt", len(data), hashlib.sha256(data).hexdigest())
+    assert read(case.store, staged.key) == data
+    assert [o.key for o in case.store.list("")] == [staged.key]  # nothing left under a staging key
+    if isinstance(case.store, S3Store):
+        assert case.store.head(staged.key)["e_tag"].strip('"').endswith("-3")  # uploaded in parts
+    else:  # a file under the root is stored where it is
+        inside = case.store.path("checkpoints/j1/step_00000020.pt")
+        inside.write_bytes(b"in place")
+        assert case.store.put_file(inside, "checkpoints/j1/step_00000020.pt").size == 8 and inside.is_file()
+
+
 def test_a_write_that_fails_leaves_nothing(case):
     with pytest.raises(RuntimeError), case.store.writer() as out:
         out.write(payload(12 * MiB))  # past two parts: a multipart upload is under way
