@@ -12,7 +12,9 @@ import hashlib
 import logging
 import os
 import secrets
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Protocol, Self
 log = logging.getLogger("muonforge.storage")
 STAGING = "staging"
 CHUNK_BYTES = 8 * 2**20  # a read's unit: a range request, a file read, a hashed and written block
+IN_FLIGHT = 4  # chunks a verified download receives ahead of its hashing and writing
 MAX_PART_BYTES = 64 * 2**20
 
 
@@ -224,17 +227,29 @@ def partial_path(dest: Path) -> Path:
 
 def download_verified(key: str, chunks: Iterable[bytes | memoryview], dest: Path, size: int, sha256: str) -> Path:
     """Write ``chunks`` to a file beside ``dest`` and rename it onto ``dest`` when its size and
-    sha256 are the expected ones; IntegrityError otherwise (``dest`` untouched, nothing left)."""
+    sha256 are the expected ones; IntegrityError otherwise (``dest`` untouched, nothing left).
+
+    A thread of its own hashes and writes each chunk while the next one arrives (both let go of
+    the GIL), at most IN_FLIGHT chunks behind."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp, digest, written = partial_path(dest), hashlib.sha256(), 0
     try:
-        with tmp.open("wb") as out:
+        with tmp.open("wb") as out, ThreadPoolExecutor(1, thread_name_prefix="download") as disk:
+
+            def keep(chunk: bytes | memoryview) -> None:
+                digest.update(chunk)
+                out.write(chunk)
+
+            behind: deque[Future[None]] = deque()
             for chunk in chunks:
                 written += len(chunk)
                 if written > size:
                     raise IntegrityError(f"{key}: more than the {size} bytes recorded")
-                digest.update(chunk)
-                out.write(chunk)
+                behind.append(disk.submit(keep, chunk))
+                while len(behind) > IN_FLIGHT or (behind and behind[0].done()):
+                    behind.popleft().result()
+            while behind:
+                behind.popleft().result()
             out.flush()
             os.fsync(out.fileno())  # on disk before its name says it is there
         verify(key, written, digest.hexdigest(), size, sha256)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ from app.storage.base import (
     chunk_bounds,
     copy_file,
     download_verified,
+    file_sha256,
     staging_key,
 )
 
@@ -174,10 +176,16 @@ class S3Store:
         return copy_file(self.writer(), path)
 
     def put_file(self, path: Path, key: str) -> Staged:
-        """Upload the file to ``key`` in parts: an S3 object appears whole when its upload completes."""
-        return copy_file(
-            StagingWriter(check_key(key), UploadSink(self.store, key, self.part_size, self.concurrency)), path
-        )
+        """Upload the file to ``key`` in parts (an S3 object appears whole when its upload
+        completes), read by the client itself while a thread hashes it. The file must not change
+        meanwhile (a checkpoint never does; a reader's verified fetch would refuse it)."""
+        check_key(key)
+        size = path.stat().st_size
+        with ThreadPoolExecutor(1, thread_name_prefix="hash") as hasher:
+            digest = hasher.submit(file_sha256, path)
+            with translate(key, "write"):
+                obstore.put(self.store, key, path, chunk_size=self.part_size, max_concurrency=self.concurrency)
+        return Staged(key, size, digest.result())
 
     def commit(self, staged: str, final: str) -> None:
         """Copy the staging object to its final key on the server, then delete the staging one
