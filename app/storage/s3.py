@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 MIN_PART_BYTES = 5 * 2**20  # S3's smallest part other than the last
 PART_BYTES = 8 * 2**20
 CONCURRENCY = 4  # parts uploaded at once: a writer holds at most (CONCURRENCY + 1) x part_size
+COPY_LIMIT = 5 * 2**30  # S3's largest CopyObject: a larger object is copied through the client
 SPAN_BYTES = 256 * 2**20  # one GET's range: a large object is read in several, each done within the timeout
 CLIENT_DEFAULTS = {"connect_timeout": "5s", "timeout": "300s"}  # per request: one part, or one span (>= 0.9 MB/s)
 ENV_CONFIG = {  # S3Config field: the environment variables that set it, first found wins
@@ -140,6 +141,7 @@ class S3Store:
         env: Mapping[str, str] = os.environ,
         part_size: int = PART_BYTES,
         concurrency: int = CONCURRENCY,
+        copy_limit: int = COPY_LIMIT,
         client_options: Mapping[str, Any] | None = None,
         retry: Mapping[str, Any] | None = None,
     ) -> None:
@@ -148,7 +150,7 @@ class S3Store:
         config = s3_config(env)
         options = {**CLIENT_DEFAULTS, "allow_http": allow_http(env, config.get("endpoint")), **(client_options or {})}
         self.bucket, self.prefix = bucket, check_prefix(prefix)
-        self.part_size, self.concurrency = part_size, max(1, concurrency)
+        self.part_size, self.concurrency, self.copy_limit = part_size, max(1, concurrency), copy_limit
         self.store = ObjectStoreS3(
             bucket,
             prefix=self.prefix or None,
@@ -188,18 +190,30 @@ class S3Store:
         return Staged(key, size, digest.result())
 
     def commit(self, staged: str, final: str) -> None:
-        """Copy the staging object to its final key on the server, then delete the staging one
-        (a delete that fails leaves it to the sweep: the object is committed)."""
+        """Copy the staging object to its final key on the server (one larger than S3's CopyObject
+        takes, through this client in parts), then delete the staging one (a delete that fails
+        leaves it to the sweep: the object is committed)."""
         check_key(final)
         try:
-            with translate(check_key(staged), "commit"):
-                obstore.copy(self.store, staged, final)
+            meta = self.head(check_key(staged))
+            if meta["size"] > self.copy_limit:
+                self.stream_copy(staged, meta, final)
+            else:
+                with translate(staged, "commit"):
+                    obstore.copy(self.store, staged, final)
         except ObjectNotFound:
             if self.stat(final) is None:
                 raise
             return
         with suppress(StoreError):
             self.delete(staged)
+
+    def stream_copy(self, source: str, meta: ObjectMeta, final: str) -> None:
+        """Copy ``source`` (as ``meta`` describes it) to ``final`` by reading it and uploading it
+        in parts: the final object appears whole, or not at all."""
+        with StagingWriter(final, UploadSink(self.store, final, self.part_size, self.concurrency)) as out:
+            for chunk in self.ranges(source, meta["e_tag"], 0, meta["size"]):
+                out.write(chunk)
 
     def fetch(self, key: str, dest: Path, size: int, sha256: str) -> Path:
         """Download to a file beside ``dest`` in ranged reads, verified, then rename it onto ``dest``."""

@@ -161,6 +161,20 @@ def test_a_staged_object_is_invisible_at_its_final_key_until_commit(case):
         case.store.commit(f"{STAGING}/never-written", "checkpoints/j1/step-20.pt")
 
 
+def test_an_object_over_the_servers_copy_limit_is_committed_through_the_client(s3_server):  # noqa: F811
+    store = s3_store(s3_server, copy_limit=6 * MiB)  # S3's CopyObject stops at 5 GiB
+    data = payload(12 * MiB + 3)
+    staged = write(store, data)
+    store.commit(staged.key, "datasets/t1/big.txt")
+    assert read(store, "datasets/t1/big.txt") == data
+    assert store.head("datasets/t1/big.txt")["e_tag"].strip('"').endswith("-3")  # uploaded again, in parts
+    assert store.stat(staged.key) is None
+    store.commit(staged.key, "datasets/t1/big.txt")  # a repeated commit succeeds
+    small = write(store, b"small")
+    store.commit(small.key, "datasets/t1/small.txt")  # under the limit: the server copies it
+    assert read(store, "datasets/t1/small.txt") == b"small"
+
+
 def test_a_commit_replaces_the_object_at_its_final_key(case):
     put(case.store, "k", b"old")
     put(case.store, "k", b"new bytes")
