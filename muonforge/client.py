@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -43,6 +44,8 @@ from muonforge.transfer import (
     SharedProgress,
     UploadState,
     extract_export,
+    model_archive,
+    model_files,
     open_model_upload,
     open_upload,
     part_chunks,
@@ -270,16 +273,31 @@ class Client(ClientBase):
         self._call(api.delete_dataset(dataset_id))
 
     # -- models -----------------------------------------------------------------------------------
-    def upload_model(self, path: str | Path, name: str | None = None, progress: Progress | None = None) -> Json:
-        """Upload a transformers model: a directory (sent as a tar of its files, archived on the
-        fly) or a .tar, .tar.gz or .zip of one, sent as it is. It needs config.json and safetensors
-        weights; ValidationError (``file``) says what the server refused. ``progress(done, total)``
-        is called in bytes as it is sent. Returns the Model, with its sizes and config."""
-        if Path(path).is_file() and Path(path).stat().st_size > PART_BYTES:
-            done = self.upload_in_parts(path, "model", name, progress)
-            return self.get_model(done["model_id"])
-        with open_model_upload(path, progress) as (filename, reader):
-            return self._call(api.upload_model(filename, reader, name or Path(path).name))
+    def upload_model(
+        self,
+        path: str | Path,
+        name: str | None = None,
+        progress: Progress | None = None,
+        *,
+        part_size: int = PART_BYTES,
+    ) -> Json:
+        """Upload a transformers model: a directory (sent as a tar of its files) or a .tar, .tar.gz
+        or .zip of one, sent as it is. It needs config.json and safetensors weights;
+        ValidationError (``file``) says what the server refused. ``progress(done, total)`` is
+        called in bytes as it is sent. Returns the Model, with its sizes and config.
+
+        More than ``part_size`` bytes go up in parts (:meth:`upload_in_parts`), resumed when
+        interrupted; a directory's tar is then kept in the uploads' cache until it is done."""
+        path = Path(path)
+        files = model_files(path) if path.is_dir() else [path]
+        if sum(file.stat().st_size for file in files) <= part_size:
+            with open_model_upload(path, progress) as (filename, reader):
+                return self._call(api.upload_model(filename, reader, name or path.name))
+        archive = model_archive(path) if path.is_dir() else path
+        done = self.upload_in_parts(archive, "model", name or path.name, progress, part_size=part_size)
+        if archive != path:
+            shutil.rmtree(archive.parent, ignore_errors=True)
+        return self.get_model(done["model_id"])
 
     # -- resumable uploads ------------------------------------------------------------------------
     def upload_in_parts(

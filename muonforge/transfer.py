@@ -85,12 +85,45 @@ def open_model_upload(path: str | os.PathLike, progress: Progress | None) -> Ite
             yield upload
         return
     with tempfile.TemporaryFile(prefix="muonforge-model-", suffix=".tar") as archive:
-        with tarfile.open(fileobj=archive, mode="w") as tar:
-            for file in sorted(path.iterdir()):
-                if file.is_file():
-                    tar.add(file, arcname=file.name, recursive=False)
+        write_model_tar(path, archive)
         archive.seek(0)
         yield f"{path.name}.tar", ProgressReader(archive, progress)
+
+
+def model_files(directory: Path) -> list[Path]:
+    """The files of a model directory that go up, by name (subdirectories are left out: a model
+    directory has none)."""
+    return sorted(file for file in directory.iterdir() if file.is_file())
+
+
+def write_model_tar(directory: Path, out: BinaryIO) -> None:
+    """A tar of the model directory's files, written to ``out``."""
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for file in model_files(directory):
+            tar.add(file, arcname=file.name, recursive=False)
+
+
+def model_archive(directory: Path) -> Path:
+    """A tar of a model directory's files kept under the uploads' cache (``uploads_directory``)
+    until its upload completes (the caller deletes it then), so an upload interrupted and started
+    again sends the same file and resumes. It is named by the directory's path and its files'
+    names, sizes and modification times: a directory changed since gets an archive of its own."""
+    files = [(file.name, file.stat()) for file in model_files(directory)]
+    identity = "\n".join([str(directory.resolve())] + [f"{n}\t{st.st_size}\t{st.st_mtime_ns}" for n, st in files])
+    path = uploads_directory() / hashlib.sha256(identity.encode()).hexdigest()[:32] / f"{directory.name}.tar"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".part")
+        with partial.open("wb") as out:
+            write_model_tar(directory, out)
+        partial.replace(path)  # whole, or not there
+    return path
+
+
+def uploads_directory() -> Path:
+    """Where the clients keep what resumes uploads: ``$XDG_CACHE_HOME/muonforge/uploads``
+    (``~/.cache`` by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "muonforge" / "uploads"
 
 
 class Download:
@@ -222,8 +255,7 @@ class UploadState:
     def __init__(self, server: str, path: Path, purpose: str) -> None:
         st = path.stat()
         identity = f"{server}\n{path.resolve()}\n{st.st_size}\n{st.st_mtime_ns}\n{purpose}"
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        self.file = cache / "muonforge" / "uploads" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+        self.file = uploads_directory() / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
 
     def upload_id(self) -> str | None:
         try:

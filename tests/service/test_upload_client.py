@@ -1,5 +1,6 @@
 """The clients' resumable uploads against a real API process: parts in parallel, an interrupted
-upload resumed where it stopped, and `muonforge datasets upload` of a file larger than one part."""
+upload resumed where it stopped (a file, and a model directory through its kept tar), and
+`muonforge datasets upload` of a file larger than one part."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import subprocess
 import pytest
 
 from muonforge import Client
-from muonforge.transfer import PART_BYTES, UploadState
+from muonforge.transfer import PART_BYTES, UploadState, model_archive, uploads_directory
+from tests.service.test_models import tiny_llama
 from tests.support.api import new_key
 from tests.support.cli import client_env, command
 
@@ -69,6 +71,43 @@ def test_a_file_goes_up_in_parallel_parts_and_an_interrupted_upload_resumes(api_
         dataset = client.get_dataset(done["dataset_id"])
         assert dataset["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
         assert state.upload_id() is None  # forgotten once completed
+
+
+def test_a_model_directory_larger_than_a_part_goes_up_in_parts_and_resumes(api_url, settings, tmp_path):
+    directory = tmp_path / "llama"
+    directory.mkdir()
+    parameters = tiny_llama(directory)
+    archive = model_archive(directory)
+    size, part = archive.stat().st_size, 4096
+    assert size > 4 * part
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_half_way(done: int, total: int | None) -> None:
+        if done >= size // 2:
+            raise Interrupted
+
+    with Client(api_url, new_key(settings)) as client:
+        with pytest.raises(Interrupted):
+            client.upload_model(directory, "tiny", stop_half_way, part_size=part)
+        assert model_archive(directory) == archive and archive.stat().st_size == size  # kept, to resume
+        upload_id = UploadState(api_url, archive, "model").upload_id()
+        assert upload_id is not None
+        received = {p["number"] for p in client.get_upload(upload_id)["parts"]}
+        sent: list[int] = []
+        send = client._send_part
+
+        def counting(upload_id, path, part, shared):
+            sent.append(part.number)
+            return send(upload_id, path, part, shared)
+
+        client._send_part = counting
+        model = client.upload_model(directory, "tiny", part_size=part)
+        assert set(sent) == set(range(1, -(-size // part) + 1)) - received and received  # only what it lacked
+        assert model["name"] == "tiny" and model["parameters"] == parameters
+        assert client.get_upload(upload_id)["model_id"] == model["id"]
+    assert list(uploads_directory().glob("*/*.tar")) == []  # the kept tar goes once the model is up
 
 
 def test_the_cli_uploads_a_file_larger_than_a_part(api_url, settings, tmp_path, cache_home):
