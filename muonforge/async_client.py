@@ -6,8 +6,11 @@ Its methods are Client's (muonforge.client), awaited; its lists and events are a
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -16,16 +19,32 @@ import httpx
 from contract.export import EXPORT_FILE, FORMATS
 from muonforge import api
 from muonforge.api import FINISHED, Call, Event, SseParser
-from muonforge.client import DEFAULT_RETRY, PAGE_SIZE, ClientBase, Json
+from muonforge.client import DEFAULT_RETRY, PAGE_SIZE, ClientBase, Json, resumable
+from muonforge.errors import ConnectionFailed, MuonforgeError, RateLimited, ServerError
+from muonforge.errors import NotFound as NotFoundError
 from muonforge.retry import Retry
 from muonforge.transfer import (
+    PART_BYTES,
     Download,
+    Part,
     Progress,
+    SharedProgress,
+    UploadState,
     extract_export,
+    model_in_parts,
     open_model_upload,
     open_upload,
+    part_chunks,
+    part_sha256,
+    parts_of,
     write_export_config,
 )
+
+
+async def in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """A blocking iterator's items, each read in a worker thread (a file read off the event loop)."""
+    while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+        yield chunk
 
 
 class AsyncClient(ClientBase):
@@ -151,6 +170,9 @@ class AsyncClient(ClientBase):
     async def upload_dataset(
         self, file: str | Path | BinaryIO, name: str | None = None, progress: Progress | None = None
     ) -> Json:
+        if isinstance(file, str | os.PathLike) and os.path.getsize(file) > PART_BYTES:
+            done = await self.upload_in_parts(file, "dataset", name, progress)
+            return await self.get_dataset(done["dataset_id"])
         with open_upload(file, progress) as (filename, reader):
             return await self._call(api.upload_dataset(filename, reader, name or filename))
 
@@ -167,9 +189,90 @@ class AsyncClient(ClientBase):
         await self._call(api.delete_dataset(dataset_id))
 
     # -- models -----------------------------------------------------------------------------------
-    async def upload_model(self, path: str | Path, name: str | None = None, progress: Progress | None = None) -> Json:
-        with open_model_upload(path, progress) as (filename, reader):
-            return await self._call(api.upload_model(filename, reader, name or Path(path).name))
+    async def upload_model(
+        self,
+        path: str | Path,
+        name: str | None = None,
+        progress: Progress | None = None,
+        *,
+        part_size: int = PART_BYTES,
+    ) -> Json:
+        path = Path(path)
+        archive = await asyncio.to_thread(model_in_parts, path, part_size)
+        if archive is None:
+            with open_model_upload(path, progress) as (filename, reader):
+                return await self._call(api.upload_model(filename, reader, name or path.name))
+        done = await self.upload_in_parts(archive, "model", name or path.name, progress, part_size=part_size)
+        if archive != path:
+            shutil.rmtree(archive.parent, ignore_errors=True)  # the directory's kept tar
+        return await self.get_model(done["model_id"])
+
+    # -- resumable uploads ------------------------------------------------------------------------
+    async def upload_in_parts(
+        self,
+        path: str | os.PathLike,
+        purpose: str,
+        name: str | None = None,
+        progress: Progress | None = None,
+        *,
+        part_size: int = PART_BYTES,
+        parallel: int = 4,
+    ) -> Json:
+        path = Path(path)
+        size, state = path.stat().st_size, UploadState(self.url, path, purpose)
+        upload = await self._resumable(state)
+        if upload is None:
+            upload = await self._call(api.create_upload(purpose, path.name, size, name or path.name))
+            state.remember(upload["id"])
+        received = {p["number"]: p for p in upload["parts"]}
+        shared, gate = SharedProgress(progress, size), asyncio.Semaphore(max(1, parallel))
+
+        async def send(part: Part) -> str:
+            async with gate:
+                have = received.get(part.number) or {}
+                same = have.get("bytes") == part.length
+                if same and await asyncio.to_thread(part_sha256, path, part) == have["sha256"]:
+                    shared.add(part.length)
+                    return have["sha256"]
+                return await self._send_part(upload["id"], path, part, shared)
+
+        digests = await asyncio.gather(*(send(part) for part in parts_of(size, part_size)))
+        done = await self._call(api.complete_upload(upload["id"], list(enumerate(digests, 1))))
+        state.forget()
+        return done
+
+    async def _send_part(self, upload_id: str, path: Path, part: Part, shared: SharedProgress) -> str:
+        for attempt in range(self.retry.max_retries + 1):
+            digest, sent = hashlib.sha256(), shared.counter()
+            chunks = in_thread(part_chunks(path, part, digest, sent.add))
+            try:
+                answer = await self._call(api.put_part(upload_id, part.number, chunks, part.length))
+            except (ConnectionFailed, ServerError, RateLimited):
+                sent.undo()
+                if attempt == self.retry.max_retries:
+                    raise
+                await self._sleep(min(self.retry.backoff * 2**attempt, self.retry.max_backoff))
+                continue
+            if answer["sha256"] == digest.hexdigest():
+                return answer["sha256"]
+            sent.undo()  # changed on the way: sent again
+        raise MuonforgeError(f"part {part.number} of {path} did not arrive intact in {attempt + 1} tries")
+
+    async def get_upload(self, upload_id: str) -> Json:
+        return await self._call(api.get_upload(upload_id))
+
+    async def _resumable(self, state: UploadState) -> Json | None:
+        upload_id = state.upload_id()
+        if upload_id is None:
+            return None
+        try:
+            upload = await self.get_upload(upload_id)
+        except NotFoundError:
+            upload = None
+        if not resumable(upload):
+            state.forget()
+            return None
+        return upload
 
     def list_models(self, page_size: int = PAGE_SIZE) -> AsyncIterator[Json]:
         return self._each(lambda after: api.models_page(page_size, after))

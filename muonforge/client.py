@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, TypedDict
+from typing import Any, BinaryIO, TypedDict, TypeGuard
 
 import httpx
 
@@ -44,8 +44,7 @@ from muonforge.transfer import (
     SharedProgress,
     UploadState,
     extract_export,
-    model_archive,
-    model_files,
+    model_in_parts,
     open_model_upload,
     open_upload,
     part_chunks,
@@ -289,14 +288,13 @@ class Client(ClientBase):
         More than ``part_size`` bytes go up in parts (:meth:`upload_in_parts`), resumed when
         interrupted; a directory's tar is then kept in the uploads' cache until it is done."""
         path = Path(path)
-        files = model_files(path) if path.is_dir() else [path]
-        if sum(file.stat().st_size for file in files) <= part_size:
+        archive = model_in_parts(path, part_size)
+        if archive is None:
             with open_model_upload(path, progress) as (filename, reader):
                 return self._call(api.upload_model(filename, reader, name or path.name))
-        archive = model_archive(path) if path.is_dir() else path
         done = self.upload_in_parts(archive, "model", name or path.name, progress, part_size=part_size)
         if archive != path:
-            shutil.rmtree(archive.parent, ignore_errors=True)
+            shutil.rmtree(archive.parent, ignore_errors=True)  # the directory's kept tar
         return self.get_model(done["model_id"])
 
     # -- resumable uploads ------------------------------------------------------------------------
@@ -370,11 +368,7 @@ class Client(ClientBase):
             upload = self.get_upload(upload_id)
         except NotFoundError:
             upload = None
-        if (
-            upload is None
-            or upload["status"] != UploadStatus.PENDING
-            or parse_time(upload["expires_at"]) <= time.time() + 60
-        ):
+        if not resumable(upload):
             state.forget()
             return None
         return upload
@@ -482,6 +476,15 @@ class Client(ClientBase):
             if not body["has_more"]:
                 return
             after = body["next_after"]
+
+
+def resumable(upload: Json | None) -> TypeGuard[Json]:
+    """Whether a remembered upload can go on: pending, and not about to expire."""
+    return (
+        upload is not None
+        and upload["status"] == UploadStatus.PENDING
+        and parse_time(upload["expires_at"]) > time.time() + 60
+    )
 
 
 def parse_time(value: str) -> float:

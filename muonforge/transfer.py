@@ -103,6 +103,15 @@ def write_model_tar(directory: Path, out: BinaryIO) -> None:
             tar.add(file, arcname=file.name, recursive=False)
 
 
+def model_in_parts(path: Path, part_size: int) -> Path | None:
+    """The file a model goes up as in parts: the archive itself, or a directory's kept tar
+    (:func:`model_archive`); None when its files fit in one part (one request)."""
+    files = model_files(path) if path.is_dir() else [path]
+    if sum(file.stat().st_size for file in files) <= part_size:
+        return None
+    return model_archive(path) if path.is_dir() else path
+
+
 def model_archive(directory: Path) -> Path:
     """A tar of a model directory's files kept under the uploads' cache (``uploads_directory``)
     until its upload completes (the caller deletes it then), so an upload interrupted and started

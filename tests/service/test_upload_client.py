@@ -4,13 +4,14 @@ upload resumed where it stopped (a file, and a model directory through its kept 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import subprocess
 
 import pytest
 
-from muonforge import Client
+from muonforge import AsyncClient, Client
 from muonforge.transfer import PART_BYTES, UploadState, model_archive, uploads_directory
 from tests.service.test_models import tiny_llama
 from tests.support.api import new_key
@@ -108,6 +109,50 @@ def test_a_model_directory_larger_than_a_part_goes_up_in_parts_and_resumes(api_u
         assert model["name"] == "tiny" and model["parameters"] == parameters
         assert client.get_upload(upload_id)["model_id"] == model["id"]
     assert list(uploads_directory().glob("*/*.tar")) == []  # the kept tar goes once the model is up
+
+
+def test_the_async_client_uploads_in_parallel_parts_and_resumes(api_url, settings, tmp_path):
+    key, path = new_key(settings), corpus(tmp_path, 500_000)
+    directory = tmp_path / "llama"
+    directory.mkdir()
+    parameters = tiny_llama(directory)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at(limit: int):
+        def progress(done: int, total: int | None) -> None:
+            if done >= limit:
+                raise Interrupted
+
+        return progress
+
+    async def run() -> tuple[dict, set[int], list[int], dict]:
+        async with AsyncClient(api_url, key) as client:
+            with pytest.raises(Interrupted):
+                await client.upload_in_parts(path, "dataset", progress=stop_at(200_000), part_size=65_536, parallel=1)
+            upload_id = UploadState(api_url, path, "dataset").upload_id()
+            assert upload_id is not None
+            received = {p["number"] for p in (await client.get_upload(upload_id))["parts"]}
+            sent: list[int] = []
+            send = client._send_part
+
+            async def counting(upload_id, path, part, shared):
+                sent.append(part.number)
+                return await send(upload_id, path, part, shared)
+
+            client._send_part = counting  # type: ignore[method-assign]
+            done = await client.upload_in_parts(path, "dataset", part_size=65_536)
+            assert done["id"] == upload_id
+            resent = sorted(sent)
+            model = await client.upload_model(directory, "tiny", part_size=4096)
+            return await client.get_dataset(done["dataset_id"]), received, resent, model
+
+    dataset, received, sent, model = asyncio.run(run())
+    assert dataset["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert received and sent == sorted(set(range(1, 9)) - received)  # only what it lacked
+    assert model["name"] == "tiny" and model["parameters"] == parameters
+    assert list(uploads_directory().glob("*/*.tar")) == []
 
 
 def test_the_cli_uploads_a_file_larger_than_a_part(api_url, settings, tmp_path, cache_home):
