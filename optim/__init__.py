@@ -1,4 +1,4 @@
-"""muonforge's optimizer core: Muon, MuonClip/QK-Clip and the Newton–Schulz family (torch only)."""
+"""muonforge's optimizer core: Muon, NorMuon, MuonClip/QK-Clip and the Newton–Schulz family (torch only)."""
 
 from .adamw import adamw_update
 from .coefficients import KELLER, POLAR_EXPRESS, resolve_coefficients, scalar_map, singular_value_band
@@ -6,6 +6,7 @@ from .distributed import assign_owners, ns_flops
 from .hyperparams import update_scale
 from .muon import Muon, as_matrices, matrix_shape
 from .newton_schulz import choose_method, orthogonalize
+from .normuon import normalize_batch, normalize_reference
 from .precision import auto_dtype
 from .qk_clip import (
     MuonClip,
@@ -39,6 +40,8 @@ __all__ = [
     "fused_qkv_targets",
     "matrix_shape",
     "mla_targets",
+    "normalize_batch",
+    "normalize_reference",
     "ns_flops",
     "orthogonalize",
     "qk_clip",

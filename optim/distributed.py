@@ -11,7 +11,7 @@ results are then all-gathered so every rank ends the step with the same paramete
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,31 +134,39 @@ class Ownership:
         dist.all_reduce(totals, group=group)
         return list(totals.unbind())
 
-    def gather_momentum(
-        self, state: MutableMapping[Tensor, dict], rank: int, group: dist.ProcessGroup | None
+    def gather_state(
+        self,
+        state: MutableMapping[Tensor, dict],
+        key: str,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        like: Callable[[Tensor], Tensor] = lambda p: p,
     ) -> dict[Tensor, Tensor]:
-        """The momentum buffers the other ranks own, by parameter (a collective: every rank
-        calls it). Parameters whose owner has no buffer yet (no gradient so far) are left out."""
+        """The ``key`` buffers (a momentum, a second moment) the other ranks own, by parameter (a
+        collective: every rank calls it); ``like(p)``: a tensor of the buffer's shape, dtype and
+        device (default: the parameter's own). Parameters whose owner has no such buffer yet (no
+        gradient so far) are left out."""
         params = list(self.rank_of)
         held = torch.tensor(
-            [self.rank_of[p] == rank and "momentum_buffer" in state.get(p, ()) for p in params],
+            [self.rank_of[p] == rank and key in state.get(p, ()) for p in params],
             dtype=torch.float32,
             device=self.device,
         )
         dist.all_reduce(held, group=group)  # which owners have a buffer
         has = dict(zip(params, held.tolist()))
-        layout = [[p for p in shard if has[p]] for shard in self.shards]
-        mine = [state[p]["momentum_buffer"] for p in layout[rank]]
+        owned = [[p for p in shard if has[p]] for shard in self.shards]
+        layout = [[like(p) for p in shard] for shard in owned]
+        mine = [state[p][key] for p in owned[rank]]
         out: dict[Tensor, Tensor] = {}
-        for r, (shard, buffers) in enumerate(zip(layout, all_gather_from_owners(layout, mine, group))):
+        for r, (shard, buffers) in enumerate(zip(owned, all_gather_from_owners(layout, mine, group))):
             if r != rank:  # clones, not views: saving a view would save the whole gathered buffer
                 out.update((p, buf.clone()) for p, buf in zip(shard, buffers))
         return out
 
-    def drop_others_momentum(self, state: MutableMapping[Tensor, dict], rank: int) -> None:
-        """Keep only the momentum buffers of the parameters ``rank`` owns (after a full load)."""
+    def drop_others(self, state: MutableMapping[Tensor, dict], key: str, rank: int) -> None:
+        """Keep only the ``key`` buffers of the parameters ``rank`` owns (after a full load)."""
         for p, r in self.rank_of.items():
             if r != rank and p in state:
-                state[p].pop("momentum_buffer", None)
+                state[p].pop(key, None)
                 if not state[p]:
                     del state[p]

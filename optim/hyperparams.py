@@ -54,4 +54,7 @@ def validate_group(group: dict[str, Any]) -> None:
     check("ns_method", group["ns_method"], group["ns_method"] in METHODS, f"must be one of {METHODS}")
     check("ns_dtype", group["ns_dtype"], group["ns_dtype"] in NS_DTYPES, f"must be one of {NS_DTYPES}")
     check("adjust_lr", group["adjust_lr"], group["adjust_lr"] in ADJUST_LR, f"must be one of {ADJUST_LR}")
+    check("normuon", group["normuon"], isinstance(group["normuon"], bool), "must be a bool")
+    b2 = group["normuon_beta2"]
+    check("normuon_beta2", b2, is_number(b2) and 0 <= b2 < 1, "must be in [0, 1)")
     resolve_coefficients(group["ns_coefficients"], group["ns_steps"])  # raises on bad steps or coefficients

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from .batches import Entry, apply_updates, nesterov_input, split_batches
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
 from .newton_schulz import normalizing_dtype, orthogonalize, working_bytes
+from .normuon import SECOND_MOMENT, normalize_batch, second_moment
 from .precision import default_dtype
 from .scratch import Scratch
 from .stats import PhaseTimer, StepStats
@@ -78,8 +80,11 @@ class Muon(torch.optim.Optimizer):
     expert. See :func:`optim.split_params` for routing a model's parameters by role.
     ``ns_dtype``: the Newton–Schulz precision; None chooses per device (:func:`optim.auto_dtype`).
 
-    Persistent state: ``momentum_buffer`` per Muon parameter; ``exp_avg``, ``exp_avg_sq`` and
-    ``step`` per AdamW parameter.
+    ``normuon=True`` (a group's ``"normuon"``): NorMuon's update (optim/normuon.py), each
+    neuron's second moment (EMA ``normuon_beta2``) normalized away after Newton–Schulz.
+
+    Persistent state: ``momentum_buffer`` (and with NorMuon ``second_moment``) per Muon
+    parameter; ``exp_avg``, ``exp_avg_sq`` and ``step`` per AdamW parameter.
 
     Data parallelism (``distributed=True``, torch.distributed initialised first): the gradients
     must already be averaged across the ranks of ``process_group`` (DDP does that; the optimizer
@@ -104,6 +109,8 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | None = None,
         adjust_lr: str = "original",
         weight_decay: float = 0.0,
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
         adamw_lr: float = 3e-3,  # tuned for the engine's models (docs/benchmarks.md); the JobSpec's default too
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -130,6 +137,8 @@ class Muon(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
             adjust_lr=adjust_lr,
             weight_decay=weight_decay,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
             use_muon=True,
             experts=False,
         )
@@ -186,6 +195,8 @@ class Muon(torch.optim.Optimizer):
             group.setdefault("experts", False)
             group.setdefault("ns_method", "auto")
             group.setdefault("ns_dtype", None)
+            group.setdefault("normuon", False)
+            group.setdefault("normuon_beta2", 0.95)
         self.__dict__.setdefault("_last_stats", StepStats())
         self.__dict__.setdefault("_stack", Scratch())
         self.__dict__.setdefault("_scratch", Scratch())
@@ -311,33 +322,55 @@ class Muon(torch.optim.Optimizer):
                         overwrite_input=True,
                         scratch=self._scratch,
                     )
+                    if group["normuon"]:
+                        normalize_batch(O, [self._second_moment(e) for e in entries], group["normuon_beta2"])
                 apply_updates(entries, O, lr, group["weight_decay"], stats)
+
+    def _second_moment(self, entry: Entry) -> Tensor:
+        """The entry's NorMuon second moment, [k, rows, 1] in fp32, made at its first step."""
+        state = self.state[entry.param]
+        if SECOND_MOMENT not in state:
+            state[SECOND_MOMENT] = second_moment(entry.grad)
+        return state[SECOND_MOMENT]
 
     def state_dict(self) -> dict[str, Any]:
         """The torch.optim state dict, complete at any world size.
 
-        With ``shard_momentum`` the buffers are gathered from their owners (a collective: every rank
-        must call it, like a full state dict under FSDP), so every rank returns the same,
-        single-process layout.
+        Under data parallelism what only owners hold (sharded momentum buffers, NorMuon's second
+        moments) is gathered from them (a collective: every rank must call it, like a full state
+        dict under FSDP), so every rank returns the same, single-process layout.
         """
         state_dict = super().state_dict()
-        owners = self._ownership() if self._shard else None
+        owners = self._ownership()
         if owners is None:
             return state_dict
         index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-        gathered = owners.gather_momentum(self.state, self._rank, self._group)
-        for p, buf in gathered.items():
-            state_dict["state"].setdefault(index[p], {})["momentum_buffer"] = buf
+        experts = {p: g["experts"] for g in self.param_groups for p in g["params"]}
+        for key, like in self._owned_state():
+            template = partial(lambda p, like: like(p, experts[p]), like=like)
+            for p, buf in owners.gather_state(self.state, key, self._rank, self._group, template).items():
+                state_dict["state"].setdefault(index[p], {})[key] = buf
         state_dict["state"] = dict(sorted(state_dict["state"].items()))
         return state_dict
 
+    def _owned_state(self) -> list[tuple[str, Callable[[Tensor, bool], Tensor]]]:
+        """The state only owners hold under data parallelism, each key with a tensor like its buffer
+        for a parameter (and its group's experts flag): sharded momentum, NorMuon's second moments."""
+        held: list[tuple[str, Callable[[Tensor, bool], Tensor]]] = []
+        if self._shard:
+            held.append(("momentum_buffer", lambda p, experts: p))
+        if any(g["use_muon"] and g["normuon"] for g in self.param_groups):
+            held.append((SECOND_MOMENT, lambda p, experts: second_moment(as_matrices(p, experts))))
+        return held
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a complete state dict (from any world size); with ``shard_momentum`` each rank
-        then keeps the momentum buffers of the parameters it owns only."""
+        """Load a complete state dict (from any world size); each rank then keeps the owned-only
+        state (sharded momentum, NorMuon's second moments) of the parameters it owns only."""
         super().load_state_dict(state_dict)
-        owners = self._ownership() if self._shard else None
+        owners = self._ownership()
         if owners is not None:
-            owners.drop_others_momentum(self.state, self._rank)
+            for key, _ in self._owned_state():
+                owners.drop_others(self.state, key, self._rank)
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []

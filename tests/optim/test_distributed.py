@@ -1,5 +1,6 @@
 """Data-parallel Muon (OPTIMIZER.md T14): 2 and 4 gloo ranks against one process, checkpoints
-across world sizes, the ownership rule, and MuonClip's S_max all-reduce under it.
+across world sizes, the ownership rule, NorMuon's second moments (on their owners, gathered into a
+complete state dict), and MuonClip's S_max all-reduce under it.
 
 Two spawned groups (4 ranks, then 2) run every multi-rank check; each rank saves what it saw and
 the tests compare that with a single-process run here. The gradients stand in for DDP's averaged
@@ -117,6 +118,17 @@ def reference(tmp_path_factory) -> dict:
     return {"final": snapshot(ps), "stats": stats, "resume": at_resume, "resume_path": str(path)}
 
 
+@pytest.fixture(scope="module")
+def normuon_reference() -> dict:
+    """NorMuon in one process over STEPS steps: final parameters and the state dict at RESUME_AT."""
+    ps = make_params()
+    opt = optim.Muon(param_groups(ps), **KWARGS, normuon=True)
+    train(opt, ps, range(RESUME_AT))
+    state = copy.deepcopy(opt.state_dict())
+    train(opt, ps, range(RESUME_AT, STEPS))
+    return {"final": snapshot(ps), "state": state}
+
+
 # ---- what the ranks run ----
 
 
@@ -136,6 +148,17 @@ def run_modes(out: dict) -> None:
             "stats": stats,
             "has_state": [p in opt.state for p in ps],
         }
+
+
+def normuon_runs(out: dict) -> None:
+    """NorMuon over STEPS steps, with and without momentum sharding; the state dict at RESUME_AT."""
+    for shard in (False, True):
+        ps = make_params()
+        opt = optim.Muon(param_groups(ps), **KWARGS, normuon=True, distributed=True, shard_momentum=shard)
+        train(opt, ps, range(RESUME_AT))
+        state = copy.deepcopy(opt.state_dict())
+        train(opt, ps, range(RESUME_AT, STEPS))
+        out[f"normuon shard={shard}"] = {"final": snapshot(ps), "state": state}
 
 
 def resume(path: str, shard: bool) -> dict:
@@ -215,6 +238,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, jobs: dict) -> None:
     out: dict = {}
     try:
         run_modes(out)
+        normuon_runs(out)
         if "resume" in jobs:
             out["resumed"] = {name: resume(path, shard) for name, (path, shard) in jobs["resume"].items()}
         if jobs.get("extras"):
@@ -352,6 +376,19 @@ def test_checkpoint_resumes_on_two_ranks(two_ranks, reference, source):
         owners = expected_owners(2)
         for rank, result in enumerate(two_ranks):
             assert result["resumed"][source]["has_state_after_load"][:N_MUON] == [o == rank for o in owners]
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_normuon_on_ranks_matches_one_process_and_its_state_dict_is_complete(request, normuon_reference, world, shard):
+    want = normuon_reference["state"]["state"]
+    for result in world_results(request, world):
+        run = result[f"normuon shard={shard}"]
+        assert_close(run["final"], normuon_reference["final"], f"NorMuon on {world} ranks, shard_momentum={shard}")
+        got = run["state"]["state"]
+        assert got.keys() == want.keys()
+        for i in range(N_MUON):  # every second moment, whichever rank owns it
+            assert rel_diff(got[i]["second_moment"], want[i]["second_moment"]) <= TOL, i
 
 
 # ---- 3. the ownership rule ----
