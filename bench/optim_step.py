@@ -1,5 +1,5 @@
 """One optimizer step on a GPT-shaped parameter set, CPU fp32 parameters: our Muon (its default,
-automatic Newton–Schulz dtype, and fp32) against the bare Newton–Schulz products,
+automatic Newton–Schulz dtype, and fp32) and NorMuon against the bare Newton–Schulz products,
 torch.optim.Muon and AdamW; plus singular-value bands and peak memory.
 
 Parameters: d_model 384, 4 layers, per layer the weights 1152x384, 384x384, 1536x384 and
@@ -34,6 +34,7 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "ours": lambda ps: optim.Muon(ps, lr=LR),  # the default: automatic NS dtype
     "ours-fp32": lambda ps: optim.Muon(ps, lr=LR, ns_dtype=torch.float32),
     "polar": lambda ps: optim.Muon(ps, lr=LR, ns_coefficients="polar_express"),
+    "normuon": lambda ps: optim.Muon(ps, lr=LR, normuon=True),  # NorMuon, the same automatic dtype
     "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=0.0),
     "AdamW": lambda ps: torch.optim.AdamW(ps),
 }
@@ -41,6 +42,7 @@ RATIOS = {  # (numerator, denominator) -> target (or None)
     ("ours", "torch.optim.Muon"): 0.6,
     ("ours-fp32", "torch.optim.Muon"): None,
     ("polar", "torch.optim.Muon"): None,
+    ("normuon", "ours"): 1.1,
     ("ours", "bare"): 0.7,
     ("ours-fp32", "bare"): None,
     ("torch.optim.Muon", "bare"): None,

@@ -54,9 +54,10 @@ def optimizer_series(stat: str) -> str:
 
 # Reported by every run at each telemetry step (val_loss at evaluations).
 GLOBAL = (LOSS, VAL_LOSS, LR, GRAD_NORM, LOGITS_MAX_ABS, LOGITS_STD, STEP_TIME_MS, TOKENS_PER_S, ELAPSED_S)
-# Each optimizer's own series: Muon's step statistics, MuonClip's clip on top.
+# Each optimizer's own series: Muon's (and NorMuon's) step statistics, the clip's on top.
 MUON_STATS = (UPDATE_RMS, f"{OPTIM_PREFIX}ns_time_ms", f"{OPTIM_PREFIX}nonfinite_skipped")
-OPTIMIZER = {"adamw": (), "muon": MUON_STATS, "muonclip": (*MUON_STATS, QK_CLIP_HEADS_CLIPPED, QK_CLIP_MIN_GAMMA)}
+CLIP_STATS = (*MUON_STATS, QK_CLIP_HEADS_CLIPPED, QK_CLIP_MIN_GAMMA)
+OPTIMIZER = {"adamw": (), "muon": MUON_STATS, "muonclip": CLIP_STATS, "normuon": MUON_STATS, "normuonclip": CLIP_STATS}
 ROUTER = (ROUTER_AUX_LOSS, ROUTER_ENTROPY, ROUTER_LOAD_MAX, ROUTER_LOAD_MIN)
 # The series of a whole run (none per layer, head or expert): what the compare page offers.
 COMPARABLE = (

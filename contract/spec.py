@@ -252,15 +252,27 @@ class DataSpec(_Strict):
         return v
 
 
+OptimizerName = Literal["muon", "muonclip", "normuon", "normuonclip", "adamw"]
+CLIPPED: tuple[OptimizerName, ...] = ("muonclip", "normuonclip")  # Muon or NorMuon, then QK-Clip
+NORMUON: tuple[OptimizerName, ...] = ("normuon", "normuonclip")  # NorMuon's update in place of Muon's
+
+
 class OptimizerSpec(_Strict):
-    """Muon, MuonClip (Muon + QK-Clip) or an AdamW baseline.
+    """Muon, NorMuon (Muon with each neuron's second moment normalized away), either followed by
+    QK-Clip (muonclip, normuonclip), or an AdamW baseline.
 
     For ``adamw`` the ``lr`` and ``weight_decay`` apply to every parameter and the Muon fields are
     ignored.
     """
 
-    name: Literal["muon", "muonclip", "adamw"] = Field("muon", description="Optimizer.")
-    lr: float | None = Field(None, gt=0.0, le=10.0, description="Default 0.02 for muon/muonclip, 3e-3 for adamw.")
+    name: OptimizerName = Field(
+        "muon",
+        description="Optimizer: muon; muonclip (Muon + QK-Clip); normuon (NorMuon, arXiv 2510.05491); normuonclip "
+        "(NorMuon + QK-Clip); adamw.",
+    )
+    lr: float | None = Field(
+        None, gt=0.0, le=10.0, description="Default 0.02 for muon, normuon and their clips, 3e-3 for adamw."
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay (unadjusted lr).")
     momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon momentum (EMA).")
     nesterov: bool = Field(True, description="Nesterov momentum for Muon.")
@@ -275,12 +287,20 @@ class OptimizerSpec(_Strict):
     adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = Field(
         "original", description="Muon update scale from the matrix shape."
     )
-    qk_clip_tau: float | None = Field(None, gt=0.0, description="QK-Clip threshold (muonclip only; default 100).")
+    normuon_beta2: float = Field(
+        0.95,
+        ge=0.0,
+        lt=1.0,
+        description="NorMuon (normuon, normuonclip): EMA coefficient of each neuron's second moment.",
+    )
+    qk_clip_tau: float | None = Field(
+        None, gt=0.0, description="QK-Clip threshold (muonclip and normuonclip only; default 100)."
+    )
     qk_clip_remeasure: bool = Field(
         False,
-        description="muonclip only: after the update, one more forward of the step's batch (no grad) measures "
-        "each head's max logit again and QK-Clip scales from that, so every head ends at or below tau on that "
-        "batch (the clip holds closer to tau; a step costs that forward more).",
+        description="muonclip and normuonclip only: after the update, one more forward of the step's batch (no "
+        "grad) measures each head's max logit again and QK-Clip scales from that, so every head ends at or below tau "
+        "on that batch (the clip holds closer to tau; a step costs that forward more).",
     )
     qk_clip_remeasure_batches: int = Field(
         1,
@@ -307,17 +327,17 @@ class OptimizerSpec(_Strict):
     @field_validator("qk_clip_tau")
     @classmethod
     def _muonclip_only(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if info.data.get("name") == "muonclip":
+        if info.data.get("name") in CLIPPED:
             return 100.0 if v is None else v
         if v is not None:
-            raise ValueError("qk_clip_tau applies only to optimizer 'muonclip'")
+            raise ValueError("qk_clip_tau applies only to optimizers 'muonclip' and 'normuonclip'")
         return v
 
     @field_validator("qk_clip_remeasure")
     @classmethod
     def _remeasure_muonclip_only(cls, v: bool, info: ValidationInfo) -> bool:
-        if v and info.data.get("name") != "muonclip":
-            raise ValueError("qk_clip_remeasure applies only to optimizer 'muonclip'")
+        if v and info.data.get("name") not in CLIPPED:
+            raise ValueError("qk_clip_remeasure applies only to optimizers 'muonclip' and 'normuonclip'")
         return v
 
     @field_validator("qk_clip_remeasure_batches")

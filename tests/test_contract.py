@@ -18,7 +18,7 @@ from pydantic import ValidationError
 import optim
 from contract import metrics, status, webhooks
 from contract import spec as contract_spec
-from contract.spec import DataSpec, JobSpec, error_path
+from contract.spec import NORMUON, DataSpec, JobSpec, error_path
 from worker.engine import data as engine_data
 from worker.engine.config import ModelConfig, job_config
 from worker.engine.facts import parameter_count, series_per_step, vocabulary
@@ -135,6 +135,7 @@ def test_the_optimizers_defaults_are_the_specs():
     process = {k: muon.pop(k) for k in ("distributed", "process_group", "shard_momentum")}
     assert process == {"distributed": False, "process_group": None, "shard_momentum": False}
     spec = JobSpec.model_validate({"model": {"arch": "gpt"}, "data": {"builtin": "synthetic"}}).optimizer
+    assert muon.pop("normuon") is (spec.name in NORMUON) is False  # the spec names NorMuon by optimizer.name
     for name, default in muon.items():
         expected = NS_DTYPES[spec.ns_dtype] if name == "ns_dtype" else getattr(spec, name)
         assert expected == default, name

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from contract.spec import JobSpec
+from contract.spec import CLIPPED, JobSpec
 from tests.browser.conftest import screenshot
 from tests.support.services import ROOT
 
 PRESETS = sorted(path.stem for path in (ROOT / "examples").glob("*.yaml"))
 # Fields the API rejects outside their architecture or optimizer: switching away removes them.
 EXCLUSIVE = {
-    "model.arch": ("moe", ["model.n_experts", "model.top_k"]),
-    "optimizer.name": ("muonclip", ["optimizer.qk_clip_tau"]),
+    "model.arch": (("moe",), ["model.n_experts", "model.top_k"]),
+    "optimizer.name": (CLIPPED, ["optimizer.qk_clip_tau"]),
 }
 CONTROLS = "#form [data-path]"
 
@@ -247,7 +247,7 @@ def test_every_control_shows_its_field_and_an_edit_changes_that_field_alone(brow
             control.fill(new)
             written = new if path == "name" else (int(new) if control.get_attribute("data-type") == "int" else 9.0)
         expected = put(before, path, written)
-        if path in EXCLUSIVE and new != EXCLUSIVE[path][0]:
+        if path in EXCLUSIVE and new not in EXCLUSIVE[path][0]:
             for gone in EXCLUSIVE[path][1]:
                 put(expected, gone, None)
         assert shown_spec(page) == expected, path
@@ -256,6 +256,20 @@ def test_every_control_shows_its_field_and_an_edit_changes_that_field_alone(brow
     page.locator("#f-source").select_option(source)
     assert shown_spec(page) == put(before, "data.builtin", source.split(":")[1])
     assert list(shown_spec(page)) == list(before)  # the sections keep their order
+
+
+def test_the_clip_threshold_shows_for_both_clipped_optimizers(browser, key):
+    page = open_form(browser, key)
+    for name, shown in [("normuonclip", True), ("normuon", False), ("muonclip", True), ("adamw", False)]:
+        page.locator("#f-optimizer").select_option(name)
+        assert page.locator("#f-tau").is_visible() == shown, name
+        assert get(shown_spec(page), "optimizer.name") == name
+    page.locator("#f-optimizer").select_option("normuonclip")
+    page.locator("#f-tau").fill("50")
+    assert get(shown_spec(page), "optimizer.qk_clip_tau") == 50
+    page.locator("#f-optimizer").select_option("normuon")  # no clip: its threshold goes
+    assert get(shown_spec(page), "optimizer.name") == "normuon"
+    assert get(shown_spec(page), "optimizer.qk_clip_tau") is None
 
 
 @pytest.mark.parametrize("width", [1400, 1000])

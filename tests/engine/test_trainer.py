@@ -54,7 +54,10 @@ def trainer(s: dict, tmp_path: Path, sink=None, cancel=None) -> Trainer:
     return Trainer(job, synthetic_task(job.train.seed), tmp_path / "ckpt", sink or ListSink(), cancel)
 
 
-@pytest.mark.parametrize(("arch", "optimizer"), [("gpt", "muonclip"), ("moe", "muon"), ("mlp", "adamw")])
+@pytest.mark.parametrize(
+    ("arch", "optimizer"),
+    [("gpt", "muonclip"), ("moe", "muon"), ("mlp", "adamw"), ("gpt", "normuonclip"), ("moe", "normuon")],
+)
 def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, arch, optimizer):
     s = spec(arch, optimizer, lr_schedule="cosine", warmup_steps=2)
     full_sink = ListSink()
@@ -74,6 +77,11 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, arch, optimizer):
     for (_, a), (_, b) in zip(tail, resumed_sink.records):
         assert a.get("loss") == b.get("loss") and a.get("val_loss") == b.get("val_loss")
     assert resumed_sink.records[0][1]["elapsed_s"] > cut_sink.records[-1][1]["elapsed_s"]  # the clock goes on
+    normuon = optimizer.startswith("normuon")
+    assert any(g.get("normuon") for g in resumed.optimizer.param_groups) == normuon
+    assert any("second_moment" in state for state in resumed.optimizer.state.values()) == normuon
+    clipped = any("qk_clip/heads_clipped" in values for _, values in full_sink.records)
+    assert clipped == optimizer.endswith("clip")
 
 
 def test_cancel_stops_at_the_next_step_and_checkpoints(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import optim
-from contract.spec import OptimizerSpec, TrainSpec
+from contract.spec import CLIPPED, NORMUON, OptimizerSpec, TrainSpec
 
 from .models import LanguageModel
 from .telemetry import TelemetrySink
@@ -46,6 +46,8 @@ class MuonOptions(TypedDict):
     ns_dtype: torch.dtype | None
     adjust_lr: str
     weight_decay: float
+    normuon: bool
+    normuon_beta2: float
     adamw_lr: float
     adamw_betas: tuple[float, float]
     adamw_eps: float
@@ -56,7 +58,8 @@ class MuonOptions(TypedDict):
 def build_optimizer(
     model: nn.Module, cfg: OptimizerSpec, distributed: bool = False, ns_dtype: torch.dtype | None = None
 ) -> torch.optim.Optimizer:
-    """muon / muonclip: optim.Muon(Clip) over role-split groups; adamw: AdamW on every parameter.
+    """muon, normuon / muonclip, normuonclip: optim.Muon(Clip) over role-split groups (normuon: NorMuon's
+    update); adamw: AdamW on every parameter.
 
     ``distributed``: data-parallel Muon over the default process group (each rank orthogonalizes
     the matrices it owns; the gradients must arrive averaged, as DDP leaves them). ``ns_dtype``: the
@@ -78,6 +81,8 @@ def build_optimizer(
         ns_dtype=ns_dtype or NS_DTYPES[cfg.ns_dtype],
         adjust_lr=cfg.adjust_lr,
         weight_decay=cfg.weight_decay,
+        normuon=cfg.name in NORMUON,
+        normuon_beta2=cfg.normuon_beta2,
         adamw_lr=cfg.adamw_lr,
         adamw_betas=cfg.adamw_betas,
         adamw_eps=cfg.adamw_eps,
@@ -85,11 +90,11 @@ def build_optimizer(
         distributed=distributed,
     )
     groups = optim.split_params(model)
-    if cfg.name == "muonclip":
+    if cfg.name in CLIPPED:
         tau = {} if cfg.qk_clip_tau is None else {"qk_clip_tau": cfg.qk_clip_tau}  # else MuonClip's default
         sources = model.qk_clip_sources() if isinstance(model, LanguageModel) else model
         return optim.MuonClip(groups, sources, **tau, **options)
-    if cfg.name == "muon":
+    if cfg.name in ("muon", "normuon"):
         return optim.Muon(groups, **options)
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 

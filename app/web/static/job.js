@@ -156,7 +156,7 @@
   function chartSpecs(spec) {
     const attention = spec.model.arch !== "mlp";
     const opt = spec.optimizer;
-    const clip = opt.name === "muonclip";
+    const clip = opt.qk_clip_tau !== null && opt.qk_clip_tau !== undefined; // set for muonclip and normuonclip
     return [
       { title: "Loss", series: [{ name: M.LOSS }, { name: M.VAL_LOSS }] },
       attention && {

@@ -64,7 +64,7 @@
     show(".sized-only", get(spec, "model.arch") !== "hf"); // an hf model's sizes are its config's
     show(".hf-only", get(spec, "model.arch") === "hf");
     $("hf-summary").textContent = hfSummary(get(spec, "model.hf.config"), get(spec, "model.hf.model_id"));
-    show(".clip-only", optimizer === "muonclip");
+    show(".clip-only", defaultOf("optimizer.qk_clip_tau") !== null); // muonclip, normuonclip: the contract's tau
     show(".muon-only", optimizer !== "adamw");
     show(".dataset-only", $("f-source").value === "dataset");
     show(".corpus-only", $("f-source").value !== "builtin:synthetic"); // the task has its own tokens
