@@ -23,6 +23,7 @@ UPDATE_RMS = "update_rms"  # RMS of the applied Muon updates
 ATTN_MAX_LOGIT = "attn_max_logit"  # max over layers and heads
 QK_CLIP_HEADS_CLIPPED = "qk_clip/heads_clipped"
 QK_CLIP_MIN_GAMMA = "qk_clip/min_gamma"
+NORMUON_SCALE_SPREAD = "normuon/scale_spread"  # NorMuon: mean over matrices of max / min row scale
 ROUTER_AUX_LOSS = "router/aux_loss"
 ROUTER_ENTROPY = "router/entropy"
 ROUTER_LOAD_MAX = "router/load_max"  # 1.0: perfectly even
@@ -57,7 +58,13 @@ GLOBAL = (LOSS, VAL_LOSS, LR, GRAD_NORM, LOGITS_MAX_ABS, LOGITS_STD, STEP_TIME_M
 # Each optimizer's own series: Muon's (and NorMuon's) step statistics, the clip's on top.
 MUON_STATS = (UPDATE_RMS, f"{OPTIM_PREFIX}ns_time_ms", f"{OPTIM_PREFIX}nonfinite_skipped")
 CLIP_STATS = (*MUON_STATS, QK_CLIP_HEADS_CLIPPED, QK_CLIP_MIN_GAMMA)
-OPTIMIZER = {"adamw": (), "muon": MUON_STATS, "muonclip": CLIP_STATS, "normuon": MUON_STATS, "normuonclip": CLIP_STATS}
+OPTIMIZER = {
+    "adamw": (),
+    "muon": MUON_STATS,
+    "muonclip": CLIP_STATS,
+    "normuon": (*MUON_STATS, NORMUON_SCALE_SPREAD),
+    "normuonclip": (*CLIP_STATS, NORMUON_SCALE_SPREAD),
+}
 ROUTER = (ROUTER_AUX_LOSS, ROUTER_ENTROPY, ROUTER_LOAD_MAX, ROUTER_LOAD_MIN)
 # The series of a whole run (none per layer, head or expert): what the compare page offers.
 COMPARABLE = (

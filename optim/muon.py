@@ -24,7 +24,7 @@ from .batches import Entry, apply_updates, nesterov_input, split_batches
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
 from .newton_schulz import normalizing_dtype, orthogonalize, working_bytes
-from .normuon import SECOND_MOMENT, normalize_batch, second_moment
+from .normuon import SCALE_SPREAD, SECOND_MOMENT, normalize_batch, second_moment
 from .precision import default_dtype
 from .scratch import Scratch
 from .stats import PhaseTimer, StepStats
@@ -206,7 +206,8 @@ class Muon(torch.optim.Optimizer):
             self.__dict__.setdefault(key, value)
 
     def last_step_stats(self) -> dict[str, float]:
-        """Statistics of the latest step: update_rms, ns_time_ms, nonfinite_skipped (+ subclass keys)."""
+        """Statistics of the latest step: update_rms, ns_time_ms, nonfinite_skipped (with NorMuon
+        normuon/scale_spread; + subclass keys)."""
         return self._last_stats.as_dict()
 
     @torch.no_grad()
@@ -216,6 +217,8 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         stats = StepStats()
+        if any(g["use_muon"] and g["normuon"] for g in self.param_groups):
+            stats.means[SCALE_SPREAD] = [0.0, 0.0]  # on every rank, owner or not: one shape of all-reduce
         finite = self._finite_grads()
         owners = self._ownership()
         for group in self.param_groups:
@@ -252,7 +255,11 @@ class Muon(torch.optim.Optimizer):
         the step's statistics global (one small all-reduce)."""
         owners.share_parameters(self._rank, self._group)
         totals = [stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped]  # nonfinite: updates so far
-        stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped = owners.sum_over_ranks(totals, self._group)
+        totals += [value for pair in stats.means.values() for value in pair]
+        summed = owners.sum_over_ranks(totals, self._group)
+        stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped = summed[:3]
+        for i, name in enumerate(stats.means):
+            stats.means[name] = list[Tensor | float](summed[3 + 2 * i : 5 + 2 * i])
 
     def _finite_grads(self) -> dict[Tensor, bool]:
         """Whether each gradient is finite: one fused L2 norm and one host transfer per device.
@@ -323,7 +330,8 @@ class Muon(torch.optim.Optimizer):
                         scratch=self._scratch,
                     )
                     if group["normuon"]:
-                        normalize_batch(O, [self._second_moment(e) for e in entries], group["normuon_beta2"])
+                        moments = [self._second_moment(e) for e in entries]
+                        stats.add_to_mean(SCALE_SPREAD, normalize_batch(O, moments, group["normuon_beta2"]))
                 apply_updates(entries, O, lr, group["weight_decay"], stats)
 
     def _second_moment(self, entry: Entry) -> Tensor:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 EPS = 1e-10  # the paper's reference: on the root of v, and on the normalized update's norm
 SECOND_MOMENT = "second_moment"  # the state key of a parameter's v, [k, rows, 1] in fp32
+SCALE_SPREAD = "normuon/scale_spread"  # telemetry: the step's mean, over matrices, of max / min row scale
 
 
 def normalize_reference(O: Tensor, v: Tensor, beta2: float) -> Tensor:
@@ -36,6 +37,8 @@ def normalize_reference(O: Tensor, v: Tensor, beta2: float) -> Tensor:
 def normalize_batch(O: Tensor, moments: list[Tensor], beta2: float) -> Tensor:
     """NorMuon's normalization of a batch ``O`` [B, rows, cols] in place; ``moments``: the batch's
     second-moment buffers in order, each [k, rows, 1] in fp32 (k matrices of the batch), updated.
+    Returns each matrix's scale spread [B]: its largest row scale over its smallest (1: NorMuon
+    changed nothing but the norm; telemetry's ``normuon/scale_spread``, SCALE_SPREAD).
 
     One pass reads O (each row's mean square, summed in fp32) and one scales it: both Frobenius
     norms come from the row means (||O||^2 = cols sum_r m_r, ||N||^2 = cols sum_r s_r^2 m_r for
@@ -52,7 +55,8 @@ def normalize_batch(O: Tensor, moments: list[Tensor], beta2: float) -> Tensor:
     before = mean_sq.sum(dim=1, keepdim=True)  # ||O||^2 / cols
     after = (scale.square() * mean_sq).sum(dim=1, keepdim=True)  # ||N||^2 / cols
     scale.mul_(before.sqrt_().div_(after.sqrt_().add_(EPS / cols**0.5)))
-    return O.mul_(scale.to(O.dtype))
+    O.mul_(scale.to(O.dtype))
+    return (scale.amax(dim=1) / scale.amin(dim=1)).view(-1)
 
 
 def second_moment(matrices: Tensor) -> Tensor:

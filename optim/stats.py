@@ -71,6 +71,9 @@ class StepStats:
     nonfinite_skipped: Tensor | float = 0
     ns_timer: PhaseTimer | None = None
     extra: dict[str, Tensor | float] = field(default_factory=dict)
+    # Means over the step's matrices of what an update rule measures (NorMuon's scale spread):
+    # name -> [sum, count], summed over the ranks under data parallelism, reported as sum / count.
+    means: dict[str, list[Tensor | float]] = field(default_factory=dict)
     # Per device and dtype, until settle() sums them for the step: each batch's squared update
     # norm and finite flag per matrix (device tensors) and, per matrix, (lr x scale)^2, 1 / k and
     # its entry count (host numbers).
@@ -89,6 +92,14 @@ class StepStats:
         all_weights += weights
         all_shares += shares
         numels += [float(numel)] * len(weights)
+
+    def add_to_mean(self, name: str, values: Tensor) -> None:
+        """Values (one per matrix, on the device) toward the step's mean of ``name``; those that are
+        not finite (a skipped update's) are left out. No host sync."""
+        kept = values.isfinite()
+        total = self.means.setdefault(name, [0.0, 0.0])
+        total[0] = total[0] + values.where(kept, 0.0).sum()
+        total[1] = total[1] + kept.sum()
 
     def settle(self) -> None:
         """Fold the recorded batches into update_sq_sum, update_numel and nonfinite_skipped: a few
@@ -114,4 +125,6 @@ class StepStats:
             "nonfinite_skipped": float(self.nonfinite_skipped),
         }
         out.update({k: float(v) for k, v in self.extra.items()})
+        for name, (total, count) in self.means.items():
+            out[name] = float(total) / float(count) if float(count) else 0.0
         return out

@@ -123,10 +123,10 @@ def normuon_reference() -> dict:
     """NorMuon in one process over STEPS steps: final parameters and the state dict at RESUME_AT."""
     ps = make_params()
     opt = optim.Muon(param_groups(ps), **KWARGS, normuon=True)
-    train(opt, ps, range(RESUME_AT))
+    stats = train(opt, ps, range(RESUME_AT))
     state = copy.deepcopy(opt.state_dict())
-    train(opt, ps, range(RESUME_AT, STEPS))
-    return {"final": snapshot(ps), "state": state}
+    stats += train(opt, ps, range(RESUME_AT, STEPS))
+    return {"final": snapshot(ps), "state": state, "stats": stats}
 
 
 # ---- what the ranks run ----
@@ -155,10 +155,10 @@ def normuon_runs(out: dict) -> None:
     for shard in (False, True):
         ps = make_params()
         opt = optim.Muon(param_groups(ps), **KWARGS, normuon=True, distributed=True, shard_momentum=shard)
-        train(opt, ps, range(RESUME_AT))
+        stats = train(opt, ps, range(RESUME_AT))
         state = copy.deepcopy(opt.state_dict())
-        train(opt, ps, range(RESUME_AT, STEPS))
-        out[f"normuon shard={shard}"] = {"final": snapshot(ps), "state": state}
+        stats += train(opt, ps, range(RESUME_AT, STEPS))
+        out[f"normuon shard={shard}"] = {"final": snapshot(ps), "state": state, "stats": stats}
 
 
 def resume(path: str, shard: bool) -> dict:
@@ -389,6 +389,9 @@ def test_normuon_on_ranks_matches_one_process_and_its_state_dict_is_complete(req
         assert got.keys() == want.keys()
         for i in range(N_MUON):  # every second moment, whichever rank owns it
             assert rel_diff(got[i]["second_moment"], want[i]["second_moment"]) <= TOL, i
+        assert_stats_close(run["stats"], normuon_reference["stats"])
+        for a, b in zip(run["stats"], normuon_reference["stats"]):  # the spread: a mean over every rank's matrices
+            assert a["normuon/scale_spread"] == pytest.approx(b["normuon/scale_spread"], rel=1e-5)
 
 
 # ---- 3. the ownership rule ----

@@ -37,8 +37,11 @@ def test_the_batch_normalization_equals_the_reference_matrix_by_matrix():
             want = torch.cat(
                 [normalize_reference(O[i], references[e][j], 0.9) for e, i, j in matrices_of(counts)]
             ).view_as(O)
-            got = normalize_batch(O.clone(), moments, 0.9)
+            got = O.clone()
+            spread = normalize_batch(got, moments, 0.9)
             assert rel_diff(got, want) <= TOL
+            factors = (want / O).mean(dim=-1)  # each row's scale, the same along the row
+            assert torch.allclose(spread, factors.amax(dim=1) / factors.amin(dim=1), rtol=1e-5)
             for m, r in zip(moments, references):
                 assert rel_diff(m, r) <= TOL
             assert torch.allclose(got.norm(dim=(1, 2)), O.norm(dim=(1, 2)), rtol=1e-5)  # the norm is kept
@@ -117,6 +120,19 @@ def test_the_step_equals_the_reference_on_gpt_moe_and_a_llama(name):
             assert rel_diff(opt.state[p][SECOND_MOMENT], states[q]["v"]) <= TOL, key
             compared += 1
     assert compared >= 4
+    spread = opt.last_step_stats()["normuon/scale_spread"]
+    assert spread > 1.0 and spread == pytest.approx(mean_spread(opt), rel=1e-5)
+
+
+def mean_spread(opt: optim.Muon) -> float:
+    """The mean over the Muon matrices of max / min of the latest step's row scales, recomputed:
+    a row's scale is 1 / (sqrt(v) + eps) times the norm-keeping factor, so max / min is that of v."""
+    ratios = []
+    for group in opt.param_groups:
+        for p in group["params"] if group["use_muon"] else []:
+            scale = 1.0 / (opt.state[p][SECOND_MOMENT].sqrt() + 1e-10)
+            ratios += (scale.amax(dim=1) / scale.amin(dim=1)).view(-1).tolist()
+    return sum(ratios) / len(ratios)
 
 
 def test_the_state_holds_the_second_moment_and_round_trips():
