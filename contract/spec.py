@@ -274,6 +274,12 @@ class OptimizerSpec(_Strict):
         None, gt=0.0, le=10.0, description="Default 0.02 for muon, normuon and their clips, 3e-3 for adamw."
     )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay (unadjusted lr).")
+    weight_decay_mode: Literal["decoupled", "cautious"] = Field(
+        "decoupled",
+        description="decoupled: every weight decays by lr x weight_decay each step (the lr follows its schedule); "
+        "cautious: only the entries whose update and weight agree in sign (arXiv 2510.12402), for every optimizer "
+        "and every parameter group (AdamW's included).",
+    )
     momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon momentum (EMA).")
     nesterov: bool = Field(True, description="Nesterov momentum for Muon.")
     ns_steps: int = Field(5, ge=1, le=20, description="Newton–Schulz iterations.")

@@ -50,9 +50,12 @@ def nesterov_input(entries: list[Entry], beta: float, nesterov: bool, stack: Scr
     return X
 
 
-def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: float, stats: StepStats) -> None:
+def apply_updates(
+    entries: list[Entry], O: Tensor, lr: float, weight_decay: float, stats: StepStats, cautious: bool = False
+) -> None:
     """W <- W (1 - lr wd) - lr scale O per parameter, leaving unchanged any whose update is not
-    finite. Decided on the device: no host sync on an accelerator (its kernels stay queued)."""
+    finite. Decided on the device: no host sync on an accelerator (its kernels stay queued).
+    ``cautious``: the decay only where O and W agree in sign (:func:`cautious_decay`)."""
     # A bf16 update's norm is summed in fp32 and rounded to bf16 (update_rms then holds about 3
     # digits); asking for an fp32 result would first copy the whole batch into fp32.
     sq = torch.linalg.vector_norm(O, dim=(1, 2)).to(torch.promote_types(O.dtype, torch.float32)).square()
@@ -71,9 +74,11 @@ def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: floa
         k = e.grad.shape[0]
         weights += [(lr * e.scale) ** 2] * k
         shares += [1.0 / k] * k
-        if weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
-            e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
         update = O[first : first + k]
+        if weight_decay and cautious:  # a skipped update is zero: it agrees with no weight
+            cautious_decay(e.param.view(update.shape), update, lr * weight_decay)
+        elif weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
+            e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
         if update.dtype != e.param.dtype and e.param.is_contiguous():
             alpha = -lr * e.scale
             in_blocks(e.param.view(update.shape), lambda p, u, alpha=alpha: p.add_(u, alpha=alpha), update)
@@ -85,6 +90,12 @@ def apply_updates(entries: list[Entry], O: Tensor, lr: float, weight_decay: floa
     for scale, (params, updates) in by_scale.items():  # one call per lr multiplier, not one per parameter
         torch._foreach_add_(params, updates, alpha=-lr * scale)
     stats.record(sq, keep, weights, shares, O[0].numel())  # summed once per step (StepStats.settle)
+
+
+def cautious_decay(param: Tensor, update: Tensor, decay: float) -> None:
+    """Cautious weight decay (Chen et al., arXiv 2510.12402): W <- W (1 - decay) where the update
+    (the direction subtracted from W) and W agree in sign, W unchanged elsewhere; in place."""
+    in_blocks(param, lambda w, u: w.sub_(w * (u * w > 0), alpha=decay), update)
 
 
 def in_blocks(out: Tensor, op: Callable[..., object], *operands: Tensor) -> None:

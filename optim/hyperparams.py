@@ -14,6 +14,7 @@ from .coefficients import resolve_coefficients
 from .newton_schulz import METHODS
 
 ADJUST_LR = ("original", "match_rms_adamw", "spectral")
+WEIGHT_DECAY_MODES = ("decoupled", "cautious")
 NS_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -42,6 +43,8 @@ def validate_group(group: dict[str, Any]) -> None:
     check("lr", group["lr"], is_number(group["lr"]) and group["lr"] >= 0, "must be a finite number >= 0")
     wd = group["weight_decay"]
     check("weight_decay", wd, is_number(wd) and wd >= 0, "must be a finite number >= 0")
+    mode = group["weight_decay_mode"]
+    check("weight_decay_mode", mode, mode in WEIGHT_DECAY_MODES, f"must be one of {WEIGHT_DECAY_MODES}")
     if not group["use_muon"]:
         betas = group["betas"]
         ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)

@@ -80,6 +80,10 @@ class Muon(torch.optim.Optimizer):
     expert. See :func:`optim.split_params` for routing a model's parameters by role.
     ``ns_dtype``: the Newton–Schulz precision; None chooses per device (:func:`optim.auto_dtype`).
 
+    ``weight_decay_mode="cautious"`` (every group's, AdamW's too): decay only the entries whose
+    update and weight agree in sign (Cautious Weight Decay, arXiv 2510.12402); ``"decoupled"``:
+    every entry.
+
     ``normuon=True`` (a group's ``"normuon"``): NorMuon's update (optim/normuon.py), each
     neuron's second moment (EMA ``normuon_beta2``) normalized away after Newton–Schulz.
 
@@ -109,6 +113,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | None = None,
         adjust_lr: str = "original",
         weight_decay: float = 0.0,
+        weight_decay_mode: str = "decoupled",
         normuon: bool = False,
         normuon_beta2: float = 0.95,
         adamw_lr: float = 3e-3,  # tuned for the engine's models (docs/benchmarks.md); the JobSpec's default too
@@ -125,6 +130,7 @@ class Muon(torch.optim.Optimizer):
             "betas": adamw_betas,
             "eps": adamw_eps,
             "weight_decay": adamw_weight_decay,
+            "weight_decay_mode": weight_decay_mode,
         }
         validate_group({**self._adamw_defaults, "use_muon": False})
         defaults = dict(
@@ -137,6 +143,7 @@ class Muon(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
             adjust_lr=adjust_lr,
             weight_decay=weight_decay,
+            weight_decay_mode=weight_decay_mode,
             normuon=normuon,
             normuon_beta2=normuon_beta2,
             use_muon=True,
@@ -195,6 +202,7 @@ class Muon(torch.optim.Optimizer):
             group.setdefault("experts", False)
             group.setdefault("ns_method", "auto")
             group.setdefault("ns_dtype", None)
+            group.setdefault("weight_decay_mode", "decoupled")
             group.setdefault("normuon", False)
             group.setdefault("normuon_beta2", 0.95)
         self.__dict__.setdefault("_last_stats", StepStats())
@@ -332,7 +340,7 @@ class Muon(torch.optim.Optimizer):
                     if group["normuon"]:
                         moments = [self._second_moment(e) for e in entries]
                         stats.add_to_mean(SCALE_SPREAD, normalize_batch(O, moments, group["normuon_beta2"]))
-                apply_updates(entries, O, lr, group["weight_decay"], stats)
+                apply_updates(entries, O, lr, group["weight_decay"], stats, group["weight_decay_mode"] == "cautious")
 
     def _second_moment(self, entry: Entry) -> Tensor:
         """The entry's NorMuon second moment, [k, rows, 1] in fp32, made at its first step."""
@@ -401,4 +409,5 @@ class Muon(torch.optim.Optimizer):
             betas=tuple(group["betas"]),
             eps=group["eps"],
             weight_decay=group["weight_decay"],
+            cautious=group["weight_decay_mode"] == "cautious",
         )

@@ -84,6 +84,21 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, arch, optimizer):
     assert clipped == optimizer.endswith("clip")
 
 
+@pytest.mark.parametrize(("arch", "optimizer"), [("mlp", "adamw"), ("gpt", "normuon")])
+def test_cautious_weight_decay_reaches_every_group_and_changes_the_run(tmp_path, arch, optimizer):
+    finals = {}
+    for mode in ("decoupled", "cautious"):
+        s = spec(arch, optimizer, steps=4)
+        s["optimizer"] |= {"weight_decay": 0.1, "adamw_weight_decay": 0.1, "weight_decay_mode": mode}
+        t = trainer(JobSpec.model_validate(s).model_dump(), tmp_path / mode)
+        assert t.run().status == "succeeded"
+        groups = t.optimizer.param_groups
+        assert all(g.get("weight_decay_mode", "decoupled") == mode for g in groups)
+        assert isinstance(t.optimizer, torch.optim.AdamW) == (optimizer == "adamw" and mode == "decoupled")
+        finals[mode] = [p.detach().clone() for p in t.model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(finals["decoupled"], finals["cautious"]))
+
+
 def test_cancel_stops_at_the_next_step_and_checkpoints(tmp_path):
     sink = ListSink()
     t = trainer(spec(), tmp_path, sink, cancel=lambda: t.step == 3)

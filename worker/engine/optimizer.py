@@ -46,6 +46,7 @@ class MuonOptions(TypedDict):
     ns_dtype: torch.dtype | None
     adjust_lr: str
     weight_decay: float
+    weight_decay_mode: str
     normuon: bool
     normuon_beta2: float
     adamw_lr: float
@@ -67,9 +68,19 @@ def build_optimizer(
     """
     if cfg.lr is None:  # the spec's validation sets the optimizer's default
         raise ValueError("the optimizer spec has no lr: it was not validated")
-    if cfg.name == "adamw":
+    if cfg.name == "adamw" and cfg.weight_decay_mode == "decoupled":
         return torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps, weight_decay=cfg.weight_decay
+        )
+    if cfg.name == "adamw":  # cautious: our AdamW (torch.optim.AdamW's step to rounding) on every parameter
+        every = [{"params": list(model.parameters()), "use_muon": False}]
+        return optim.Muon(
+            every,
+            adamw_lr=cfg.lr,
+            adamw_betas=cfg.adamw_betas,
+            adamw_eps=cfg.adamw_eps,
+            adamw_weight_decay=cfg.weight_decay,
+            weight_decay_mode="cautious",
         )
     options = MuonOptions(
         lr=cfg.lr,
@@ -81,6 +92,7 @@ def build_optimizer(
         ns_dtype=ns_dtype or NS_DTYPES[cfg.ns_dtype],
         adjust_lr=cfg.adjust_lr,
         weight_decay=cfg.weight_decay,
+        weight_decay_mode=cfg.weight_decay_mode,
         normuon=cfg.name in NORMUON,
         normuon_beta2=cfg.normuon_beta2,
         adamw_lr=cfg.adamw_lr,
