@@ -1,10 +1,11 @@
 """muonforge's optimizer core: Muon, NorMuon, MuonClip/QK-Clip and the Newton–Schulz family (torch only)."""
 
 from .adamw import adamw_update
+from .batches import as_matrices, matrix_shape
 from .coefficients import KELLER, POLAR_EXPRESS, resolve_coefficients, scalar_map, singular_value_band
 from .distributed import assign_owners, ns_flops
 from .hyperparams import update_scale
-from .muon import Muon, as_matrices, matrix_shape
+from .muon import Muon
 from .newton_schulz import choose_method, orthogonalize
 from .normuon import normalize_batch, normalize_reference
 from .precision import auto_dtype

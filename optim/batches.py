@@ -1,4 +1,5 @@
-"""One Muon step's batches: same-shape matrices stacked into one Newton–Schulz input.
+"""One Muon step's batches: each parameter viewed as matrices, same-shape matrices stacked into
+one Newton–Schulz input.
 
 Each matrix is stacked in its own orientation and in the Newton–Schulz working precision, and
 batches are bounded in bytes. The orthogonalized updates are applied back to each parameter,
@@ -7,8 +8,9 @@ with the finite check decided on the device.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,35 @@ from .stats import StepStats
 # on blocks of rows of about this many elements, so that the temporaries stay small (256 KiB in
 # fp32) and in cache; on CUDA memory is not the bound but launches are: one op per matrix.
 MIXED_BLOCK = 1 << 16
+
+
+def matrix_shape(shape: Sequence[int], experts: bool) -> tuple[int, int, int]:
+    """The batch of matrices [k, rows, cols] a Muon parameter of this shape is orthogonalized as.
+
+    2D -> [1, out, in]; experts [E, out, in] -> itself (one matrix per expert);
+    any other >2D weight (conv) -> [1, out, prod(rest)].
+    """
+    if experts:
+        k, rows, cols = shape
+        return k, rows, cols
+    return 1, shape[0], math.prod(shape[1:])
+
+
+def grad_of(p: Tensor) -> Tensor:
+    """The gradient of a parameter the step works on (it keeps only the parameters that have one)."""
+    grad = p.grad
+    if grad is None:
+        raise RuntimeError("a parameter without a gradient reached the optimizer step")
+    return grad
+
+
+def as_matrices(t: Tensor, experts: bool) -> Tensor:
+    """View a Muon parameter (or its gradient) as its batch of matrices (:func:`matrix_shape`)."""
+    if experts:
+        return t
+    if t.ndim == 2:
+        return t.unsqueeze(0)  # the same view as the reshape below, at half its cost (twice per matrix per step)
+    return t.reshape(matrix_shape(t.shape, experts))
 
 
 @dataclass

@@ -23,7 +23,7 @@ from torch import Tensor
 def ns_flops(matrix_shape: Sequence[int]) -> int:
     """Flops of one Newton–Schulz iteration on k matrices of rows x cols.
 
-    The shape is the [k, rows, cols] view of :func:`optim.muon.matrix_shape`: about 4 m^2 n + 2 m^3
+    The shape is the [k, rows, cols] view of :func:`optim.batches.matrix_shape`: about 4 m^2 n + 2 m^3
     per matrix, m <= n (the standard form; the Gram form differs by a shape-dependent factor that
     ownership can ignore).
     """

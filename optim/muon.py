@@ -9,9 +9,8 @@ matrices it owns, then the owners' parameters are all-gathered (optim/distribute
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adamw import adamw_update
-from .batches import Entry, apply_updates, nesterov_input, split_batches
+from .batches import Entry, apply_updates, as_matrices, grad_of, matrix_shape, nesterov_input, split_batches
 from .distributed import Ownership, ns_flops
 from .hyperparams import check, update_scale, validate_group
 from .newton_schulz import normalizing_dtype, orthogonalize, working_bytes
@@ -40,35 +39,6 @@ from .stats import PhaseTimer, StepStats
 # launches rather than flops at these sizes, so batches there are larger (MAX_BATCH_BYTES_CUDA).
 MAX_BATCH_BYTES = 3 << 20
 MAX_BATCH_BYTES_CUDA = 64 << 20
-
-
-def matrix_shape(shape: Sequence[int], experts: bool) -> tuple[int, int, int]:
-    """The batch of matrices [k, rows, cols] a Muon parameter of this shape is orthogonalized as.
-
-    2D -> [1, out, in]; experts [E, out, in] -> itself (one matrix per expert);
-    any other >2D weight (conv) -> [1, out, prod(rest)].
-    """
-    if experts:
-        k, rows, cols = shape
-        return k, rows, cols
-    return 1, shape[0], math.prod(shape[1:])
-
-
-def _grad(p: Tensor) -> Tensor:
-    """The gradient of a parameter the step works on (it keeps only the parameters that have one)."""
-    grad = p.grad
-    if grad is None:
-        raise RuntimeError("a parameter without a gradient reached the optimizer step")
-    return grad
-
-
-def as_matrices(t: Tensor, experts: bool) -> Tensor:
-    """View a Muon parameter (or its gradient) as its batch of matrices (:func:`matrix_shape`)."""
-    if experts:
-        return t
-    if t.ndim == 2:
-        return t.unsqueeze(0)  # the same view as the reshape below, at half its cost (twice per matrix per step)
-    return t.reshape(matrix_shape(t.shape, experts))
 
 
 class Muon(torch.optim.Optimizer):
@@ -289,9 +259,9 @@ class Muon(torch.optim.Optimizer):
             by_device[p.grad.device].append(p)
         finite: dict[Tensor, bool] = {}
         for group in by_device.values():
-            norms = torch._foreach_norm([_grad(p) for p in group])
+            norms = torch._foreach_norm([grad_of(p) for p in group])
             for p, ok in zip(group, torch.stack([n.float() for n in norms]).isfinite().tolist()):
-                finite[p] = ok or bool(_grad(p).isfinite().all())
+                finite[p] = ok or bool(grad_of(p).isfinite().all())
         return finite
 
     def _muon_step(
@@ -308,11 +278,11 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
-        torch._foreach_lerp_(bufs, [_grad(p) for p in params], 1.0 - beta)  # EMA momentum; p.grad is only read
+        torch._foreach_lerp_(bufs, [grad_of(p) for p in params], 1.0 - beta)  # EMA momentum; p.grad is only read
 
         buckets: dict[tuple, list[Entry]] = defaultdict(list)  # same shape -> one batch
         for p in params if update is None else update:
-            g, buf = _grad(p), self.state[p]["momentum_buffer"]
+            g, buf = grad_of(p), self.state[p]["momentum_buffer"]
             g3, buf3 = as_matrices(g, group["experts"]), as_matrices(buf, group["experts"])
             rows, cols = g3.shape[-2:]
             entry = Entry(p, g3, buf3, update_scale(rows, cols, group["adjust_lr"]))
@@ -401,7 +371,7 @@ class Muon(torch.optim.Optimizer):
             steps.append(state["step"])
         adamw_update(
             params,
-            [_grad(p) for p in params],
+            [grad_of(p) for p in params],
             exp_avgs,
             exp_avg_sqs,
             steps,
