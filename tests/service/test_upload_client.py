@@ -34,6 +34,19 @@ def corpus(tmp_path, size: int):
     return path
 
 
+def count_parts(client: Client) -> list[int]:
+    """The numbers of the parts ``client`` sends from now on, in the order sent."""
+    sent: list[int] = []
+    send = client._send_part
+
+    def counting(upload_id, path, part, shared):
+        sent.append(part.number)
+        return send(upload_id, path, part, shared)
+
+    client._send_part = counting  # type: ignore[method-assign]
+    return sent
+
+
 def test_a_file_goes_up_in_parallel_parts_and_an_interrupted_upload_resumes(api_url, settings, tmp_path):
     key = new_key(settings)
     path = corpus(tmp_path, 1_000_000)
@@ -56,14 +69,7 @@ def test_a_file_goes_up_in_parallel_parts_and_an_interrupted_upload_resumes(api_
         received = client.get_upload(upload_id)
         assert 0 < len(received["parts"]) < 16
 
-        sent: list[int] = []
-        send = client._send_part
-
-        def counting(upload_id, path, part, shared):
-            sent.append(part.number)
-            return send(upload_id, path, part, shared)
-
-        client._send_part = counting
+        sent = count_parts(client)
         progress: list[int] = []
         done = client.upload_in_parts(path, "dataset", progress=lambda d, t: progress.append(d), part_size=65_536)
         assert done["id"] == upload_id and done["status"] == "completed"
@@ -96,14 +102,7 @@ def test_a_model_directory_larger_than_a_part_goes_up_in_parts_and_resumes(api_u
         upload_id = UploadState(api_url, archive, "model").upload_id()
         assert upload_id is not None
         received = {p["number"] for p in client.get_upload(upload_id)["parts"]}
-        sent: list[int] = []
-        send = client._send_part
-
-        def counting(upload_id, path, part, shared):
-            sent.append(part.number)
-            return send(upload_id, path, part, shared)
-
-        client._send_part = counting
+        sent = count_parts(client)
         model = client.upload_model(directory, "tiny", part_size=part)
         assert set(sent) == set(range(1, -(-size // part) + 1)) - received and received  # only what it lacked
         assert model["name"] == "tiny" and model["parameters"] == parameters
