@@ -24,7 +24,7 @@ from typing import Protocol, Self
 log = logging.getLogger("muonforge.storage")
 STAGING = "staging"
 CHUNK_BYTES = 8 * 2**20  # a read's unit: a range request, a file read, a hashed and written block
-IN_FLIGHT = 4  # chunks a verified download receives ahead of its hashing and writing
+IN_FLIGHT = 4  # chunks a verified download receives ahead of its hashing and writing (5 x 8 MiB held at most)
 MAX_PART_BYTES = 64 * 2**20
 
 

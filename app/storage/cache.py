@@ -21,10 +21,6 @@ Layout under the cache directory:
 - ``locks/<sha256>.fetch``: held exclusively while the entry is downloaded. A second process that
   misses the same entry waits on it, then finds the entry whole: the object is downloaded once.
   Where it does not (the first download failed), it downloads it itself.
-
-A lock file is only removed by a process that holds it exclusively; whoever locks one checks
-afterwards that the path still names the file it locked, and starts again when not.
-
 - ``derived/<name>/``: a directory of files this host made from others (a corpus's token arrays:
   the engine's token cache), named by what they were made from. ``cache.derived(name)`` pins it as
   an object's entry is pinned (``locks/<name>.use``) and hands out the directory as it is: its
@@ -32,6 +28,9 @@ afterwards that the path still names the file it locked, and starts again when n
   complete last, so a reader that does not find that file makes the entry itself. It counts by its
   files' sizes, its last use is its modification time (set when it is opened and let go), and it is
   evicted like an object: renamed aside (``.<name>.<random>.gone``), then removed.
+
+A lock file is only removed by a process that holds it exclusively; whoever locks one checks
+afterwards that the path still names the file it locked, and starts again when not.
 
 Eviction: least recently used first, by the entry's modification time, which every open sets to
 now (so recency survives restarts). A miss first evicts down to ``max_bytes`` less the object's
@@ -43,6 +42,7 @@ process died, and lock files without an entry, go at the next eviction pass.
 With a :class:`LocalStore` the cache hands out the store's own file, no copy (``direct``, the
 default for that backend): the file's size is checked, its sha256 is not re-read (the store
 wrote and hashed it on this host's filesystem). ``direct=False`` caches its copies like any store's.
+Derived entries live in the cache directory with either store.
 """
 
 from __future__ import annotations
