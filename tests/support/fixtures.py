@@ -56,6 +56,7 @@ def settings(database_url, redis_url, tmp_path_factory) -> Settings:
         database_url=database_url,
         redis_url=redis_url,
         artifact_dir=tmp_path_factory.mktemp("artifacts"),
+        cache_dir=tmp_path_factory.mktemp("cache"),  # the token arrays: never the checkout's var/cache
         tenant_job_cap=100,
         lease_seconds=3.0,
         heartbeat_seconds=0.5,

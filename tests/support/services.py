@@ -100,6 +100,7 @@ def service_env(settings: Any) -> dict[str, str]:
         MUONFORGE_DATABASE_URL=settings.database_url,
         MUONFORGE_REDIS_URL=settings.redis_url,
         MUONFORGE_ARTIFACT_DIR=str(settings.artifact_dir),
+        MUONFORGE_CACHE_DIR=str(settings.cache_dir),
         MUONFORGE_LEASE_SECONDS=str(settings.lease_seconds),
         MUONFORGE_HEARTBEAT_SECONDS=str(settings.heartbeat_seconds),
         MUONFORGE_REAPER_SECONDS=str(settings.reaper_seconds),

@@ -52,7 +52,10 @@ class Stack:
         self.logs = self.tmp / "logs"
         self.logs.mkdir()
         self.env = clean_env(
-            MUONFORGE_REDIS_URL=redis_url, MUONFORGE_ARTIFACT_DIR=str(self.tmp / "artifacts"), **(settings or {})
+            MUONFORGE_REDIS_URL=redis_url,
+            MUONFORGE_ARTIFACT_DIR=str(self.tmp / "artifacts"),
+            MUONFORGE_CACHE_DIR=str(self.tmp / "cache"),
+            **(settings or {}),
         )
         self.procs: list[subprocess.Popen] = []
         self.workers: dict[int, subprocess.Popen] = {}  # pid -> live worker
