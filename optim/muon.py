@@ -237,7 +237,7 @@ class Muon(torch.optim.Optimizer):
         summed = owners.sum_over_ranks(totals, self._group)
         stats.update_sq_sum, stats.update_numel, stats.nonfinite_skipped = summed[:3]
         for i, name in enumerate(stats.means):
-            stats.means[name] = list[Tensor | float](summed[3 + 2 * i : 5 + 2 * i])
+            stats.means[name] = [summed[3 + 2 * i], summed[4 + 2 * i]]
 
     def _finite_grads(self) -> dict[Tensor, bool]:
         """Whether each gradient is finite: one fused L2 norm and one host transfer per device.
