@@ -293,6 +293,13 @@ class OptimizerSpec(_Strict):
     adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = Field(
         "original", description="Muon update scale from the matrix shape."
     )
+    orthogonalize: Literal["matrix", "per_head"] = Field(
+        "matrix",
+        description="matrix: every weight orthogonalized whole (a fused QKV projection as one matrix); per_head: "
+        "the query and key projections split by head first, each head's rows orthogonalized on their own (values "
+        "and the output projection whole), each with its own shape's lr scale. Muon-family optimizers, models with "
+        "attention.",
+    )
     normuon_beta2: float = Field(
         0.95,
         ge=0.0,
@@ -344,6 +351,13 @@ class OptimizerSpec(_Strict):
     def _remeasure_muonclip_only(cls, v: bool, info: ValidationInfo) -> bool:
         if v and info.data.get("name") not in CLIPPED:
             raise ValueError("qk_clip_remeasure applies only to optimizers 'muonclip' and 'normuonclip'")
+        return v
+
+    @field_validator("orthogonalize")
+    @classmethod
+    def _per_head_muon_only(cls, v: str, info: ValidationInfo) -> str:
+        if v == "per_head" and info.data.get("name") == "adamw":
+            raise ValueError("orthogonalize per_head applies to the Muon family (muon, muonclip, normuon, normuonclip)")
         return v
 
     @field_validator("qk_clip_remeasure_batches")
@@ -507,6 +521,12 @@ class JobSpec(_Strict):
             )
             error = PydanticCustomError("value_error", message)
             details = InitErrorDetails(type=error, loc=("data", "tokenizer"), input=spec.data.model_dump()["tokenizer"])
+            raise ValidationError.from_exception_data(cls.__name__, [details])
+        if spec.optimizer.orthogonalize == "per_head" and spec.model.arch == "mlp":
+            error = PydanticCustomError(
+                "value_error", "orthogonalize per_head needs a model with attention (arch mlp has none)"
+            )
+            details = InitErrorDetails(type=error, loc=("optimizer", "orthogonalize"), input="per_head")
             raise ValidationError.from_exception_data(cls.__name__, [details])
         batch, ranks = spec.train.batch_size, spec.resources.world_size
         if batch % ranks:

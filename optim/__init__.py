@@ -19,7 +19,7 @@ from .qk_clip import (
     qk_clip_sources,
     separate_qk_targets,
 )
-from .routing import Route, routes, split_params
+from .routing import Route, fused_qkv_blocks, routes, split_by_heads, split_params
 from .scratch import Scratch
 from .stats import StepStats
 
@@ -38,6 +38,7 @@ __all__ = [
     "assign_owners",
     "auto_dtype",
     "choose_method",
+    "fused_qkv_blocks",
     "fused_qkv_targets",
     "matrix_shape",
     "mla_targets",
@@ -52,6 +53,7 @@ __all__ = [
     "scalar_map",
     "separate_qk_targets",
     "singular_value_band",
+    "split_by_heads",
     "split_params",
     "update_scale",
 ]

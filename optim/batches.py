@@ -1,6 +1,9 @@
 """One Muon step's batches: each parameter viewed as matrices, same-shape matrices stacked into
 one Newton–Schulz input.
 
+A parameter is its matrices (:func:`as_matrices`) or, split by attention heads, blocks of its rows
+(:func:`row_blocks`): each block is orthogonalized on its own.
+
 Each matrix is stacked in its own orientation and in the Newton–Schulz working precision, and
 batches are bounded in bytes. The orthogonalized updates are applied back to each parameter,
 with the finite check decided on the device.
@@ -8,6 +11,7 @@ with the finite check decided on the device.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .hyperparams import update_scale
 from .scratch import Scratch
 from .stats import StepStats
 
@@ -55,14 +60,45 @@ def as_matrices(t: Tensor, experts: bool) -> Tensor:
     return t.reshape(matrix_shape(t.shape, experts))
 
 
+def row_blocks(matrices: Tensor, heights: Sequence[int]) -> list[tuple[slice, Tensor]]:
+    """A [1, rows, cols] matrix view cut into blocks of rows of the given ``heights`` (summing to
+    rows), each run of equal heights as one [k, height, cols] view (no copy) with the rows it covers."""
+    cols, out, start = matrices.shape[-1], [], 0
+    for height, run in itertools.groupby(heights):
+        k = len(list(run))
+        out.append((slice(start, start + k * height), matrices[0, start : start + k * height].view(k, height, cols)))
+        start += k * height
+    return out
+
+
 @dataclass
 class Entry:
-    """One Muon parameter as a batch of matrices [k, rows, cols], k = E for expert weights."""
+    """Matrices [k, rows, cols] of one Muon parameter, orthogonalized in one batch: the whole
+    parameter (k = E for expert weights) or a run of its row blocks (split by heads)."""
 
-    param: Tensor
+    param: Tensor  # the parameter itself: its optimizer state's key
+    weight: Tensor  # the matrices, a view into param
     grad: Tensor
     buf: Tensor
     scale: float  # lr multiplier from the matrix shape (adjust_lr)
+    share: float  # each matrix's share of the parameter (1 / its matrices): update_rms counts a parameter once
+    rows: slice  # the rows of the parameter's matrix view these matrices hold (slice(None): all)
+
+
+def entries_of(p: Tensor, buf: Tensor, experts: bool, heights: Sequence[int] | None, adjust_lr: str) -> list[Entry]:
+    """A parameter (with its momentum ``buf``) as the step orthogonalizes it: its matrices whole
+    (:func:`as_matrices`), or cut into row blocks of ``heights``, each run of equal blocks an entry
+    with the lr scale of its own shape."""
+    w, g, b = (as_matrices(t, experts) for t in (p, grad_of(p), buf))
+    parts: list[tuple[slice, Tensor, Tensor, Tensor]] = [(slice(None), w, g, b)]
+    if heights is not None:
+        cut = zip(row_blocks(w, heights), row_blocks(g, heights), row_blocks(b, heights))
+        parts = [(rows, wk, gk, bk) for (rows, wk), (_, gk), (_, bk) in cut]
+    share = 1.0 / sum(part[1].shape[0] for part in parts)
+    return [
+        Entry(p, wk, gk, bk, update_scale(wk.shape[-2], wk.shape[-1], adjust_lr), share, rows)
+        for rows, wk, gk, bk in parts
+    ]
 
 
 def nesterov_input(entries: list[Entry], beta: float, nesterov: bool, stack: Scratch, dtype: torch.dtype) -> Tensor:
@@ -90,7 +126,7 @@ def apply_updates(
     # A bf16 update's norm is summed in fp32 and rounded to bf16 (update_rms then holds about 3
     # digits); asking for an fp32 result would first copy the whole batch into fp32.
     sq = torch.linalg.vector_norm(O, dim=(1, 2)).to(torch.promote_types(O.dtype, torch.float32)).square()
-    keep = sq.isfinite()  # [B] per matrix; a parameter of k > 1 matrices is kept whole or not at all
+    keep = sq.isfinite()  # [B] per matrix; an entry of k > 1 matrices is kept whole or not at all
     first = 0
     for e in entries:
         k = e.grad.shape[0]
@@ -104,19 +140,19 @@ def apply_updates(
     for e in entries:
         k = e.grad.shape[0]
         weights += [(lr * e.scale) ** 2] * k
-        shares += [1.0 / k] * k
+        shares += [e.share] * k
         update = O[first : first + k]
         if weight_decay and cautious:  # a skipped update is zero: it agrees with no weight
-            cautious_decay(e.param.view(update.shape), update, lr * weight_decay)
+            cautious_decay(e.weight, update, lr * weight_decay)
         elif weight_decay:  # decoupled, with the unadjusted lr; skipped with the update
-            e.param.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
-        if update.dtype != e.param.dtype and e.param.is_contiguous():
+            e.weight.mul_(torch.where(keep[first], 1.0 - lr * weight_decay, 1.0))
+        if update.dtype != e.weight.dtype and e.weight.is_contiguous():
             alpha = -lr * e.scale
-            in_blocks(e.param.view(update.shape), lambda p, u, alpha=alpha: p.add_(u, alpha=alpha), update)
+            in_blocks(e.weight, lambda p, u, alpha=alpha: p.add_(u, alpha=alpha), update)
         else:
             params, updates = by_scale[e.scale]
-            params.append(e.param)
-            updates.append(update.reshape(e.param.shape))
+            params.append(e.weight)
+            updates.append(update)
         first += k
     for scale, (params, updates) in by_scale.items():  # one call per lr multiplier, not one per parameter
         torch._foreach_add_(params, updates, alpha=-lr * scale)

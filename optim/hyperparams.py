@@ -60,4 +60,9 @@ def validate_group(group: dict[str, Any]) -> None:
     check("normuon", group["normuon"], isinstance(group["normuon"], bool), "must be a bool")
     b2 = group["normuon_beta2"]
     check("normuon_beta2", b2, is_number(b2) and 0 <= b2 < 1, "must be in [0, 1)")
+    blocks = group["row_blocks"]
+    ok = blocks is None or (
+        isinstance(blocks, (tuple, list)) and bool(blocks) and all(type(h) is int and h > 0 for h in blocks)
+    )
+    check("row_blocks", blocks, ok, "must be None or a non-empty sequence of positive ints (block heights)")
     resolve_coefficients(group["ns_coefficients"], group["ns_steps"])  # raises on bad steps or coefficients

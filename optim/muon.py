@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .adamw import adamw_update
-from .batches import Entry, apply_updates, as_matrices, grad_of, matrix_shape, nesterov_input, split_batches
+from .batches import Entry, apply_updates, as_matrices, entries_of, grad_of, matrix_shape, nesterov_input, split_batches
 from .distributed import Ownership, ns_flops
-from .hyperparams import check, update_scale, validate_group
+from .hyperparams import check, validate_group
 from .newton_schulz import normalizing_dtype, orthogonalize, working_bytes
 from .normuon import SCALE_SPREAD, SECOND_MOMENT, normalize_batch, second_moment
 from .precision import default_dtype
@@ -47,7 +47,10 @@ class Muon(torch.optim.Optimizer):
     A plain list of tensors: all Muon. Param groups with ``"use_muon": False`` are stepped with
     bias-corrected AdamW (``lr``/``betas``/``eps``/``weight_decay`` in the group, defaulting
     to ``adamw_*``); groups with ``"experts": True`` hold [E, out, in] weights orthogonalized per
-    expert. See :func:`optim.split_params` for routing a model's parameters by role.
+    expert; groups with ``"row_blocks": (h1, h2, ...)`` hold 2D weights whose rows those heights
+    cut exactly, each block orthogonalized on its own, with its own shape's lr scale (attention
+    heads: :func:`optim.split_by_heads`). See :func:`optim.split_params` for routing a model's
+    parameters by role.
     ``ns_dtype``: the Newton–Schulz precision; None chooses per device (:func:`optim.auto_dtype`).
 
     ``weight_decay_mode="cautious"`` (every group's, AdamW's too): decay only the entries whose
@@ -118,6 +121,7 @@ class Muon(torch.optim.Optimizer):
             normuon_beta2=normuon_beta2,
             use_muon=True,
             experts=False,
+            row_blocks=None,
         )
         validate_group(defaults)
         self._last_stats = StepStats()
@@ -159,6 +163,12 @@ class Muon(torch.optim.Optimizer):
                 continue
             if group["experts"] and p.ndim != 3:
                 raise ValueError(f"expert weights must be [E, out, in]; got a parameter of shape {tuple(p.shape)}")
+            heights = group["row_blocks"]
+            if heights is not None and (group["experts"] or p.ndim != 2 or sum(heights) != p.shape[0]):
+                raise ValueError(
+                    f"row_blocks {list(heights)} must cut a 2D parameter's rows exactly (not expert weights); "
+                    f"got a parameter of shape {tuple(p.shape)}"
+                )
             if p.ndim < 2:
                 raise ValueError(
                     f"Muon needs matrices; a parameter of shape {tuple(p.shape)} belongs in a "
@@ -175,6 +185,7 @@ class Muon(torch.optim.Optimizer):
             group.setdefault("weight_decay_mode", "decoupled")
             group.setdefault("normuon", False)
             group.setdefault("normuon_beta2", 0.95)
+            group.setdefault("row_blocks", None)
         self.__dict__.setdefault("_last_stats", StepStats())
         self.__dict__.setdefault("_stack", Scratch())
         self.__dict__.setdefault("_scratch", Scratch())
@@ -282,11 +293,10 @@ class Muon(torch.optim.Optimizer):
 
         buckets: dict[tuple, list[Entry]] = defaultdict(list)  # same shape -> one batch
         for p in params if update is None else update:
-            g, buf = grad_of(p), self.state[p]["momentum_buffer"]
-            g3, buf3 = as_matrices(g, group["experts"]), as_matrices(buf, group["experts"])
-            rows, cols = g3.shape[-2:]
-            entry = Entry(p, g3, buf3, update_scale(rows, cols, group["adjust_lr"]))
-            buckets[(rows, cols, g.dtype, g.device)].append(entry)
+            buf = self.state[p]["momentum_buffer"]
+            for entry in entries_of(p, buf, group["experts"], group["row_blocks"], group["adjust_lr"]):
+                rows, cols = entry.grad.shape[-2:]
+                buckets[(rows, cols, entry.grad.dtype, entry.grad.device)].append(entry)
         if not buckets:
             return
 
@@ -313,11 +323,13 @@ class Muon(torch.optim.Optimizer):
                 apply_updates(entries, O, lr, group["weight_decay"], stats, group["weight_decay_mode"] == "cautious")
 
     def _second_moment(self, entry: Entry) -> Tensor:
-        """The entry's NorMuon second moment, [k, rows, 1] in fp32, made at its first step."""
-        state = self.state[entry.param]
-        if SECOND_MOMENT not in state:
-            state[SECOND_MOMENT] = second_moment(entry.grad)
-        return state[SECOND_MOMENT]
+        """The entry's NorMuon second moment, [k, rows, 1] in fp32, made at its first step (a
+        parameter split into row blocks keeps one [1, rows, 1], each entry viewing its rows)."""
+        state, whole = self.state[entry.param], entry.rows == slice(None)
+        if SECOND_MOMENT not in state:  # split parameters are 2D (add_param_group)
+            state[SECOND_MOMENT] = second_moment(entry.grad if whole else as_matrices(entry.param, False))
+        v = state[SECOND_MOMENT]
+        return v if whole else v[0, entry.rows].view(*entry.weight.shape[:-1], 1)
 
     def state_dict(self) -> dict[str, Any]:
         """The torch.optim state dict, complete at any world size.

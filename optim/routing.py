@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -120,3 +121,31 @@ def _find_output_head(model: nn.Module) -> nn.Module | None:
         if lin.out_features in vocab:
             return lin
     return linears[-1] if linears else None
+
+
+def split_by_heads(groups: list[dict[str, Any]], blocks: Mapping[Tensor, Sequence[int]]) -> list[dict[str, Any]]:
+    """``groups`` with every Muon parameter of ``blocks`` moved into a group of its own heights
+    (``"row_blocks"``, the other options kept): its row blocks, a head each, are orthogonalized
+    one by one (:class:`optim.Muon`). Parameters of one geometry share a group."""
+    out: list[dict[str, Any]] = []
+    split: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = {}
+    for group in groups:
+        kept = []
+        for p in group["params"]:
+            heights = blocks.get(p)
+            if heights is None or not group.get("use_muon", True) or group.get("experts", False):
+                kept.append(p)
+                continue
+            split.setdefault((id(group), tuple(heights)), {**group, "params": [], "row_blocks": tuple(heights)})[
+                "params"
+            ].append(p)
+        if kept:
+            out.append({**group, "params": kept})
+    return out + list(split.values())
+
+
+def fused_qkv_blocks(n_head: int, head_dim: int, n_kv_head: int | None = None) -> tuple[int, ...]:
+    """Per-head row blocks of a fused W_qkv [(n_head + 2 n_kv_head) * d, in] ([Q heads | K heads |
+    V heads]): every query and key head on its own, the values whole."""
+    kv = n_head if n_kv_head is None else n_kv_head
+    return (head_dim,) * (n_head + kv) + (kv * head_dim,)

@@ -84,6 +84,28 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path, arch, optimizer):
     assert clipped == optimizer.endswith("clip")
 
 
+def test_per_head_orthogonalization_resumes_bitwise_identical(tmp_path):
+    s = spec("gpt", "normuonclip", lr_schedule="cosine", warmup_steps=2)
+    s["optimizer"]["orthogonalize"] = "per_head"
+    s = JobSpec.model_validate(s).model_dump()
+    full = trainer(s, tmp_path / "a")
+    full.run()
+    cut = trainer(s, tmp_path / "b", cancel=lambda: cut.step == 7)
+    assert cut.run().status == "cancelled"
+    resumed = trainer(s, tmp_path / "b")
+    assert resumed.run().status == "succeeded"
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    split = [g for g in resumed.optimizer.param_groups if g.get("row_blocks")]
+    assert [tuple(g["row_blocks"]) for g in split] == [(8,) * 4 + (16,)]  # 2 heads of 8: Q, K; V whole
+    whole = trainer(
+        JobSpec.model_validate({**s, "optimizer": {**s["optimizer"], "orthogonalize": "matrix"}}).model_dump(),
+        tmp_path / "c",
+    )
+    whole.run()
+    assert any(not torch.equal(a, b) for a, b in zip(full.model.parameters(), whole.model.parameters()))
+
+
 @pytest.mark.parametrize(("arch", "optimizer"), [("mlp", "adamw"), ("gpt", "normuon")])
 def test_cautious_weight_decay_reaches_every_group_and_changes_the_run(tmp_path, arch, optimizer):
     finals = {}

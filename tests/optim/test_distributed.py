@@ -1,6 +1,6 @@
 """Data-parallel Muon (OPTIMIZER.md T14): 2 and 4 gloo ranks against one process, checkpoints
 across world sizes, the ownership rule, NorMuon's second moments (on their owners, gathered into a
-complete state dict), and MuonClip's S_max all-reduce under it.
+complete state dict; one matrix split by heads), and MuonClip's S_max all-reduce under it.
 
 Two spawned groups (4 ranks, then 2) run every multi-rank check; each rank saves what it saw and
 the tests compare that with a single-process run here. The gradients stand in for DDP's averaged
@@ -46,10 +46,14 @@ def make_params() -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(shape, generator=gen) * 0.1) for shape in SHAPES]
 
 
-def param_groups(ps: list[nn.Parameter]) -> list[dict]:
+def param_groups(ps: list[nn.Parameter], per_head: bool = False) -> list[dict]:
+    """The groups; ``per_head``: the first matrix (48 rows) orthogonalized as four heads of 8 rows
+    and a block of 16, as a fused QKV weight is (``row_blocks``)."""
     n = len(MUON_SHAPES)
+    first = [{"params": ps[:1], "row_blocks": (8, 8, 8, 8, 16)}] if per_head else []
     return [
-        {"params": ps[:n]},
+        *first,
+        {"params": ps[len(first) : n]},
         {"params": ps[n:N_MUON], "experts": True},
         {"params": ps[N_MUON:], "use_muon": False},
     ]
@@ -120,9 +124,10 @@ def reference(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def normuon_reference() -> dict:
-    """NorMuon in one process over STEPS steps: final parameters and the state dict at RESUME_AT."""
+    """NorMuon in one process over STEPS steps (one matrix split by heads): final parameters and
+    the state dict at RESUME_AT."""
     ps = make_params()
-    opt = optim.Muon(param_groups(ps), **KWARGS, normuon=True)
+    opt = optim.Muon(param_groups(ps, per_head=True), **KWARGS, normuon=True)
     stats = train(opt, ps, range(RESUME_AT))
     state = copy.deepcopy(opt.state_dict())
     stats += train(opt, ps, range(RESUME_AT, STEPS))
@@ -151,10 +156,13 @@ def run_modes(out: dict) -> None:
 
 
 def normuon_runs(out: dict) -> None:
-    """NorMuon over STEPS steps, with and without momentum sharding; the state dict at RESUME_AT."""
+    """NorMuon over STEPS steps (one matrix split by heads), with and without momentum sharding;
+    the state dict at RESUME_AT."""
     for shard in (False, True):
         ps = make_params()
-        opt = optim.Muon(param_groups(ps), **KWARGS, normuon=True, distributed=True, shard_momentum=shard)
+        opt = optim.Muon(
+            param_groups(ps, per_head=True), **KWARGS, normuon=True, distributed=True, shard_momentum=shard
+        )
         stats = train(opt, ps, range(RESUME_AT))
         state = copy.deepcopy(opt.state_dict())
         stats += train(opt, ps, range(RESUME_AT, STEPS))

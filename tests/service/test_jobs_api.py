@@ -158,6 +158,13 @@ INVALID = [
     (_with("optimizer.qk_clip_remeasure", True), "optimizer.qk_clip_remeasure"),
     (_with("optimizer.qk_clip_remeasure_batches", 2), "optimizer.qk_clip_remeasure_batches"),
     (_with("optimizer.adamw_betas", [0.9, 1.5]), "optimizer.adamw_betas.1"),
+    (_with("optimizer.orthogonalize", "rows"), "optimizer.orthogonalize"),
+    ({**tiny_spec(), "optimizer": {"name": "adamw", "orthogonalize": "per_head"}}, "optimizer.orthogonalize"),
+    (
+        {**tiny_spec(), "model": {"arch": "mlp", "n_layer": 1, "d_model": 16, "seq_len": 16}}
+        | {"optimizer": {"orthogonalize": "per_head"}},
+        "optimizer.orthogonalize",
+    ),
     (_with("train.steps", 0), "train.steps"),
     (_with("train.batch_size", 0), "train.batch_size"),
     (_with("train.lr_schedule", "linear"), "train.lr_schedule"),

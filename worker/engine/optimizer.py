@@ -102,6 +102,8 @@ def build_optimizer(
         distributed=distributed,
     )
     groups = optim.split_params(model)
+    if cfg.orthogonalize == "per_head" and isinstance(model, LanguageModel):
+        groups = optim.split_by_heads(groups, model.head_blocks())
     if cfg.name in CLIPPED:
         tau = {} if cfg.qk_clip_tau is None else {"qk_clip_tau": cfg.qk_clip_tau}  # else MuonClip's default
         sources = model.qk_clip_sources() if isinstance(model, LanguageModel) else model

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from optim import QKClipTarget, fused_qkv_targets
+from optim import QKClipTarget, fused_qkv_blocks, fused_qkv_targets
 
 from ..facts import MAX_LOGIT_BLOCK
 
@@ -74,6 +74,9 @@ class CausalSelfAttention(MaxLogitRecord, nn.Module):
 
     def qk_clip_targets(self) -> list[QKClipTarget]:
         return fused_qkv_targets(self.qkv.weight, self.n_head, self.head_dim)
+
+    def head_blocks(self) -> dict[Tensor, tuple[int, ...]]:
+        return {self.qkv.weight: fused_qkv_blocks(self.n_head, self.head_dim)}
 
 
 @torch.no_grad()

@@ -17,6 +17,10 @@ class AttentionLayer(QKClipSource, Protocol):
 
     record_max_logits: bool
 
+    def head_blocks(self) -> dict[Tensor, tuple[int, ...]]:
+        """Per-head row blocks of its query and key weights (``optimizer.orthogonalize: per_head``)."""
+        ...
+
 
 class LanguageModel(nn.Module):
     """A model that maps token ids [B, T] to logits [B, T, vocab].
@@ -32,6 +36,10 @@ class LanguageModel(nn.Module):
     def qk_clip_sources(self) -> list[QKClipSource]:
         """What QK-Clip scales from which maxima: the attention layers, unless a model says otherwise."""
         return list(self.attention_layers())
+
+    def head_blocks(self) -> dict[Tensor, tuple[int, ...]]:
+        """Every attention layer's per-head row blocks (:func:`optim.split_by_heads`)."""
+        return {w: heights for layer in self.attention_layers() for w, heights in layer.head_blocks().items()}
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return []

@@ -47,6 +47,12 @@ class HeadProbe(MaxLogitRecord):
         s = self.shape
         return separate_qk_targets(q.weight, k.weight, s.heads, s.head_dim, s.kv_heads, q.bias, k.bias)
 
+    def head_blocks(self) -> dict[Tensor, tuple[int, ...]]:
+        """Every query head's rows of W_q and every key head's of W_k (grouped-query keys too)."""
+        q, k = query_key(self.attention)
+        s = self.shape
+        return {q.weight: (s.head_dim,) * s.heads, k.weight: (s.head_dim,) * s.kv_heads}
+
 
 class SharedGainClip:
     """QK-Clip of a QK-norm layer: q = g_q * rmsnorm(W_q x), k = g_k * rmsnorm(W_k x) (Gemma 3
