@@ -4,18 +4,21 @@ opens on the quickest preset, and no select or label in the form is cut off."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import yaml
 
-from contract.spec import CLIPPED, JobSpec
+from contract.spec import CLIPPED, JobSpec, OptimizerName
 from tests.browser.conftest import screenshot
 from tests.support.services import ROOT
 
+MUON_FAMILY = tuple(name for name in get_args(OptimizerName) if name != "adamw")
 PRESETS = sorted(path.stem for path in (ROOT / "examples").glob("*.yaml"))
 # Fields the API rejects outside their architecture or optimizer: switching away removes them.
 EXCLUSIVE = {
-    "model.arch": (("moe",), ["model.n_experts", "model.top_k"]),
-    "optimizer.name": (CLIPPED, ["optimizer.qk_clip_tau"]),
+    "model.arch": [(("moe",), "model.n_experts"), (("moe",), "model.top_k")],
+    "optimizer.name": [(CLIPPED, "optimizer.qk_clip_tau"), (MUON_FAMILY, "optimizer.orthogonalize")],
 }
 CONTROLS = "#form [data-path]"
 
@@ -247,8 +250,8 @@ def test_every_control_shows_its_field_and_an_edit_changes_that_field_alone(brow
             control.fill(new)
             written = new if path == "name" else (int(new) if control.get_attribute("data-type") == "int" else 9.0)
         expected = put(before, path, written)
-        if path in EXCLUSIVE and new not in EXCLUSIVE[path][0]:
-            for gone in EXCLUSIVE[path][1]:
+        for allowed, gone in EXCLUSIVE.get(path, []):
+            if new not in allowed:
                 put(expected, gone, None)
         assert shown_spec(page) == expected, path
     before = shown_spec(page)
@@ -270,6 +273,16 @@ def test_the_clip_threshold_shows_for_both_clipped_optimizers(browser, key):
     page.locator("#f-optimizer").select_option("normuon")  # no clip: its threshold goes
     assert get(shown_spec(page), "optimizer.name") == "normuon"
     assert get(shown_spec(page), "optimizer.qk_clip_tau") is None
+
+
+def test_per_head_orthogonalization_is_a_muon_family_field(browser, key):
+    page = open_form(browser, key)
+    page.locator("#f-optimizer").select_option("normuon")
+    page.locator("#f-orthogonalize").select_option("per_head")
+    assert get(shown_spec(page), "optimizer.orthogonalize") == "per_head"
+    page.locator("#f-optimizer").select_option("adamw")  # the API refuses it for AdamW: it goes
+    assert not page.locator("#f-orthogonalize").is_visible()
+    assert get(shown_spec(page), "optimizer.orthogonalize") is None
 
 
 @pytest.mark.parametrize("width", [1400, 1000])

@@ -18,7 +18,8 @@
   const defaults = JSON.parse($("spec-defaults").textContent);
   const BLANK = { model: { arch: "gpt" }, data: { builtin: "synthetic" }, optimizer: { name: "muon" } };
   const SOURCES = ["builtin", "dataset_id", "path"]; // a spec gives exactly one
-  const EXCLUSIVE = ".moe-only [data-path], .clip-only [data-path]";
+  // Fields the API refuses where they are hidden: switching away removes them from the spec.
+  const EXCLUSIVE = ".moe-only [data-path], .clip-only [data-path], .exclusive [data-path]";
   let spec = {};
   let idempotencyKey = null; // one per spec text: a double click submits one job
 
