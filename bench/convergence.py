@@ -1,6 +1,7 @@
 """Convergence on the builtin pysource text (char level; any corpus with --data FILE): Muon and
-MuonClip against tuned AdamW, every contender scheduled and tuned; and MuonClip's QK-Clip holding
-attention logits that plain Muon lets grow.
+MuonClip against tuned AdamW, every contender scheduled and tuned; MuonClip's QK-Clip holding
+attention logits that plain Muon lets grow; and the Muon family (NorMuon, per-head, cautious
+weight decay) against Muon on the same protocol.
 
 Part 1 (convergence), one protocol for every contender. Model per ``--config``: small = GPT 2
 layers, d_model 128, 4 heads, seq_len 64, batch 32, 400 steps; large = 4 layers, d_model 256, 4
@@ -38,6 +39,24 @@ Muon (Keller coefficients) and MuonClip (tau 100) {0.01, 0.02, 0.04, 0.08}, thei
   stage 2's crossing inside the full run, which is always printed too); MuonClip's final
   validation loss within 1% of Muon's.
 
+Part 3 (``--part family``, the Muon family against Muon): Muon and its variants (``--family``:
+NorMuon; Muon and NorMuon with the query and key projections orthogonalized per head; Muon and
+NorMuon with cautious weight decay 0.1) on part 1's protocol with Muon as the reference: stage 1
+tunes each one's lr on the first seed (``--muon-lrs``; their AdamW part at the first of
+``--adamw-lrs``), stage 2 runs the winners on every seed, stage 3 runs every variant's winner
+scheduled over shorter lengths (default 0.6 to 0.9 of the steps) to find the steps at which a
+run scheduled to end there reaches tuned Muon's final validation loss of the same seed. Reported:
+each variant's final loss against Muon's, and its steps (and training seconds) to Muon's final
+loss / Muon's, inside its full run and scheduled (the measure). Goal: the best variant at <= 0.9
+of Muon's steps on the large configuration.
+
+``--jobs N`` trains N runs at a time, each in a spawned process of its own (on one GPU, where a
+small model's step is bound by the host issuing its kernels, N runs overlap); the step counts
+are those of one run at a time, the training seconds are not (only ``--jobs 1`` gives wall-clock
+ratios). ``--progress FILE`` keeps every run's record as it ends, and ``--from-progress FILE...``
+analyses part 1 or 3 from such records (runs cut short, or the seeds of one protocol run in
+several invocations), training nothing.
+
 Part 2 (logit growth): a fixed stress configuration (the small model, constant lr, no warmup,
 Muon lr 0.05, tau 30, 400 steps, telemetry every step) in which plain Muon's max attention
 logit (``attn_max_logit``, measured in each training forward before that step's clip) climbs
@@ -61,6 +80,8 @@ maxima on unseen batches (at the training batch and at a 32x larger one) with th
     .venv/bin/python bench/convergence.py --quick        # a smoke run of every code path (a few minutes)
     .venv/bin/python bench/convergence.py --replot out.json   # redraw the plots from a --json output
     python bench/convergence.py --device cuda --no-plots --json out.json ...  # every run on a CUDA device
+    python bench/convergence.py --part family --config large --device cuda --jobs 8 --progress runs.jsonl
+    .venv/bin/python bench/convergence.py --part family --config large --from-progress runs.jsonl more.jsonl
 """
 
 from __future__ import annotations
@@ -131,6 +152,18 @@ ADAMW_LRS = (1e-3, 2e-3, 3e-3, 6e-3, 1e-2)
 MUON_LRS = (0.01, 0.02, 0.04, 0.08)
 CONVERGENCE_TAU = 100.0  # Kimi K2's tau
 CONTENDERS = ("adamw", "muon", "muonclip")
+# Part 3, the Muon family against Muon: each variant's optimizer fields over Muon's. The cautious
+# variants decay by FAMILY_WEIGHT_DECAY (scaled by the scheduled lr), where plain Muon has none.
+FAMILY_WEIGHT_DECAY = 0.1
+CAUTIOUS = {"weight_decay": FAMILY_WEIGHT_DECAY, "weight_decay_mode": "cautious"}
+FAMILY: dict[str, dict[str, Any]] = {
+    "normuon": {"name": "normuon"},
+    "muon-per-head": {"orthogonalize": "per_head"},
+    "normuon-per-head": {"name": "normuon", "orthogonalize": "per_head"},
+    "muon-cautious": CAUTIOUS,
+    "normuon-cautious": {"name": "normuon", **CAUTIOUS},
+}
+FAMILY_HORIZONS = (0.6, 0.7, 0.8, 0.9)  # part 3's stage 3: the variants are expected near Muon
 HORIZONS = (0.4, 0.5, 0.6, 0.7, 0.8)  # stage 3: fractions of the steps (rounded to eval points)
 LOSS_TOLERANCE = 0.01  # MuonClip's final val loss within 1% of Muon's (or better)
 
@@ -266,12 +299,15 @@ class RunRecord:
 
 def optimizer_section(contender: str, lr: float, adamw_lr: float, tau: float = CONVERGENCE_TAU) -> dict[str, Any]:
     """The JobSpec ``optimizer`` section of a contender at ``lr`` (Muon's AdamW part at ``adamw_lr``);
-    ``muonclip-remeasure`` (``-remeasure2``) is MuonClip with ``qk_clip_remeasure`` on 1 (2) batches."""
+    ``muonclip-remeasure`` (``-remeasure2``) is MuonClip with ``qk_clip_remeasure`` on 1 (2) batches;
+    a FAMILY variant is Muon with its fields."""
     if contender == "adamw":
         return {"name": "adamw", "lr": lr}
     muon = {"name": "muon", "lr": lr, "adamw_lr": adamw_lr}
     if contender == "muon":
         return muon
+    if contender in FAMILY:
+        return {**muon, **FAMILY[contender]}
     clip = {**muon, "name": "muonclip", "qk_clip_tau": tau}
     if contender in REMEASURE_BATCHES:
         clip.update(qk_clip_remeasure=True, qk_clip_remeasure_batches=REMEASURE_BATCHES[contender])
@@ -388,70 +424,177 @@ def contender_grids(args: argparse.Namespace) -> dict[str, list[float]]:
     return {c: args.adamw_lrs if c == "adamw" else args.muon_lrs for c in args.contenders}
 
 
-def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> dict[str, Any]:
-    """Stage 1 (tuning on the first seed), then stage 2 (the winners, every seed, interleaved),
-    with stage 3 (Muon's winner scheduled over each shorter horizon) after each seed's stage 2."""
+@dataclass(frozen=True)
+class Call:
+    """One part-1 training run: a contender's setting on a seed, scheduled over ``steps``."""
+
+    stage: int
+    contender: str
+    lr: float
+    schedule: str
+    seed: int
+    adamw_lr: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every part-1 run shares (what a worker process needs besides the data)."""
+
+    model: dict[str, Any]
+    eval_every: int
+    eval_batches: int
+    progress: str | None
+    data: dict[str, Any]
+    device: str
+    threads: int | None
+
+
+def train_call(call: Call, setup: Setup, data: TokenData) -> RunRecord:
+    """Train one call; a diverged stage-1 grid point loses (an empty record), later ones raise."""
+    warmup = max(1, round(WARMUP_FRACTION * call.steps))  # every run: its own warmup and schedule over its length
+    spec = make_spec(
+        setup.model,
+        optimizer_section(call.contender, call.lr, call.adamw_lr),
+        call.steps,
+        call.seed,
+        setup.eval_every,
+        call.schedule,
+        warmup,
+        telemetry_every=setup.eval_every,
+    )
+    try:
+        rec = train(call.contender, call.lr, spec, data, setup.eval_batches)
+    except TrainingError as e:
+        if call.stage > 1:
+            raise
+        print(f"  [stage 1] {call.contender} lr={call.lr:g} {call.schedule}: {e}", flush=True)
+        return RunRecord(call.contender, call.seed, call.lr, call.schedule, spec["optimizer"], [], [(0, 0.0)], [])
+    print(
+        f"  [stage {call.stage}] seed {call.seed} {call.contender:<16} lr={call.lr:<7g}{call.schedule:<7}"
+        f"{call.steps:>5} steps, final val {rec.final_val:.4f}  train {rec.train_seconds:6.1f} s  "
+        f"{rec.tokens_per_s:7.0f} tok/s",
+        flush=True,
+    )
+    if setup.progress:  # every run as it ends: a run cut short keeps what it finished
+        with open(setup.progress, "a") as f:
+            f.write(json.dumps({"stage": call.stage, **asdict(rec)}) + "\n")
+    return rec
+
+
+_WORKER: dict[str, Any] = {}  # a worker process's setup and data (Runner with jobs > 1)
+
+
+def _start_worker(setup: Setup, cache: str) -> None:
+    DATA.clear()
+    DATA.update(setup.data)
+    DEVICE["type"] = setup.device
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    _WORKER["setup"] = setup
+    _WORKER["data"] = load_data(job_config(make_spec(setup.model, {"name": "adamw"}, 1, 0, 1)).data, 0, Path(cache))
+
+
+def _train_in_worker(call: Call) -> RunRecord:
+    return train_call(call, _WORKER["setup"], _WORKER["data"])
+
+
+class Runner:
+    """Trains calls here one after another, or (``jobs`` > 1) that many at a time in spawned
+    processes: the step counts are the same either way, the training seconds are not (runs that
+    share the machine slow each other), so wall-clock figures come from ``jobs`` 1 alone."""
+
+    def __init__(self, setup: Setup, data: TokenData, cache: Path, jobs: int) -> None:
+        self.setup, self.data, self.pool = setup, data, None
+        if jobs > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+            self.pool = ProcessPoolExecutor(jobs, context, _start_worker, (setup, str(cache)))
+
+    def map(self, calls: list[Call]) -> list[RunRecord]:
+        if self.pool is None:
+            return [train_call(c, self.setup, self.data) for c in calls]
+        return list(self.pool.map(_train_in_worker, calls))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def run_convergence(
+    args: argparse.Namespace, runner: Runner, reference: str = "adamw", challengers: tuple[str, ...] = ("muon",)
+) -> dict[str, Any]:
+    """Stage 1 (tuning on the first seed), then stage 2 (the winners, every seed) and stage 3 (each
+    of ``challengers``' winners scheduled over each shorter horizon, every seed), seed-major.
+    Without AdamW among the contenders their AdamW part takes the first lr of ``--adamw-lrs``."""
     grids = contender_grids(args)
     horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
-
-    def one(
-        stage: int, contender: str, lr: float, schedule: str, seed: int, adamw_lr: float, steps: int | None = None
-    ) -> RunRecord:
-        steps = steps or args.steps
-        warmup = max(1, round(WARMUP_FRACTION * steps))  # every run: its own warmup and schedule over its length
-        spec = make_spec(
-            cfg.model,
-            optimizer_section(contender, lr, adamw_lr),
-            steps,
-            seed,
-            args.eval_every,
-            schedule,
-            warmup,
-            telemetry_every=args.eval_every,
-        )
-        try:
-            rec = train(contender, lr, spec, data, args.eval_batches)
-        except TrainingError as e:  # a diverged grid point loses, it does not end the benchmark
-            if stage > 1:
-                raise
-            print(f"  [stage 1] {contender} lr={lr:g} {schedule}: {e}", flush=True)
-            return RunRecord(contender, seed, lr, schedule, spec["optimizer"], [], [(0, 0.0)], [])
-        print(
-            f"  [stage {stage}] seed {seed} {contender:<9} lr={lr:<7g}{schedule:<7}{steps:>5} steps, final val "
-            f"{rec.final_val:.4f}  train {rec.train_seconds:6.1f} s  {rec.tokens_per_s:7.0f} tok/s",
-            flush=True,
-        )
-        if args.progress:  # every run as it ends: a run cut short keeps what it finished
-            with open(args.progress, "a") as f:
-                f.write(json.dumps({"stage": stage, **asdict(rec)}) + "\n")
-        return rec
-
     stage1: dict[str, list[RunRecord]] = {}
     winners: dict[str, proto.Setting] = {}
-    adamw_lr = None
-    for contender, grid in grids.items():
-        recs = [one(1, contender, lr, s, args.seeds[0], adamw_lr or 0.0) for s in args.schedules for lr in grid]
-        stage1[contender] = recs
-        best = proto.pick_winner({proto.Setting(contender, r.lr, r.schedule): r.final_val for r in recs})
-        winners[contender] = best
-        edge = " (at the edge of the grid)" if proto.at_grid_edge(best.lr, grid) else ""
-        print(f"stage 1 winner: {best.label}{edge}", flush=True)
-        if contender == "adamw":
-            adamw_lr = best.lr
+    adamw_lr = args.adamw_lrs[0]
+    tuned_first = [c for c in grids if c == "adamw"]  # the others' AdamW part takes its tuned lr
+    for batch in (tuned_first, [c for c in grids if c != "adamw"]):
+        calls = [
+            Call(1, c, lr, s, args.seeds[0], adamw_lr, args.steps)
+            for c in batch
+            for s in args.schedules
+            for lr in grids[c]
+        ]
+        recs = runner.map(calls)
+        for contender in batch:
+            stage1[contender] = [r for r in recs if r.contender == contender]
+            best = proto.pick_winner(
+                {proto.Setting(r.contender, r.lr, r.schedule): r.final_val for r in stage1[contender]}
+            )
+            winners[contender] = best
+            edge = " (at the edge of the grid)" if proto.at_grid_edge(best.lr, grids[contender]) else ""
+            print(f"stage 1 winner: {best.label}{edge}", flush=True)
+            if contender == "adamw":
+                adamw_lr = best.lr
 
-    stage2: dict[str, list[RunRecord]] = {c: [] for c in grids}
-    stage3: dict[str, list[RunRecord]] = {str(h): [] for h in horizons}
+    def reused(contender: str, seed: int) -> bool:  # nothing was tuned: that stage-1 run is this one
+        return seed == args.seeds[0] and len(stage1[contender]) == 1
+
+    calls = []
     for seed in args.seeds:
-        for contender, best in winners.items():
-            if seed == args.seeds[0] and len(stage1[contender]) == 1:  # nothing was tuned: that run is this one
-                stage2[contender].append(stage1[contender][0])
-                continue
-            stage2[contender].append(one(2, contender, best.lr, best.schedule, seed, adamw_lr))
-        muon = winners["muon"]
-        for h in horizons:
-            stage3[str(h)].append(one(3, "muon", muon.lr, muon.schedule, seed, adamw_lr, steps=h))
-    analysis = analyse_convergence(stage2, args.steps, cfg.target_wall_ratio)
-    analysis["horizons"] = analyse_horizons(stage2, stage3, args.steps, cfg.target_wall_ratio)
+        calls += [
+            Call(2, c, w.lr, w.schedule, seed, adamw_lr, args.steps) for c, w in winners.items() if not reused(c, seed)
+        ]
+        calls += [
+            Call(3, c, winners[c].lr, winners[c].schedule, seed, adamw_lr, h) for c in challengers for h in horizons
+        ]
+    done = iter(runner.map(calls))
+    stage2: dict[str, list[RunRecord]] = {c: [] for c in grids}
+    shorter: dict[str, list[list[RunRecord]]] = {c: [] for c in challengers}  # per seed, the horizons' runs
+    for seed in args.seeds:
+        for contender in winners:
+            stage2[contender].append(stage1[contender][0] if reused(contender, seed) else next(done))
+        for contender in challengers:
+            shorter[contender].append([next(done) for _ in horizons])
+    return analyse_part(args, stage1, stage2, shorter, reference)
+
+
+def analyse_part(
+    args: argparse.Namespace,
+    stage1: dict[str, list[RunRecord]],
+    stage2: dict[str, list[RunRecord]],
+    shorter: dict[str, list[list[RunRecord]]],
+    reference: str,
+) -> dict[str, Any]:
+    """Part 1's (or 3's) figures and records from its runs: stage 1's per contender, stage 2's per
+    contender (one per seed), and each challenger's shorter scheduled runs per seed."""
+    analysis = analyse_convergence(stage2, args.steps, args.target_wall_ratio, reference)
+    analysis["horizons"] = {
+        c: analyse_horizons(stage2, runs, args.steps, args.target_wall_ratio, reference, c)
+        for c, runs in shorter.items()
+    }
+    analysis["reference"] = reference
+    winners = {
+        c: proto.pick_winner({proto.Setting(c, r.lr, r.schedule): r.final_val for r in recs})
+        for c, recs in stage1.items()
+    }
     analysis["winners"] = {c: asdict(w) for c, w in winners.items()}
     analysis["stage1_final_val"] = {
         c: {f"{r.lr:g} {r.schedule}": r.final_val for r in recs} for c, recs in stage1.items()
@@ -460,30 +603,80 @@ def run_convergence(args: argparse.Namespace, cfg: Config, data: TokenData) -> d
         "analysis": analysis,
         "stage1": records_json(stage1),
         "runs": records_json(stage2),
-        "horizon_runs": records_json(stage3),
+        "horizon_runs": {c: [asdict(r) for runs in per_seed for r in runs] for c, per_seed in shorter.items()},
     }
 
 
-def analyse_horizons(
-    stage2: dict[str, list[RunRecord]], stage3: dict[str, list[RunRecord]], steps: int, target_wall_ratio: float
+def from_progress(
+    args: argparse.Namespace, paths: list[Path], reference: str, challengers: tuple[str, ...]
 ) -> dict[str, Any]:
-    """Per seed, Muon's steps and training seconds to tuned AdamW's final validation loss with a
-    schedule that ends there (proto.horizon_ratios over the shorter runs and the full one)."""
-    if not stage3:
+    """Part 1 (or 3) analysed from the ``--progress`` records of earlier runs, trains nothing: runs
+    cut short, or a protocol split over several invocations or machines. Each contender's setting
+    is its stage-1 winner on the first seed; per seed, its full-length run at that setting and the
+    challengers' shorter runs at it (a horizon that never ran is left out)."""
+    found: list[tuple[int, RunRecord]] = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            stage = record.pop("stage")
+            (run,) = runs_from_json({"": [record]})[""]
+            if run.val_loss:  # a diverged grid point has none
+                found.append((stage, run))
+    first = args.seeds[0]
+    stage1 = {
+        c: [r for stage, r in found if stage == 1 and r.contender == c and r.seed == first] for c in args.contenders
+    }
+    winners = {c: proto.pick_winner({(r.lr, r.schedule): r.final_val for r in recs}) for c, recs in stage1.items()}
+
+    def at_winner(r: RunRecord) -> bool:
+        return (r.lr, r.schedule) == winners[r.contender]
+
+    stage2: dict[str, list[RunRecord]] = {c: [] for c in args.contenders}
+    shorter: dict[str, list[list[RunRecord]]] = {c: [] for c in challengers}
+    for seed in args.seeds:
+        for c in args.contenders:
+            full = [
+                r
+                for _, r in sorted(found, key=lambda x: -x[0])  # a stage-2 run before a stage-1 one
+                if r.contender == c and r.seed == seed and at_winner(r) and r.val_loss[-1][0] == args.steps
+            ]
+            if not full:
+                raise SystemExit(
+                    f"no full-length run of {c} at its winning setting on seed {seed} in {[str(p) for p in paths]}"
+                )
+            stage2[c].append(full[0])
+        for c in challengers:
+            runs = [r for stage, r in found if stage == 3 and r.contender == c and r.seed == seed and at_winner(r)]
+            shorter[c].append(sorted(runs, key=lambda r: r.val_loss[-1][0]))
+    return analyse_part(args, stage1, stage2, shorter, reference)
+
+
+def analyse_horizons(
+    stage2: dict[str, list[RunRecord]],
+    shorter: list[list[RunRecord]],
+    steps: int,
+    target_wall_ratio: float,
+    reference: str = "adamw",
+    contender: str = "muon",
+) -> dict[str, Any]:
+    """Per seed, ``contender``'s steps and training seconds to ``reference``'s final validation loss
+    with a schedule that ends there (proto.horizon_ratios over its ``shorter`` runs of that seed
+    and the full one)."""
+    if not any(shorter):
         return {}
     reach = []
-    for i, (adamw, full) in enumerate(zip(stage2["adamw"], stage2["muon"])):
-        runs = [(r.val_loss[-1][0], r.final_val, r.train_seconds) for r in (full, *(v[i] for v in stage3.values()))]
+    for base, full, runs_of_seed in zip(stage2[reference], stage2[contender], shorter):
+        runs = [(r.val_loss[-1][0], r.final_val, r.train_seconds) for r in (full, *runs_of_seed)]
         reach.append(
             {
-                **proto.horizon_ratios(runs, adamw.final_val, steps, adamw.train_seconds),
+                **proto.horizon_ratios(runs, base.final_val, steps, base.train_seconds),
                 "runs": runs,
                 "shortest": min(h for h, _, _ in runs),
             }
         )
     wall = proto.mean_or_none(x["wall_ratio"] for x in reach)
     return {
-        "horizon_steps": [int(h) for h in stage3],
+        "horizon_steps": sorted({r.val_loss[-1][0] for runs in shorter for r in runs}),
         "reach": reach,
         "mean_wall_ratio": wall,
         "mean_step_ratio": proto.mean_or_none(x["step_ratio"] for x in reach),
@@ -491,9 +684,12 @@ def analyse_horizons(
     }
 
 
-def analyse_convergence(runs: dict[str, list[RunRecord]], steps: int, target_wall_ratio: float) -> dict[str, Any]:
-    """Per contender: final val loss over seeds, and per seed the steps / seconds to tuned AdamW's final val loss."""
-    adamw = runs["adamw"]
+def analyse_convergence(
+    runs: dict[str, list[RunRecord]], steps: int, target_wall_ratio: float, reference: str = "adamw"
+) -> dict[str, Any]:
+    """Per contender: final val loss over seeds, and per seed the steps / seconds to the tuned
+    ``reference``'s final val loss."""
+    adamw = runs[reference]
     out: dict[str, Any] = {"seeds": [r.seed for r in adamw], "contenders": {}}
     for name, recs in runs.items():
         reach = [
@@ -545,7 +741,7 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
         f"MuonClip vs Muon final val {diffs} (within {100 * LOSS_TOLERANCE:g}%: {a['muonclip_loss_ok']}); "
         f"MuonClip peak max logit {peak:.1f} at eval points (tau {CONVERGENCE_TAU:g})"
     )
-    if h := a.get("horizons"):
+    if h := a["horizons"].get("muon"):
         print(
             f"\nStage 3: Muon's winner scheduled to end at {h['horizon_steps']} steps (and the full run); the "
             f"shortest length that reaches tuned AdamW's final val loss, interpolated between lengths"
@@ -562,6 +758,34 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
             f"{fmt(h['mean_wall_ratio'])}, step ratio {fmt(h['mean_step_ratio'])} (<= {cfg.target_wall_ratio}: "
             f"{h['wall_ok']})"
         )
+
+
+def report_family(a: dict[str, Any], args: argparse.Namespace) -> None:
+    """Part 3's table: each variant against tuned Muon, per seed and in the mean."""
+    print(f"\nThe Muon family ({args.config}, {args.steps} steps), stage 1 final val loss on seed {a['seeds'][0]}:")
+    for contender, finals in a["stage1_final_val"].items():
+        print(f"  {contender:<17}" + "  ".join(f"{k} {v:.4f}" for k, v in finals.items()))
+    horizons = sorted({h for v in a["horizons"].values() for h in v.get("horizon_steps", [])})
+    print(
+        f"\nSeeds {a['seeds']}; ratios against tuned Muon's final val loss of the same seed: inside the full run, "
+        f"and scheduled to end there (stage 3, horizons {horizons})"
+    )
+    print(
+        f"{'variant':<18}{'lr':>7}{'val mean':>10}{'std':>8}{'vs Muon':>9}{'in-run steps':>14}"
+        f"{'scheduled steps':>17}{'per seed':>20}{'wall':>7}{'tok/s':>8}"
+    )
+    muon = a["contenders"]["muon"]["final_val"]["mean"]
+    for name, c in a["contenders"].items():
+        h = a["horizons"].get(name, {})
+        per_seed = " ".join(fmt(x["step_ratio"], ".2f") for x in h.get("reach", []))
+        v = c["final_val"]
+        print(
+            f"{name:<18}{a['winners'][name]['lr']:>7g}{v['mean']:>10.4f}{v['std']:>8.4f}"
+            f"{100 * (v['mean'] / muon - 1):>+8.2f}%{fmt(c['mean_step_ratio']):>14}"
+            f"{fmt(h.get('mean_step_ratio')):>17}{per_seed:>20}{fmt(h.get('mean_wall_ratio')):>7}"
+            f"{c['tokens_per_s']['mean']:>8.0f}"
+        )
+    print("(wall: training seconds to Muon's final loss / Muon's for its run; comparable only with --jobs 1)")
 
 
 # -- part 2 --------------------------------------------------------------------------------------
@@ -753,6 +977,49 @@ def plot_convergence(runs: dict[str, list[RunRecord]], analysis: dict[str, Any],
     plt.close(fig)
 
 
+def plot_family(runs: dict[str, list[RunRecord]], analysis: dict[str, Any], path: Path) -> None:
+    """Part 3: the mean validation loss over seeds against steps, second half of the run (left),
+    and each variant's steps to Muon's final loss on a schedule that ends there, / Muon's, per
+    seed and their mean (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    target = analysis["contenders"]["muon"]["final_val"]["mean"]
+    for name, recs in runs.items():
+        steps = [s for s, _ in recs[0].val_loss]
+        val = [sum(r.val_loss[i][1] for r in recs) / len(recs) for i in range(len(steps))]
+        half = len(steps) // 2
+        w = proto.Setting(**analysis["winners"][name])
+        curves.plot(steps[half:], val[half:], "--" if name == "muon" else "-", lw=1.8, label=w.label)
+    curves.axhline(target, color="grey", lw=0.8, ls=":", label=f"tuned Muon final ({target:.3f})")
+    curves.set(xlabel="step", ylabel="validation loss (nats/char)", title=f"{len(analysis['seeds'])} seeds (mean)")
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=8)
+    names = list(analysis["horizons"])
+    for i, name in enumerate(names):
+        h = analysis["horizons"][name]
+        seeds = [x["step_ratio"] for x in h["reach"] if x["step_ratio"] is not None]
+        bars.scatter([i] * len(seeds), seeds, color="black", s=12, zorder=3)
+        if h["mean_step_ratio"] is not None:
+            bars.bar(i, h["mean_step_ratio"], color="tab:blue", alpha=0.6)
+            bars.text(i, h["mean_step_ratio"] + 0.005, f"{h['mean_step_ratio']:.3f}", ha="center", fontsize=8)
+        missed = len(h["reach"]) - len(seeds)
+        if missed:
+            bars.text(i, 0.72, f"{missed} seed(s)\nnever reached", ha="center", fontsize=7)
+    bars.axhline(1.0, color="grey", lw=0.8, ls=":")
+    bars.axhline(0.9, color="tab:red", lw=0.8, ls="--", label="goal: 0.9")
+    bars.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+    bars.set(ylim=(0.7, 1.1), ylabel="steps to Muon's final loss / Muon's", title="scheduled to end there")
+    bars.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_logits(runs: dict[str, list[RunRecord]], tau: float, path: Path) -> None:
     """Left: attn_max_logit per step of plain Muon and MuonClip (log scale). Right: for every
     clip that ran, its max logit / tau at the steps after its first clip (every seed pooled),
@@ -810,6 +1077,9 @@ def replot(path: Path, img_dir: Path) -> None:
         part, name = out["convergence"], out["settings"]["config"]
         png = "convergence.png" if name == "small" else f"convergence_{name}.png"
         plot_convergence(runs_from_json(part["runs"]), part["analysis"], img_dir / png)
+    if "family" in out:
+        part = out["family"]
+        plot_family(runs_from_json(part["runs"]), part["analysis"], img_dir / f"family_{out['settings']['config']}.png")
     if "logit_growth" in out:
         part = out["logit_growth"]
         plot_logits(runs_from_json(part["runs"]), part["analysis"]["tau"], img_dir / "logit_growth.png")
@@ -818,10 +1088,11 @@ def replot(path: Path, img_dir: Path) -> None:
 def print_plan(args: argparse.Namespace, cfg: Config) -> None:
     """The runs the arguments ask for and an estimated duration at 1 thread; trains nothing."""
     total = 0.0
-    if args.part in ("all", "convergence"):
+    if args.part in ("all", "convergence", "family"):
         grids = contender_grids(args)
         horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
-        runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps, horizons)
+        challengers = args.family if args.part == "family" else ["muon"]
+        runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps, horizons, challengers)
         for stage in (1, 2, 3):
             some = [r for r in runs if r.stage == stage]
             est = proto.estimate_seconds(some, cfg.seconds_per_step, overhead_s=1.0)
@@ -845,7 +1116,26 @@ def print_plan(args: argparse.Namespace, cfg: Config) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="part 1's model (default small)")
-    parser.add_argument("--part", choices=("all", "convergence", "logits"), default="all")
+    parser.add_argument(
+        "--part",
+        choices=("all", "convergence", "logits", "family"),
+        default="all",
+        help="all: parts 1 and 2; family: part 3 (the Muon family against Muon)",
+    )
+    parser.add_argument(
+        "--family",
+        nargs="+",
+        choices=list(FAMILY),
+        default=list(FAMILY),
+        help="part 3's variants (default all); Muon is always run, their reference",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="part 1 and 3 runs at a time, each in a process of its own (default 1; step counts alike, "
+        "training seconds only comparable at 1)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="the first one tunes (default 0 1 2)")
     parser.add_argument("--steps", type=int, default=None, help="part 1 steps (default: the config's)")
     parser.add_argument("--logit-steps", type=int, default=LOGIT_STEPS, help=f"part 2 steps (default {LOGIT_STEPS})")
@@ -859,9 +1149,9 @@ def main() -> None:
         "--horizons",
         type=float,
         nargs="*",
-        default=list(HORIZONS),
-        help="stage 3: Muon's winner over these fractions of the steps, each with its own "
-        "schedule (default %(default)s; none: no stage 3)",
+        default=None,
+        help=f"stage 3: the challengers' winners over these fractions of the steps, each with its own "
+        f"schedule (default {list(HORIZONS)}, part 3 {list(FAMILY_HORIZONS)}; none: no stage 3)",
     )
     parser.add_argument(
         "--contenders",
@@ -897,10 +1187,23 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write every figure and curve as JSON to PATH")
     parser.add_argument("--progress", metavar="PATH", help="append every part-1 run's record to PATH as it ends")
     parser.add_argument("--replot", metavar="PATH", type=Path, help="only redraw the plots from a --json output")
+    parser.add_argument(
+        "--from-progress",
+        metavar="PATH",
+        type=Path,
+        nargs="+",
+        help="part 1 or 3 from the --progress records of earlier runs (cut short, or split over invocations "
+        "or machines; --seeds, --steps, --config, --family as they ran): the tables, plot and --json; trains nothing",
+    )
     args = parser.parse_args()
     args.clips = ["muonclip", *args.clips]
     args.contenders = [c for c in CONTENDERS if c in {"adamw", "muon", *args.contenders}]
+    if args.horizons is None:
+        args.horizons = list(FAMILY_HORIZONS if args.part == "family" else HORIZONS)
+    if args.part == "family":
+        args.contenders = ["muon", *args.family]
     cfg = CONFIGS[args.config]
+    args.target_wall_ratio = cfg.target_wall_ratio
     args.steps = args.steps or cfg.steps
     args.eval_every = args.eval_every or cfg.eval_every
     if args.quick:
@@ -917,6 +1220,9 @@ def main() -> None:
     if args.plan:
         print_plan(args, cfg)
         return
+    if args.from_progress:
+        report_progress(args, cfg)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.data:
@@ -930,6 +1236,35 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 
+def report_progress(args: argparse.Namespace, cfg: Config) -> None:
+    """``--from-progress``: part 1 or 3 re-analysed from run records; its tables, plot and JSON."""
+    family = args.part == "family"
+    reference, challengers = ("muon", tuple(args.family)) if family else ("adamw", ("muon",))
+    part = from_progress(args, args.from_progress, reference, challengers)
+    if family:
+        report_family(part["analysis"], args)
+    else:
+        report_convergence(part, args.config, cfg, args.steps)
+    if not args.no_plots:
+        runs, img_dir = runs_from_json(part["runs"]), args.img_dir or IMG_DIR
+        if family:
+            plot_family(runs, part["analysis"], img_dir / f"family_{args.config}.png")
+        else:
+            png = "convergence.png" if args.config == "small" else f"convergence_{args.config}.png"
+            plot_convergence(runs, part["analysis"], img_dir / png)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "settings": vars(args) | {"from_progress": [str(p) for p in args.from_progress]},
+                    "family" if family else "convergence": part,
+                },
+                indent=1,
+                default=str,
+            )
+        )
+
+
 def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path) -> dict[str, Any]:
     """Both parts as chosen by ``args``; prints the tables, writes the plots, returns every figure."""
     device = torch.device(args.device)
@@ -941,15 +1276,26 @@ def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path
     start = time.perf_counter()
     data = load_data(job_config(make_spec(cfg.model, {"name": "adamw"}, 1, 0, 1)).data, 0, cache)
     print(f"vocab {data.vocab_size}, train {len(data.train):,} chars, val {len(data.val):,} chars")
+    setup = Setup(cfg.model, args.eval_every, args.eval_batches, args.progress, dict(DATA), args.device, args.threads)
+    runner = Runner(setup, data, cache, args.jobs)
     if args.part in ("all", "convergence"):
         t0 = time.perf_counter()
-        out["convergence"] = part = run_convergence(args, cfg, data)
+        out["convergence"] = part = run_convergence(args, runner)
         part["analysis"]["runtime_s"] = time.perf_counter() - t0
         report_convergence(part, args.config, cfg, args.steps)
         print(f"part 1 took {part['analysis']['runtime_s'] / 60:.1f} min")
         if img_dir is not None:
             png = "convergence.png" if args.config == "small" else f"convergence_{args.config}.png"
             plot_convergence(runs_from_json(part["runs"]), part["analysis"], img_dir / png)
+    if args.part == "family":
+        t0 = time.perf_counter()
+        out["family"] = part = run_convergence(args, runner, reference="muon", challengers=tuple(args.family))
+        part["analysis"]["runtime_s"] = time.perf_counter() - t0
+        report_family(part["analysis"], args)
+        print(f"part 3 took {part['analysis']['runtime_s'] / 60:.1f} min")
+        if img_dir is not None:
+            plot_family(runs_from_json(part["runs"]), part["analysis"], img_dir / f"family_{args.config}.png")
+    runner.close()
     if args.part in ("all", "logits"):
         t0 = time.perf_counter()
         out["logit_growth"] = part = run_logits(args, data)

@@ -169,11 +169,12 @@ def plan_runs(
     seeds: Sequence[int],
     steps: int,
     horizons: Sequence[int] = (),
+    challengers: Sequence[str] = ("muon",),
 ) -> list[PlannedRun]:
     """Every run of the protocol, in order: stage 1 tunes each contender (grid order, AdamW
     first since the others' AdamW part takes its tuned lr) over lr x schedule on ``seeds[0]``;
     stage 2 runs each contender's winner on every seed, seed-major (for each seed, every
-    contender, then stage 3: Muon's winner scheduled to end at each of ``horizons`` steps), so
+    contender, then stage 3: each of ``challengers``' winners scheduled to end at each of ``horizons`` steps), so
     that load drift on the machine hits all of them alike. A contender with a single setting is
     not tuned: its stage-1 run is its stage-2 run of the first seed."""
     runs = [
@@ -185,7 +186,7 @@ def plan_runs(
     tuned = {c for c, grid in grids.items() if len(grid) * len(schedules) > 1}  # the others' stage-1 run is seed 0's
     for seed in seeds:
         runs += [PlannedRun(2, c, None, None, seed, steps) for c in grids if c in tuned or seed != seeds[0]]
-        runs += [PlannedRun(3, "muon", None, None, seed, h) for h in horizons]
+        runs += [PlannedRun(3, c, None, None, seed, h) for c in challengers for h in horizons]
     return runs
 
 
@@ -212,8 +213,8 @@ def horizon_ratios(
 
 def estimate_seconds(runs: Sequence[PlannedRun], seconds_per_step: dict[str, float], overhead_s: float = 0.0) -> float:
     """Estimated duration of ``runs``: steps x the contender's measured seconds per step (eval
-    included), plus ``overhead_s`` per run (model build)."""
-    return sum(r.steps * seconds_per_step[r.contender] + overhead_s for r in runs)
+    included; a contender without one takes Muon's), plus ``overhead_s`` per run (model build)."""
+    return sum(r.steps * seconds_per_step.get(r.contender, seconds_per_step["muon"]) + overhead_s for r in runs)
 
 
 def describe(value: Any, spec: str = ".3f") -> str:

@@ -12,7 +12,8 @@ Sections (``--only`` picks some, comma-separated):
   batches it.
 * ``step``: one optimizer step on the GPT-shaped set (d_model 384, 4 layers) and on a wider one
   (d_model 1024, 12 layers), fp32 parameters: ``optim.Muon`` (its CUDA default runs NS in bf16;
-  "ours-ns-fp32" runs the same step with NS in fp32), ``torch.optim.Muon`` (NS in bf16) and
+  "ours-ns-fp32" runs the same step with NS in fp32; "ours-normuon" NorMuon's; "ours-per-head" with
+  each fused W_qkv split by heads of 64 rows), ``torch.optim.Muon`` (NS in bf16) and
   ``torch.optim.AdamW``; interleaved rounds, medians, ratios, peak-memory growth over 3 steps,
   and each Muon's update against a float64 reference.
 * ``batch``: ``optim.Muon``'s step on both sets at each CUDA batch cap (1 to 256 MiB of gradient
@@ -226,8 +227,19 @@ def make_params(d: int, layers: int, device: torch.device, dtype=torch.float32) 
     return params
 
 
+HEAD_DIM = 64
+
+
+def per_head(ps: list[torch.Tensor]) -> list[dict]:
+    """The set's groups with each fused W_qkv [3d, d] split by heads of HEAD_DIM rows."""
+    fused = {p: optim.fused_qkv_blocks(p.shape[1] // HEAD_DIM, HEAD_DIM) for p in ps if p.shape[0] == 3 * p.shape[1]}
+    return optim.split_by_heads([{"params": ps}], fused)
+
+
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], Callable[[], object]]] = {
     "ours": lambda ps: optim.Muon(ps, lr=LR).step,
+    "ours-normuon": lambda ps: optim.Muon(ps, lr=LR, normuon=True).step,
+    "ours-per-head": lambda ps: optim.Muon(per_head(ps), lr=LR).step,
     "ours-ns-fp32": lambda ps: optim.Muon(ps, lr=LR, ns_dtype=torch.float32).step,
     "ours-standard": lambda ps: optim.Muon(ps, lr=LR, ns_method="standard").step,
     "ours-polar": lambda ps: optim.Muon(ps, lr=LR, ns_coefficients="polar_express").step,
@@ -237,6 +249,8 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], Callable[[], object]]] = {
 }
 STEP_RATIOS = [
     ("ours", "torch.optim.Muon"),
+    ("ours-normuon", "ours"),
+    ("ours-per-head", "ours"),
     ("ours-ns-fp32", "ours"),
     ("ours-standard", "ours"),
     ("ours-polar", "ours"),

@@ -127,6 +127,15 @@ def test_plan_interleaves_muons_horizons_with_each_seeds_winners() -> None:
     ]
 
 
+def test_plan_of_the_family_runs_every_challengers_horizons_and_prices_them_as_muon() -> None:
+    grids = {"muon": (0.01, 0.02), "normuon": (0.01, 0.02), "muon-per-head": (0.01, 0.02)}
+    runs = proto.plan_runs(grids, ("wsd",), (0, 1), 400, horizons=(300,), challengers=("normuon", "muon-per-head"))
+    later = [(r.stage, r.seed, r.contender, r.steps) for r in runs if r.stage == 3]
+    assert later == [(3, s, c, 300) for s in (0, 1) for c in ("normuon", "muon-per-head")]
+    est = proto.estimate_seconds(runs, {"adamw": 0.1, "muon": 0.2})  # the variants take Muon's figure
+    assert est == pytest.approx(0.2 * sum(r.steps for r in runs))
+
+
 def test_horizon_steps_are_eval_points_shorter_than_the_run() -> None:
     assert proto.horizon_steps([0.5, 0.6, 0.7, 0.8], 400, 25) == [200, 250, 275, 325]
     assert proto.horizon_steps([0.61, 0.62, 1.0, 0.01], 400, 25) == [250]  # repeats, the full run and 0 dropped
