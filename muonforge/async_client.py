@@ -236,7 +236,14 @@ class AsyncClient(ClientBase):
                     return have["sha256"]
                 return await self._send_part(upload["id"], path, part, shared)
 
-        digests = await asyncio.gather(*(send(part) for part in parts_of(size, part_size)))
+        tasks = [asyncio.ensure_future(send(part)) for part in parts_of(size, part_size)]
+        try:
+            digests = await asyncio.gather(*tasks)
+        except BaseException:  # an interrupted upload sends nothing more: its other parts stop here
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         done = await self._call(api.complete_upload(upload["id"], list(enumerate(digests, 1))))
         state.forget()
         return done

@@ -57,12 +57,15 @@ def test_a_file_goes_up_in_parallel_parts_and_an_interrupted_upload_resumes(api_
 
     def stop_at_40_percent(done: int, total: int | None) -> None:
         seen.append((done, total))
-        if done >= 400_000:
+        if done >= 400_000 and not interrupted:
+            interrupted.append(done)
             raise Interrupted
 
+    interrupted: list[int] = []
     with Client(api_url, key) as client:
         with pytest.raises(Interrupted):
             client.upload_in_parts(path, "dataset", progress=stop_at_40_percent, part_size=65_536, parallel=1)
+        assert seen[-1][0] <= interrupted[0] + 65_536  # no more than the part its one thread had taken up
         state = UploadState(api_url, path, "dataset")
         upload_id = state.upload_id()
         assert upload_id is not None
@@ -119,9 +122,13 @@ def test_the_async_client_uploads_in_parallel_parts_and_resumes(api_url, setting
     class Interrupted(Exception):
         pass
 
+    after: list[int] = []  # progress reported after the interruption: parts that went on
+
     def stop_at(limit: int):
         def progress(done: int, total: int | None) -> None:
-            if done >= limit:
+            if after or done >= limit:
+                after.append(done)
+            if len(after) == 1:
                 raise Interrupted
 
         return progress
@@ -148,6 +155,7 @@ def test_the_async_client_uploads_in_parallel_parts_and_resumes(api_url, setting
             return await client.get_dataset(done["dataset_id"]), received, resent, model
 
     dataset, received, sent, model = asyncio.run(run())
+    assert len(after) == 1  # the interrupted upload's other parts stopped with it
     assert dataset["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert received and sent == sorted(set(range(1, 9)) - received)  # only what it lacked
     assert model["name"] == "tiny" and model["parameters"] == parameters
