@@ -50,6 +50,10 @@ each variant's final loss against Muon's, and its steps (and training seconds) t
 loss / Muon's, inside its full run and scheduled (the measure). Goal: the best variant at <= 0.9
 of Muon's steps on the large configuration.
 
+Part 1 also takes family variants as contenders (``--contenders normuon ...``): each is tuned,
+run on every seed and scheduled over the shorter lengths as Muon is, against tuned AdamW's final
+loss, and reported beside Muon (its steps there / Muon's, per seed).
+
 ``--jobs N`` trains N runs at a time, each in a spawned process of its own (on one GPU, where a
 small model's step is bound by the host issuing its kernels, N runs overlap); the step counts
 are those of one run at a time, the training seconds are not (only ``--jobs 1`` gives wall-clock
@@ -523,6 +527,14 @@ class Runner:
             self.pool.shutdown()
 
 
+def part_roles(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """The reference and the challengers (who run stage 3) of part 1 or 3: part 1 measures Muon and
+    any family variant against AdamW, part 3 the variants against Muon."""
+    if args.part == "family":
+        return "muon", tuple(args.family)
+    return "adamw", tuple(c for c in args.contenders if c == "muon" or c in FAMILY)
+
+
 def run_convergence(
     args: argparse.Namespace, runner: Runner, reference: str = "adamw", challengers: tuple[str, ...] = ("muon",)
 ) -> dict[str, Any]:
@@ -757,6 +769,29 @@ def report_convergence(part: dict[str, Any], cfg_name: str, cfg: Config, steps: 
             f"Muon, a schedule that ends at the target (the target's measure): wall-clock ratio "
             f"{fmt(h['mean_wall_ratio'])}, step ratio {fmt(h['mean_step_ratio'])} (<= {cfg.target_wall_ratio}: "
             f"{h['wall_ok']})"
+        )
+        report_variants_against_adamw(a)
+
+
+def report_variants_against_adamw(a: dict[str, Any]) -> None:
+    """Part 1 with family variants: each one's scheduled steps and seconds to tuned AdamW's final
+    loss, and per seed over Muon's."""
+    muon = a["horizons"]["muon"]["reach"]
+    variants = [c for c in a["horizons"] if c != "muon"]
+    if not variants:
+        return
+    print(
+        "\nThe Muon family, scheduled to end at tuned AdamW's final val loss: step ratio, wall ratio; / Muon's per seed"
+    )
+    for name in variants:
+        h = a["horizons"][name]
+        steps = [
+            None if v["steps"] is None or m["steps"] is None else v["steps"] / m["steps"]
+            for v, m in zip(h["reach"], muon)
+        ]
+        print(
+            f"  {name:<17} step ratio {fmt(h['mean_step_ratio'])}  wall ratio {fmt(h['mean_wall_ratio'])}  "
+            f"steps / Muon's: {' '.join(fmt(x) for x in steps)} (mean {fmt(proto.mean_or_none(steps))})"
         )
 
 
@@ -1091,8 +1126,7 @@ def print_plan(args: argparse.Namespace, cfg: Config) -> None:
     if args.part in ("all", "convergence", "family"):
         grids = contender_grids(args)
         horizons = proto.horizon_steps(args.horizons, args.steps, args.eval_every)
-        challengers = args.family if args.part == "family" else ["muon"]
-        runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps, horizons, challengers)
+        runs = proto.plan_runs(grids, args.schedules, args.seeds, args.steps, horizons, part_roles(args)[1])
         for stage in (1, 2, 3):
             some = [r for r in runs if r.stage == stage]
             est = proto.estimate_seconds(some, cfg.seconds_per_step, overhead_s=1.0)
@@ -1156,9 +1190,10 @@ def main() -> None:
     parser.add_argument(
         "--contenders",
         nargs="+",
-        choices=CONTENDERS,
+        choices=[*CONTENDERS, *FAMILY],
         default=list(CONTENDERS),
-        help="part 1's contenders (default all; AdamW and Muon are always run)",
+        help="part 1's contenders (default adamw muon muonclip; AdamW and Muon are always run; a Muon "
+        "family variant also gets stage 3, against AdamW's final loss as Muon)",
     )
     parser.add_argument(
         "--clips",
@@ -1197,7 +1232,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.clips = ["muonclip", *args.clips]
-    args.contenders = [c for c in CONTENDERS if c in {"adamw", "muon", *args.contenders}]
+    args.contenders = [c for c in (*CONTENDERS, *FAMILY) if c in {"adamw", "muon", *args.contenders}]
     if args.horizons is None:
         args.horizons = list(FAMILY_HORIZONS if args.part == "family" else HORIZONS)
     if args.part == "family":
@@ -1239,8 +1274,7 @@ def main() -> None:
 def report_progress(args: argparse.Namespace, cfg: Config) -> None:
     """``--from-progress``: part 1 or 3 re-analysed from run records; its tables, plot and JSON."""
     family = args.part == "family"
-    reference, challengers = ("muon", tuple(args.family)) if family else ("adamw", ("muon",))
-    part = from_progress(args, args.from_progress, reference, challengers)
+    part = from_progress(args, args.from_progress, *part_roles(args))
     if family:
         report_family(part["analysis"], args)
     else:
@@ -1280,7 +1314,7 @@ def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path
     runner = Runner(setup, data, cache, args.jobs)
     if args.part in ("all", "convergence"):
         t0 = time.perf_counter()
-        out["convergence"] = part = run_convergence(args, runner)
+        out["convergence"] = part = run_convergence(args, runner, *part_roles(args))
         part["analysis"]["runtime_s"] = time.perf_counter() - t0
         report_convergence(part, args.config, cfg, args.steps)
         print(f"part 1 took {part['analysis']['runtime_s'] / 60:.1f} min")
@@ -1289,7 +1323,7 @@ def run(args: argparse.Namespace, cfg: Config, img_dir: Path | None, cache: Path
             plot_convergence(runs_from_json(part["runs"]), part["analysis"], img_dir / png)
     if args.part == "family":
         t0 = time.perf_counter()
-        out["family"] = part = run_convergence(args, runner, reference="muon", challengers=tuple(args.family))
+        out["family"] = part = run_convergence(args, runner, *part_roles(args))
         part["analysis"]["runtime_s"] = time.perf_counter() - t0
         report_family(part["analysis"], args)
         print(f"part 3 took {part['analysis']['runtime_s'] / 60:.1f} min")
