@@ -136,9 +136,10 @@ def split_by_heads(groups: list[dict[str, Any]], blocks: Mapping[Tensor, Sequenc
             if heights is None or not group.get("use_muon", True) or group.get("experts", False):
                 kept.append(p)
                 continue
-            split.setdefault((id(group), tuple(heights)), {**group, "params": [], "row_blocks": tuple(heights)})[
-                "params"
-            ].append(p)
+            key = (id(group), tuple(heights))
+            if key not in split:
+                split[key] = {**group, "params": [], "row_blocks": tuple(heights)}
+            split[key]["params"].append(p)
         if kept:
             out.append({**group, "params": kept})
     return out + list(split.values())
