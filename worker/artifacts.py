@@ -25,16 +25,20 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 
+from sqlalchemy.orm import Session
+
 from app.db.session import retrying, transaction
 from app.repositories.checkpoints import CheckpointRepository
+from app.repositories.jobs import JobRepository
 from app.services import leases, lifecycle
 from app.services.staged_models import is_staged, staged_directory
 from app.settings import Settings
-from app.storage import ArtifactCache, IntegrityError, LocalStore, ObjectNotFound, cache_from, store_from
+from app.storage import ArtifactCache, ArtifactStore, IntegrityError, LocalStore, ObjectNotFound, cache_from, store_from
 from app.storage.base import file_sha256
+from contract import metrics
 from contract.documents import file_format
 from contract.spec import JobSpec
-from worker.engine.checkpoints import checkpoint_path
+from worker.engine.checkpoints import checkpoint_path, to_prune
 from worker.engine.run import checkpoint_dir
 
 log = logging.getLogger("muonforge.worker")
@@ -97,6 +101,39 @@ def is_scratch(settings: Settings) -> bool:
     """Whether run directories are this host's scratch (a bucket holds what is kept), rather than
     the local store's own directory."""
     return not isinstance(store_from(settings), LocalStore)
+
+
+def retire_checkpoints(session: Session, job_id: str, keep: int) -> dict[int, str]:
+    """The retention policy of a job's checkpoints (``train.keep_checkpoints``, and never one a
+    warm start names): deletes the rows of those it retires, in the caller's transaction, and
+    returns their keys by step (their objects and files go once it commits)."""
+    repo = CheckpointRepository(session)
+    # The job's row, for update, before its warm starts are read: an intake that inserts one
+    # holds it shared until that commits, so no checkpoint goes that a new job was admitted on.
+    JobRepository(session).locked(job_id)
+    rows = {c.step: c for c in repo.checkpoints(job_id)}
+    steps = to_prune([(s, c.metrics.get(metrics.VAL_LOSS)) for s, c in rows.items()], keep)
+    started_from = repo.warm_start_steps(job_id)  # other jobs start (and restart) from these
+    steps = [s for s in steps if s not in started_from]
+    if steps:
+        repo.delete_checkpoints(job_id, steps)
+    return {s: rows[s].path for s in steps}
+
+
+def unrecorded_checkpoints(
+    settings: Settings, store: ArtifactStore, job_id: str, attempt: int, recorded: dict[int, str]
+) -> list[str]:
+    """The bucket's checkpoints of this job that attempts before ``attempt`` stored and no row
+    records (``recorded``: the rows' keys by step): an attempt that died between its upload and
+    its row. The attempt that holds the job deletes them."""
+    prefix = checkpoint_key(job_id, 0).rsplit("/", 1)[0]
+    listed = retrying(
+        lambda: [o.key for o in store.list(prefix)],
+        f"job {job_id}: listing its stored checkpoints",
+        settings.outage_patience_seconds,
+    )
+    keys = set(recorded.values())
+    return [key for key in listed if key not in keys and attempt_of(key) < attempt]
 
 
 def read_as_stored(spec: JobSpec, dataset: leases.DatasetObject | None) -> JobSpec:

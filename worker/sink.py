@@ -33,15 +33,14 @@ from app.services.job_journal import record_checkpoint, record_log, record_sampl
 from app.services.metric_history import store_metrics
 from app.settings import Settings
 from app.storage import Staged, StoreUnavailable, delete_all, store_from
-from contract import metrics
-from worker.artifacts import attempt_of, checkpoint_key, is_scratch, run_directory
-from worker.engine.checkpoints import (
-    checkpoint_path,
-    checkpoints_in,
-    load_checkpoint,
-    remove_stale_temp_files,
-    to_prune,
+from worker.artifacts import (
+    checkpoint_key,
+    is_scratch,
+    retire_checkpoints,
+    run_directory,
+    unrecorded_checkpoints,
 )
+from worker.engine.checkpoints import checkpoint_path, checkpoints_in, load_checkpoint, remove_stale_temp_files
 from worker.engine.run import checkpoint_dir
 from worker.engine.telemetry import Report
 
@@ -169,22 +168,11 @@ class JobSink:
             self._uploads.popleft().result()
 
     def _prune(self, session) -> None:
-        """The retention policy (``train.keep_checkpoints``, and every checkpoint a warm start
-        names): rows now, the store's objects and this host's files once committed."""
-        repo = CheckpointRepository(session)
-        # The job's row, for update, before its warm starts are read: an intake that inserts one
-        # holds it shared until that commits, so no checkpoint goes that a new job was admitted on.
-        JobRepository(session).locked(self.job_id)
-        rows = {c.step: c for c in repo.checkpoints(self.job_id)}
-        steps = to_prune([(s, c.metrics.get(metrics.VAL_LOSS)) for s, c in rows.items()], self.keep_checkpoints)
-        started_from = repo.warm_start_steps(self.job_id)  # other jobs start (and restart) from these
-        steps = [s for s in steps if s not in started_from]
-        if not steps:
-            return
-        repo.delete_checkpoints(self.job_id, steps)
-        keys = [rows[s].path for s in steps]
-        files = [checkpoint_path(self.directory, s) for s in steps]
-        on_commit(session, partial(self._discard, keys, files))
+        """The retention policy (worker.artifacts.retire_checkpoints): rows now, the store's
+        objects and this host's files once committed."""
+        if retired := retire_checkpoints(session, self.job_id, self.keep_checkpoints):
+            files = [checkpoint_path(self.directory, s) for s in retired]
+            on_commit(session, partial(self._discard, list(retired.values()), files))
 
     def _discard(self, keys: list[str], files: list[Path]) -> None:
         """Delete pruned checkpoints: the store's objects and this host's files (one and the same
@@ -212,7 +200,10 @@ class JobSink:
 
         steps = retrying(recorded, f"job {self.job_id}: its checkpoints", self.settings.outage_patience_seconds)
         if self.scratch:
-            self._drop_unrecorded(set(steps.values()))
+            orphans = unrecorded_checkpoints(self.settings, self.store, self.job_id, self.attempt, steps)
+            if orphans:
+                log.info("job %s: deleting %d checkpoint(s) stored but never recorded", self.job_id, len(orphans))
+                self._discard(orphans, [])
         latest = max(steps, default=-1)
         for step, path in checkpoints_in(self.directory):
             if step in steps:
@@ -225,20 +216,6 @@ class JobSink:
                 path.unlink(missing_ok=True)
                 continue
             self._store_checkpoint(step, path, load_checkpoint(path, mmap=True).get("last_metrics", {}))
-
-    def _drop_unrecorded(self, recorded: set[str]) -> None:
-        """Delete the bucket's checkpoints of this job that earlier attempts committed and no row
-        records (this attempt holds the job: the earlier ones are dead or fenced)."""
-        prefix = checkpoint_key(self.job_id, 0).rsplit("/", 1)[0]
-        listed = retrying(
-            lambda: [o.key for o in self.store.list(prefix)],
-            f"job {self.job_id}: listing its stored checkpoints",
-            self.settings.outage_patience_seconds,
-        )
-        orphans = [key for key in listed if key not in recorded and attempt_of(key) < self.attempt]
-        if orphans:
-            log.info("job %s: deleting %d checkpoint(s) stored but never recorded", self.job_id, len(orphans))
-            self._discard(orphans, [])
 
     def log(self, level: str, message: str) -> None:
         def record() -> None:
