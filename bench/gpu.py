@@ -36,6 +36,8 @@ Sections (``--only`` picks some, comma-separated):
   and MuonClip through the engine's Trainer: the whole step, the optimizer's step synchronised
   before and after and the host's share of it (the time to issue its kernels), and CUDA kernels
   per training step and per optimizer step.
+* ``profile`` (only when named): the ops of our Muon's and NorMuon's step on both sets under
+  torch.profiler: each op's calls and device time per step, and what NorMuon adds, op by op.
 * ``dist``: QK-Clip's S_max all-reduce (MAX) with the nccl backend, world sizes 1 and 2 (world 2
   needs two GPUs: nccl refuses two ranks on one device); where nccl cannot run world 2, the same
   two-rank check runs on gloo (CPU tensors), so the MAX over ranks is still exercised.
@@ -76,6 +78,7 @@ import optim
 import optim.muon
 
 SECTIONS = ("ns", "step", "batch", "attention", "engine", "dist", "group", "host")
+PROFILED = ("ours", "ours-normuon")  # --only profile: where NorMuon's step time goes, op by op
 NS_STEPS, SEED, LR = 5, 0, 0.02
 SPEC_BANDS = {"keller": (0.68, 1.14), "polar_express": (0.855, 1.143)}  # T2 / T3 of the optimizer spec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -326,6 +329,49 @@ def step_parity(d: int, layers: int, device: torch.device) -> dict:
         OPTIMIZERS[key](params)()
         delta = torch.cat([(p.detach().double() - b).flatten() for p, b in zip(params, before)])
         out[key] = float((delta - ref).norm() / ref.norm())
+    return out
+
+
+def profile_section(device: torch.device, steps: int = 3, top: int = 12) -> dict:
+    """The ops of PROFILED's steps on both sets under torch.profiler (after 2 warm steps): per op,
+    calls and self time on the device (on the host where there is no device), per step; the top
+    ``top`` of each, and what each op adds to the step of the second against the first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out: dict[str, Any] = {}
+    for name, (d, layers) in STEP_SETS.items():
+        ops: dict[str, dict[str, tuple[int, float]]] = {}
+        for key in PROFILED:
+            step = OPTIMIZERS[key](make_params(d, layers, device))
+            for _ in range(2):
+                step()
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            per_op = {}
+            for event in prof.key_averages():
+                us = getattr(event, "self_device_time_total", 0) if device.type == "cuda" else event.self_cpu_time_total
+                per_op[event.key] = (event.count // steps, us / steps / 1e3)
+            ops[key] = per_op
+        first, second = (ops[k] for k in PROFILED)
+        added = {op: second[op][1] - first.get(op, (0, 0.0))[1] for op in second}
+        out[name] = {
+            "top": {k: sorted(v.items(), key=lambda kv: -kv[1][1])[:top] for k, v in ops.items()},
+            "total_ms": {k: sum(ms for _, ms in v.values()) for k, v in ops.items()},
+            "calls": {k: sum(n for n, _ in v.values()) for k, v in ops.items()},
+            "added": sorted(added.items(), key=lambda kv: -kv[1])[:top],
+        }
+        print(f"\nProfile, {name}: ms a step by op ({'device' if device.type == 'cuda' else 'host'} self time)")
+        for key in PROFILED:
+            print(f"  {key}: {out[name]['total_ms'][key]:.3f} ms, {out[name]['calls'][key]} calls")
+            for op, (n, ms) in out[name]["top"][key]:
+                print(f"    {ms:9.3f} ms {n:6d}x  {op}")
+        print(f"  added by {PROFILED[1]}:")
+        for op, ms in out[name]["added"]:
+            print(f"    {ms:+9.3f} ms  {op}")
     return out
 
 
@@ -1045,15 +1091,15 @@ def print_report(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}, or profile")
     parser.add_argument("--quick", action="store_true", help="few iterations and steps: a smoke run")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py measures CUDA code paths and needs a CUDA device; torch.cuda.is_available() is False")
     only = [s for s in args.only.split(",") if s]
-    if unknown := set(only) - set(SECTIONS):
-        sys.exit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    if unknown := set(only) - {*SECTIONS, "profile"}:
+        sys.exit(f"unknown sections {sorted(unknown)}; choose from {SECTIONS} or profile")
     device = torch.device("cuda", 0)
     iters, rounds, steps = (5, 3, 30) if args.quick else (50, 20, 300)
     results: dict[str, Any] = {"machine": machine_facts(device), "quick": args.quick}
@@ -1066,6 +1112,7 @@ def main() -> None:
         "dist": dist_section,
         "group": lambda: group_section(device, steps),
         "host": lambda: host_section(device, max(20, steps // 3)),
+        "profile": lambda: profile_section(device),
     }
     for name in only:
         t0 = time.perf_counter()
