@@ -37,7 +37,8 @@ Sections (``--only`` picks some, comma-separated):
   before and after and the host's share of it (the time to issue its kernels), and CUDA kernels
   per training step and per optimizer step.
 * ``profile`` (only when named): the ops of our Muon's and NorMuon's step on both sets under
-  torch.profiler: each op's calls and device time per step, and what NorMuon adds, op by op.
+  torch.profiler: each op's calls and device time per step, and what NorMuon adds, op by op
+  (with ``--json``, each profile's Chrome trace beside it).
 * ``dist``: QK-Clip's S_max all-reduce (MAX) with the nccl backend, world sizes 1 and 2 (world 2
   needs two GPUs: nccl refuses two ranks on one device); where nccl cannot run world 2, the same
   two-rank check runs on gloo (CPU tensors), so the MAX over ranks is still exercised.
@@ -332,10 +333,11 @@ def step_parity(d: int, layers: int, device: torch.device) -> dict:
     return out
 
 
-def profile_section(device: torch.device, steps: int = 3, top: int = 12) -> dict:
+def profile_section(device: torch.device, steps: int = 3, top: int = 12, trace_dir: Path | None = None) -> dict:
     """The ops of PROFILED's steps on both sets under torch.profiler (after 2 warm steps): per op,
     calls and self time on the device (on the host where there is no device), per step; the top
-    ``top`` of each, and what each op adds to the step of the second against the first."""
+    ``top`` of each, and what each op adds to the step of the second against the first. With
+    ``trace_dir``, each profile's timeline as a Chrome trace (``profile-<set>-<optimizer>.json``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -351,6 +353,8 @@ def profile_section(device: torch.device, steps: int = 3, top: int = 12) -> dict
                     step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+            if trace_dir is not None:
+                prof.export_chrome_trace(str(trace_dir / f"profile-{name}-{key}.json"))
             per_op = {}
             for event in prof.key_averages():
                 us = getattr(event, "self_device_time_total", 0) if device.type == "cuda" else event.self_cpu_time_total
@@ -1112,7 +1116,7 @@ def main() -> None:
         "dist": dist_section,
         "group": lambda: group_section(device, steps),
         "host": lambda: host_section(device, max(20, steps // 3)),
-        "profile": lambda: profile_section(device),
+        "profile": lambda: profile_section(device, trace_dir=Path(args.json).parent if args.json else None),
     }
     for name in only:
         t0 = time.perf_counter()
