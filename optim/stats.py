@@ -80,6 +80,8 @@ class StepStats:
     _pending: dict[tuple, tuple[list[Tensor], list[Tensor], list[float], list[float], list[float]]] = field(
         default_factory=dict
     )
+    # Per mean's name and device, until settle(): each batch's values (one per matrix).
+    _pending_means: dict[tuple[str, torch.device], list[Tensor]] = field(default_factory=dict)
 
     def record(self, sq: Tensor, keep: Tensor, weights: list[float], shares: list[float], numel: int) -> None:
         """One batch of updates: ``sq`` and ``keep`` per matrix, ``weights`` and ``shares`` per
@@ -95,15 +97,15 @@ class StepStats:
 
     def add_to_mean(self, name: str, values: Tensor) -> None:
         """Values (one per matrix, on the device) toward the step's mean of ``name``; those that are
-        not finite (a skipped update's) are left out. No host sync."""
-        kept = values.isfinite()
-        total = self.means.setdefault(name, [0.0, 0.0])
-        total[0] = total[0] + values.where(kept, 0.0).sum()
-        total[1] = total[1] + kept.sum()
+        not finite (a skipped update's) are left out. Kept until :meth:`settle`, which sums them
+        once per step (a handful of ops a step, not a handful a batch); no host sync."""
+        self.means.setdefault(name, [0.0, 0.0])
+        self._pending_means.setdefault((name, values.device), []).append(values)
 
     def settle(self) -> None:
-        """Fold the recorded batches into update_sq_sum, update_numel and nonfinite_skipped: a few
-        device ops per device and dtype for the whole step instead of per batch, no host sync."""
+        """Fold the recorded batches into update_sq_sum, update_numel and nonfinite_skipped (and the
+        means' sums and counts): a few device ops per device and dtype for the whole step instead
+        of per batch, no host sync."""
         for sqs, keeps, weights, shares, numels in self._pending.values():
             sq, keep = torch.cat(sqs), torch.cat(keeps)
             w, s, n = small_floats([weights, shares, numels], sq)  # one copy for the three
@@ -112,6 +114,13 @@ class StepStats:
             self.update_numel = self.update_numel + applied.dot(n)
             self.nonfinite_skipped = self.nonfinite_skipped + (1.0 - applied).dot(s)
         self._pending.clear()
+        for (name, _), parts in self._pending_means.items():
+            values = torch.cat(parts)
+            kept = values.isfinite()
+            total = self.means[name]
+            total[0] = total[0] + values.where(kept, 0.0).sum()
+            total[1] = total[1] + kept.sum()
+        self._pending_means.clear()
 
     def as_dict(self) -> dict[str, float]:
         """update_rms: RMS of the applied Muon updates (parameter change, decay excluded);
