@@ -535,6 +535,11 @@ def part_roles(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     return "adamw", tuple(c for c in args.contenders if c == "muon" or c in FAMILY)
 
 
+def winner(contender: str, stage1: list[RunRecord]) -> proto.Setting:
+    """A contender's tuned setting: the stage-1 run with the lowest final validation loss."""
+    return proto.pick_winner({proto.Setting(contender, r.lr, r.schedule): r.final_val for r in stage1})
+
+
 def run_convergence(
     args: argparse.Namespace, runner: Runner, reference: str = "adamw", challengers: tuple[str, ...] = ("muon",)
 ) -> dict[str, Any]:
@@ -557,10 +562,7 @@ def run_convergence(
         recs = runner.map(calls)
         for contender in batch:
             stage1[contender] = [r for r in recs if r.contender == contender]
-            best = proto.pick_winner(
-                {proto.Setting(r.contender, r.lr, r.schedule): r.final_val for r in stage1[contender]}
-            )
-            winners[contender] = best
+            best = winners[contender] = winner(contender, stage1[contender])
             edge = " (at the edge of the grid)" if proto.at_grid_edge(best.lr, grids[contender]) else ""
             print(f"stage 1 winner: {best.label}{edge}", flush=True)
             if contender == "adamw":
@@ -603,11 +605,7 @@ def analyse_part(
         for c, runs in shorter.items()
     }
     analysis["reference"] = reference
-    winners = {
-        c: proto.pick_winner({proto.Setting(c, r.lr, r.schedule): r.final_val for r in recs})
-        for c, recs in stage1.items()
-    }
-    analysis["winners"] = {c: asdict(w) for c, w in winners.items()}
+    analysis["winners"] = {c: asdict(winner(c, recs)) for c, recs in stage1.items()}
     analysis["stage1_final_val"] = {
         c: {f"{r.lr:g} {r.schedule}": r.final_val for r in recs} for c, recs in stage1.items()
     }
@@ -638,10 +636,10 @@ def from_progress(
     stage1 = {
         c: [r for stage, r in found if stage == 1 and r.contender == c and r.seed == first] for c in args.contenders
     }
-    winners = {c: proto.pick_winner({(r.lr, r.schedule): r.final_val for r in recs}) for c, recs in stage1.items()}
+    winners = {c: winner(c, recs) for c, recs in stage1.items()}
 
     def at_winner(r: RunRecord) -> bool:
-        return (r.lr, r.schedule) == winners[r.contender]
+        return proto.Setting(r.contender, r.lr, r.schedule) == winners[r.contender]
 
     stage2: dict[str, list[RunRecord]] = {c: [] for c in args.contenders}
     shorter: dict[str, list[list[RunRecord]]] = {c: [] for c in challengers}
