@@ -96,7 +96,7 @@ def machine_facts() -> dict:
         pass
     facts = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu}
     facts["auto_dtype"] = str(optim.auto_dtype(torch.device("cpu"))).split(".")[-1]
-    facts["probe_speedups"] = [optim.precision.bf16_speedup(torch.device("cpu")) for _ in range(3)]
+    facts["probe_speedups"] = [optim.precision.narrow_speedup(torch.device("cpu")) for _ in range(3)]
     flops = 2 * D_MODEL * 4 * D_MODEL * D_MODEL
     for dtype in (torch.float32, torch.bfloat16):
         x, y = torch.randn(D_MODEL, 4 * D_MODEL, dtype=dtype), torch.randn(4 * D_MODEL, D_MODEL, dtype=dtype)

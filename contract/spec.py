@@ -285,10 +285,10 @@ class OptimizerSpec(_Strict):
     ns_steps: int = Field(5, ge=1, le=20, description="Newton–Schulz iterations.")
     ns_coefficients: Literal["keller", "polar_express"] = Field("keller", description="Newton–Schulz coefficients.")
     ns_method: Literal["auto", "standard", "gram"] = Field("auto", description="Newton–Schulz form.")
-    ns_dtype: Literal["auto", "fp32", "bf16"] = Field(
+    ns_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
-        description="Newton–Schulz precision. auto: bf16 where the worker's device runs bf16 matrix products "
-        "measurably faster (CUDA, CPUs with AVX512-BF16 or AMX), else fp32.",
+        description="Newton–Schulz precision. auto: fp16 on a CUDA device, bf16 on a CPU with AVX512-BF16 or "
+        "AMX, where the device runs those matrix products measurably faster; else fp32.",
     )
     adjust_lr: Literal["original", "match_rms_adamw", "spectral"] = Field(
         "original", description="Muon update scale from the matrix shape."

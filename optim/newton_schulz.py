@@ -30,13 +30,25 @@ METHODS = ("auto", "standard", "gram")
 # "auto" picks gram once n >= GRAM_MIN_ASPECT * m: 5 steps cost 10 m^2 n + 5 m^3 multiply-adds in the
 # standard form and 2 m^2 n + 17 m^3 in the gram form, even at n = 1.5 m (and measured so on CPU fp32).
 GRAM_MIN_ASPECT = 1.5
-# Low precision drifts in the gram form: rebuild R from a fresh X every 2 iterations
-# (the restart of Dao-AILab/gram-newton-schulz).
-GRAM_RESTART_EVERY_LOW_PRECISION = 2
+# On CUDA the gram form's extra, smaller products cost launches the host must issue: "auto" takes it
+# there only from this many rows. Measured on an H100 (docs/benchmarks.md): with m = 384 it lost in
+# every precision (the GPT-shaped set's stacks 4.5-5.2 ms against 3.0), with m = 1024 and batches of
+# 12 it won where the matrix is 4x wider (2.5 against 3.2 ms in fp16) and tied at 3x.
+GRAM_MIN_ROWS_CUDA = 1024
+# The gram form needs fp16's 10-bit mantissa or more: in bf16 (7 bits) it left the T2/T3 bands by a
+# few 1e-3 on every shape measured, in fp16 it stays inside with one restart (docs/optimizer.md).
+GRAM_MIN_MANTISSA_BITS = 10
+# 16 bits drift in the gram form: R is rebuilt from a fresh X = Q X_0 every this many iterations
+# (the restart of Dao-AILab/gram-newton-schulz; once in five steps for fp16, twice for bf16).
+GRAM_RESTART_EVERY = {torch.float16: 3, torch.bfloat16: 2}
 # From this size on a symmetric product is computed as three blocks (3/4 of the flops); below it
 # as one plain GEMM. On CPU fp32 the half-size GEMMs of m = 128 ran no faster than the plain one
 # at 1 thread and slower at 2; from m = 256 the blocks gained a few per cent (docs/optimizer.md).
 SYMMETRIC_BLOCK_MIN = 256
+# ... and for elements of this many bytes or more: in 16 bits the three smaller GEMMs cost more than
+# they save, in bf16 on CPU and in fp16 on an H100 (a 151 M-parameter step 14.5 against 13.0 ms;
+# docs/optimizer.md, "Symmetric products").
+SYMMETRIC_BLOCK_MIN_BYTES = 4
 # The Gram form's final product Q X_0 of a batch up to this many bytes goes into a matrix of its own
 # in one product; a larger one runs in place, a block of m columns at a time, so that its scratch
 # stays four m x m matrices. On CPU fp32 (2 threads) one product of 4 x 128 x 512 took 0.53 ms
@@ -48,21 +60,27 @@ TINY = 1e-30
 SAFE_NORM_LOW, SAFE_NORM_HIGH = 2.0**-40, 2.0**40
 
 
-def choose_method(m: int, n: int, method: str = "auto", dtype: torch.dtype = torch.float32) -> str:
-    """The NS form for an m x n iterate (m <= n) in ``dtype``.
+def choose_method(
+    m: int, n: int, method: str = "auto", dtype: torch.dtype = torch.float32, device_type: str = "cpu"
+) -> str:
+    """The NS form for an m x n iterate (m <= n) in ``dtype`` on a ``device_type`` device.
 
-    ``auto`` takes gram where it needs fewer flops and the precision is 32 bits or more. In bf16 the
-    gram form (even with restarts) leaves the T2/T3 bands by a few 1e-3 on every shape measured, the
-    standard form stays inside. The same on CUDA: there fp32 gram lost where launches dominate (an
-    H200: the GPT set of bench/optim_step.py, 6.3 against 4.3 ms) and won where flops do (a
-    151 M-parameter set's step, 54 against 81 ms).
+    ``auto`` takes gram where it needs fewer flops and the precision has fp16's mantissa or a
+    longer one (fp16, fp32, fp64); on CUDA only from GRAM_MIN_ROWS_CUDA rows, where the flops
+    saved outweigh the launches added. In bf16 the gram form (even with restarts) leaves the
+    T2/T3 bands by a few 1e-3 on every shape measured, the standard form stays inside.
     """
     if method not in METHODS:
         raise ValueError(f"ns_method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    wide_enough = n >= GRAM_MIN_ASPECT * m
-    return "gram" if wide_enough and torch.finfo(dtype).bits >= 32 else "standard"
+    wide_enough = n >= GRAM_MIN_ASPECT * m and (device_type != "cuda" or m >= GRAM_MIN_ROWS_CUDA)
+    return "gram" if wide_enough and mantissa_bits(dtype) >= GRAM_MIN_MANTISSA_BITS else "standard"
+
+
+def mantissa_bits(dtype: torch.dtype) -> int:
+    """The explicit mantissa bits of a floating-point dtype: bf16 7, fp16 10, fp32 23, fp64 52."""
+    return -round(math.log2(torch.finfo(dtype).eps))
 
 
 def orthogonalize(
@@ -81,8 +99,8 @@ def orthogonalize(
     G: [..., rows, cols], any leading batch dims. Returns a tensor of G's shape and dtype whose
     singular values lie in the coefficient set's band (Keller about [0.68, 1.14], Polar Express
     about [0.855, 1.143]) with G's singular vectors. Zero input gives exact zeros. Runs in
-    ``dtype``; None is the automatic choice (fp64 for fp64 input, else :func:`auto_dtype`: bf16
-    where the device measures faster in bf16, fp32 elsewhere). The norm is always taken in fp32
+    ``dtype``; None is the automatic choice (fp64 for fp64 input, else :func:`auto_dtype`: fp16
+    on CUDA and bf16 on CPU where the device measures it faster, fp32 elsewhere). The norm is always taken in fp32
     or wider. ``out_dtype`` is the result's dtype (default G's). ``overwrite_input=True`` lets it
     use G's memory: to normalise G in place (one copy less: the optimizer's own stacked batch)
     and to hold the result. With a ``scratch`` the work allocates nothing once the scratch has
@@ -95,7 +113,7 @@ def orthogonalize(
     work_dtype = dtype or default_dtype(G)
     rows, cols = G.shape[-2:]
     m, n = min(rows, cols), max(rows, cols)
-    form = choose_method(m, n, method, work_dtype)
+    form = choose_method(m, n, method, work_dtype, G.device.type)
     # The standard form runs in the input's own orientation (a tall batch as X <- a X + X (b A + c A^2),
     # A = X^T X), so no transposed copy is ever made; the gram form works on the wide view.
     transposed = rows > cols and form == "gram"
@@ -112,7 +130,7 @@ def orthogonalize(
     )
     first = X
     if form == "gram":
-        restart = GRAM_RESTART_EVERY_LOW_PRECISION if torch.finfo(work_dtype).bits < 32 else None
+        restart = GRAM_RESTART_EVERY.get(work_dtype)
         X = _gram_newton_schulz(X, schedule.steps, restart, mats)
     else:
         X = _standard_newton_schulz(X, schedule.steps, mats)
@@ -181,10 +199,10 @@ def _form_shapes(B: int, r: int, c: int, form: str, work_dtype: torch.dtype) -> 
     return [(B, m, m), (B, m, m), (B, r, c)]
 
 
-def working_bytes(rows: int, cols: int, dtype: torch.dtype, method: str = "auto") -> int:
+def working_bytes(rows: int, cols: int, dtype: torch.dtype, method: str = "auto", device_type: str = "cpu") -> int:
     """Bytes a rows x cols matrix takes in :func:`orthogonalize`'s scratch in ``dtype``: its
     input converted to ``dtype`` and the form's matrices (as a batch of one)."""
-    form = choose_method(min(rows, cols), max(rows, cols), method, dtype)
+    form = choose_method(min(rows, cols), max(rows, cols), method, dtype, device_type)
     shapes = [(1, rows, cols), *_form_shapes(1, rows, cols, form, dtype)]
     return sum(math.prod(shape) for shape in shapes) * torch.finfo(dtype).bits // 8
 
@@ -286,13 +304,14 @@ def symmetric_product(
 ) -> Tensor:
     """out = beta * add + alpha * (A @ B) for [B, m, k] x [B, k, m] products known to be symmetric.
 
-    From SYMMETRIC_BLOCK_MIN rows on (fp32 and wider), only the top half-rows and the bottom-right
-    block are multiplied (3/4 of the flops) and the bottom-left block is mirrored, which also makes
-    the result exactly symmetric; smaller or 16-bit products are one plain GEMM. ``out`` must not
+    From SYMMETRIC_BLOCK_MIN rows on, in fp32 and wider (SYMMETRIC_BLOCK_MIN_BYTES), only the top
+    half-rows and the bottom-right block are multiplied (3/4 of the flops) and the bottom-left block
+    is mirrored, which also makes the result exactly symmetric; smaller or 16-bit products are one
+    plain GEMM. ``out`` must not
     alias A or B; every block is written straight into it.
     """
     m = A.shape[-2]
-    if m < SYMMETRIC_BLOCK_MIN or A.element_size() < 4:
+    if m < SYMMETRIC_BLOCK_MIN or A.element_size() < SYMMETRIC_BLOCK_MIN_BYTES:
         if add is None:
             return torch.bmm(A, B, out=out) if alpha == 1.0 else torch.bmm(A, B, out=out).mul_(alpha)
         return torch.baddbmm(add, A, B, beta=beta, alpha=alpha, out=out)

@@ -76,6 +76,31 @@ def test_t2_t3_bf16_path_in_band(shape, coefficients, lo, hi):
     assert lo <= s.min() and s.max() <= hi, (s.min().item(), s.max().item())
 
 
+# T2 / T3 for the fp16 path (CUDA's automatic precision; method "auto": the gram form with one restart for
+# every non-square shape here) on every benchmarked shape.
+@pytest.mark.parametrize("shape", BENCH_SHAPES)
+@pytest.mark.parametrize(("coefficients", "lo", "hi"), BANDS)
+def test_t2_t3_fp16_path_in_band(shape, coefficients, lo, hi):
+    assert choose_method(*sorted(shape), dtype=torch.float16) == "gram"
+    s = svals(orthogonalize(gaussian(*shape, seed=3), coefficients=coefficients, dtype=torch.float16))
+    assert lo <= s.min() and s.max() <= hi, (s.min().item(), s.max().item())
+
+
+@pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
+def test_fp16_gram_is_closer_to_float64_than_bf16_standard(coefficients):
+    # fp16's 3 more mantissa bits: its gram form lands nearer the exact iteration than bf16's standard form.
+    G = gaussian(384, 1536, seed=4)
+    steps = resolve_coefficients(coefficients, 5)
+    ref = reference_ns(G, steps.steps, steps.norm_factor)
+
+    def error(dtype, method):
+        out = orthogonalize(G, coefficients=coefficients, method=method, dtype=dtype).double()
+        return float((out - ref).norm() / ref.norm())
+
+    fp16_gram, bf16_standard = error(torch.float16, "gram"), error(torch.bfloat16, "standard")
+    assert fp16_gram < 5e-3 and fp16_gram < bf16_standard / 2, (fp16_gram, bf16_standard)
+
+
 # The square 384x384 of the benchmark: a Gaussian's smallest singular value is ~1e-4 of its norm, which five
 # steps cannot lift into T2's band, so the band is the scalar map's over that input's [low, 1], plus bf16 rounding.
 @pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
@@ -90,7 +115,7 @@ def test_bf16_path_square_matrix_follows_the_scalar_map(coefficients):
 # T4: scale invariance, including a Frobenius norm of 1e-9 (the +1e-7 eps collapses it).
 def test_t4_scale_invariance():
     G = gaussian(256, 512)
-    for dtype, tol in ((FP32, 1e-5), (torch.bfloat16, 0.05)):
+    for dtype, tol in ((FP32, 1e-5), (torch.float16, 0.01), (torch.bfloat16, 0.05)):
         base = orthogonalize(G, dtype=dtype)
         for scale in (1e-3, 1e3, 1e-9 / G.norm().item(), 1e-25 / G.norm().item(), 1e30 / G.norm().item()):
             out = orthogonalize(G * scale, dtype=dtype)
@@ -147,13 +172,24 @@ def test_gram_in_bf16_with_restart_stays_in_band():
     assert 0.6 <= s.min() and s.max() <= 1.2
 
 
-def test_auto_picks_gram_only_for_wide_shapes_in_32_bits_or_more():
+def test_auto_picks_gram_only_for_wide_shapes_with_fp16_mantissa_or_more():
     assert choose_method(384, 1536) == "gram"
     assert choose_method(384, 1536, dtype=torch.float64) == "gram"
+    assert choose_method(384, 1536, dtype=torch.float16) == "gram"
+    assert choose_method(384, 384, dtype=torch.float16) == "standard"
     assert choose_method(384, 384) == "standard"
     assert choose_method(384, 384, "gram") == "gram"
     assert choose_method(384, 1536, dtype=torch.bfloat16) == "standard"  # bf16 gram leaves the T2/T3 bands
     assert choose_method(384, 1536, "gram", torch.bfloat16) == "gram"
+
+
+def test_auto_takes_gram_on_cuda_only_for_large_matrices():
+    # On CUDA the gram form's extra launches lose at m = 384 and its saved flops win at m = 1024.
+    assert choose_method(384, 1536, dtype=torch.float16, device_type="cuda") == "standard"
+    assert choose_method(1024, 4096, dtype=torch.float16, device_type="cuda") == "gram"
+    assert choose_method(1024, 4096, dtype=torch.bfloat16, device_type="cuda") == "standard"
+    assert choose_method(1024, 1024, dtype=torch.float16, device_type="cuda") == "standard"
+    assert choose_method(384, 1536, "gram", torch.float16, "cuda") == "gram"
 
 
 @pytest.fixture
@@ -168,8 +204,8 @@ def probe(monkeypatch):
             return self.speedup
 
     fake = Probe()
-    monkeypatch.setattr(precision, "bf16_capable", lambda device: fake.capable)
-    monkeypatch.setattr(precision, "bf16_speedup", fake.measure)
+    monkeypatch.setattr(precision, "narrow_capable", lambda device: fake.capable)
+    monkeypatch.setattr(precision, "narrow_speedup", fake.measure)
     auto_dtype.cache_clear()
     yield fake
     auto_dtype.cache_clear()
@@ -191,8 +227,15 @@ def test_auto_dtype_is_bf16_where_the_probe_measures_bf16_faster(probe):
     assert orthogonalize(G.double()).dtype == torch.float64  # fp64 input stays in fp64
 
 
+def test_auto_dtype_is_fp16_on_cuda_where_the_probe_measures_it_faster(probe):
+    probe.speedup = 10.0
+    assert auto_dtype(torch.device("cuda", 0)) == torch.float16
+    assert auto_dtype(CPU) == torch.bfloat16
+    assert precision.narrow_dtype(torch.device("cuda")) == torch.float16
+
+
 def test_auto_dtype_needs_a_clear_speedup_and_native_bf16(probe):
-    probe.speedup = precision.BF16_MIN_SPEEDUP * 0.9
+    probe.speedup = precision.MIN_SPEEDUP * 0.9
     assert auto_dtype(CPU) == FP32
     auto_dtype.cache_clear()
     probe.capable, probe.speedup = False, 10.0
@@ -221,7 +264,7 @@ def test_explicit_dtype_wins_over_the_automatic_choice(probe):
 
 
 def test_the_probe_measures_a_positive_speedup():
-    assert precision.bf16_speedup(CPU) > 0
+    assert precision.narrow_speedup(CPU) > 0
 
 
 def test_left_multiply_in_place_equals_the_product():

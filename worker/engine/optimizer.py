@@ -15,7 +15,7 @@ from contract.spec import CLIPPED, NORMUON, OptimizerSpec, TrainSpec
 from .models import LanguageModel
 from .telemetry import TelemetrySink
 
-NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # optimizer.ns_dtype
+NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # optimizer.ns_dtype
 WSD_DECAY_FRACTION = 0.2  # warmup-stable-decay: linear decay over the last 20% (MiniCPM, arXiv 2404.06395)
 
 

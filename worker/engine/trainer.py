@@ -25,7 +25,7 @@ from .device import resolve_device
 from .distributed import Group
 from .early_stop import EarlyStop, RungCheck
 from .models import LanguageModel, build_model
-from .optimizer import build_optimizer, lr_factor, report_routing
+from .optimizer import NS_DTYPES, build_optimizer, lr_factor, report_routing
 from .outcome import RunResult, TimeLimitReached, TrainingError
 from .sample import PROMPT_TOKENS, generate
 from .telemetry import Report, TelemetrySink, model_metrics, to_floats
@@ -105,7 +105,7 @@ class Trainer:
         """
         if self.group is None or self.job.optimizer.name == "adamw" or self.job.optimizer.ns_dtype != "auto":
             return None
-        choices = (torch.float32, torch.bfloat16)
+        choices = [dtype for dtype in NS_DTYPES.values() if dtype is not None]
         mine = choices.index(optim.auto_dtype(self.device)) if self.lead else 0
         return choices[self.group.decide(mine)]
 
