@@ -1,18 +1,21 @@
-"""What only a CUDA device shows: Newton–Schulz in bf16 and fp32, one optimizer step against
+"""What only a CUDA device shows: Newton–Schulz in fp16, bf16 and fp32, one optimizer step against
 torch.optim.Muon and AdamW, the attention's exact max-logit recompute next to fused attention,
 short engine runs under bf16 autocast and fp32, and QK-Clip's MAX all-reduce over nccl.
 
 Sections (``--only`` picks some, comma-separated):
 
 * ``ns``: ``optim.orthogonalize`` on a Gaussian 768x3072, its transpose and one Gaussian per
-  shape of bench/optim_step.py's GPT-shaped set, in fp32 and bf16, standard and gram forms,
+  shape of bench/optim_step.py's GPT-shaped set and of the 151 M set below, in fp32, bf16 and
+  fp16, standard and gram forms,
   Keller and Polar Express: singular values (float64 svdvals) against the scalar map's band
   and the bands of docs (Keller [0.68, 1.14], Polar Express [0.855, 1.143]); median time per
   call (CUDA events, after warm-up), and the GPT set orthogonalized per shape as the optimizer
   batches it.
 * ``step``: one optimizer step on the GPT-shaped set (d_model 384, 4 layers) and on a wider one
-  (d_model 1024, 12 layers), fp32 parameters: ``optim.Muon`` (its CUDA default runs NS in bf16;
-  "ours-ns-fp32" runs the same step with NS in fp32; "ours-normuon" NorMuon's; "ours-per-head" with
+  (d_model 1024, 12 layers), fp32 parameters: ``optim.Muon`` (its CUDA default runs NS in fp16,
+  the gram form for the non-square shapes; "ours-standard" the standard form only; "ours-ns-bf16"
+  and "ours-ns-fp32" NS in bf16 (standard form) and fp32; "ours-sym-blocks" with 16-bit symmetric
+  products as three blocks; "ours-normuon" NorMuon's; "ours-per-head" with
   each fused W_qkv split by heads of 64 rows), ``torch.optim.Muon`` (NS in bf16) and
   ``torch.optim.AdamW``; interleaved rounds, medians, ratios, peak-memory growth over 3 steps,
   and each Muon's update against a float64 reference.
@@ -77,12 +80,13 @@ from optim_step import LAYER_SHAPES
 
 import optim
 import optim.muon
+from optim import newton_schulz
 
 SECTIONS = ("ns", "step", "batch", "attention", "engine", "dist", "group", "host")
 PROFILED = ("ours", "ours-normuon")  # --only profile: where NorMuon's step time goes, op by op
 NS_STEPS, SEED, LR = 5, 0, 0.02
 SPEC_BANDS = {"keller": (0.68, 1.14), "polar_express": (0.855, 1.143)}  # T2 / T3 of the optimizer spec
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STEP_SETS = {"gpt-384x4": (384, 4), "gpt-1024x12": (1024, 12)}  # name -> (d_model, layers)
 ATTENTION_SHAPES = [(8, 8, 1024, 64), (8, 8, 4096, 64), (4, 16, 2048, 128)]  # B, H, T, D
 QK_SCALE = 8.0  # q and k rows x8: logits x64, per-head maxima near 100 (the default tau)
@@ -162,7 +166,7 @@ def gaussian(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.T
 
 def ns_section(device: torch.device, iters: int) -> dict:
     """Bands and time per call for every (shape, dtype, coefficients, form)."""
-    shapes = [(768, 3072), (3072, 768), *dict.fromkeys(LAYER_SHAPES)]
+    shapes = [(768, 3072), (3072, 768), *dict.fromkeys(LAYER_SHAPES + layer_shapes(1024))]
     rows = []
     for i, shape in enumerate(shapes):
         G = gaussian(shape, SEED + 100 + i, device)
@@ -182,7 +186,7 @@ def ns_section(device: torch.device, iters: int) -> dict:
                             "dtype": label,
                             "coefficients": coefficients,
                             "method": method,
-                            "auto": optim.choose_method(m, n, "auto", dtype),
+                            "auto": optim.choose_method(m, n, "auto", dtype, device.type),
                             "low": low,
                             "sv_min": float(s.min()),
                             "sv_max": float(s.max()),
@@ -240,11 +244,27 @@ def per_head(ps: list[torch.Tensor]) -> list[dict]:
     return optim.split_by_heads([{"params": ps}], fused)
 
 
+def symmetric_blocks_16bit(step: Callable[[], object]) -> Callable[[], object]:
+    """The step with 16-bit symmetric products computed as three blocks too (a what-if: on CPU they are one GEMM)."""
+
+    def blocked() -> object:
+        saved, newton_schulz.SYMMETRIC_BLOCK_MIN_BYTES = newton_schulz.SYMMETRIC_BLOCK_MIN_BYTES, 2
+        try:
+            return step()
+        finally:
+            newton_schulz.SYMMETRIC_BLOCK_MIN_BYTES = saved
+
+    blocked.__self__ = step.__self__  # step_memory reads the optimizer's state through it
+    return blocked
+
+
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], Callable[[], object]]] = {
     "ours": lambda ps: optim.Muon(ps, lr=LR).step,
     "ours-normuon": lambda ps: optim.Muon(ps, lr=LR, normuon=True).step,
     "ours-per-head": lambda ps: optim.Muon(per_head(ps), lr=LR).step,
     "ours-ns-fp32": lambda ps: optim.Muon(ps, lr=LR, ns_dtype=torch.float32).step,
+    "ours-ns-bf16": lambda ps: optim.Muon(ps, lr=LR, ns_dtype=torch.bfloat16).step,
+    "ours-sym-blocks": lambda ps: symmetric_blocks_16bit(optim.Muon(ps, lr=LR).step),
     "ours-standard": lambda ps: optim.Muon(ps, lr=LR, ns_method="standard").step,
     "ours-polar": lambda ps: optim.Muon(ps, lr=LR, ns_coefficients="polar_express").step,
     "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=0.0).step,
@@ -253,6 +273,9 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], Callable[[], object]]] = {
 }
 STEP_RATIOS = [
     ("ours", "torch.optim.Muon"),
+    ("ours-ns-bf16", "torch.optim.Muon"),
+    ("ours-standard", "torch.optim.Muon"),
+    ("ours-sym-blocks", "torch.optim.Muon"),
     ("ours-normuon", "ours"),
     ("ours-per-head", "ours"),
     ("ours-ns-fp32", "ours"),
@@ -261,7 +284,7 @@ STEP_RATIOS = [
     ("ours", "AdamW"),
     ("torch.optim.Muon", "AdamW"),
 ]
-PARITY = ("ours", "ours-ns-fp32", "torch.optim.Muon")
+PARITY = ("ours", "ours-ns-fp32", "ours-ns-bf16", "ours-standard", "torch.optim.Muon")
 
 
 def step_section(device: torch.device, rounds: int) -> dict:
@@ -379,7 +402,7 @@ def profile_section(device: torch.device, steps: int = 3, top: int = 12, trace_d
     return out
 
 
-BATCH_CAPS_MIB = (1, 4, 16, 64, 256)
+BATCH_CAPS_MIB = (4, 16, 64, 128, 256, 1024)
 
 
 def batch_section(device: torch.device, rounds: int) -> dict:
