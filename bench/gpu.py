@@ -46,7 +46,8 @@ Sections (``--only`` picks some, comma-separated):
   needs two GPUs: nccl refuses two ranks on one device); where nccl cannot run world 2, the same
   two-rank check runs on gloo (CPU tensors), so the MAX over ranks is still exercised.
 
-Needs torch (with CUDA) and numpy only: the engine reads plain dataclass configs, no pydantic.
+The ns, step, batch, profile and dist sections need torch (with CUDA) only; attention, engine,
+group and host import the engine, which needs pydantic too (the contract's spec models).
 Without a CUDA device it exits at once with one line saying so.
 
     PYTHONPATH=. python3 bench/gpu.py [--quick] [--only ns,...,group,host] [--json PATH]
