@@ -13,7 +13,7 @@ Sections (``--only`` picks some, comma-separated):
   batches it.
 * ``step``: one optimizer step on the GPT-shaped set (d_model 384, 4 layers) and on a wider one
   (d_model 1024, 12 layers), fp32 parameters: ``optim.Muon`` (its CUDA default runs NS in fp16,
-  the gram form for the non-square shapes; "ours-standard" the standard form only; "ours-ns-bf16"
+  the gram form for the non-square shapes from 1,024 rows; "ours-standard" the standard form only; "ours-ns-bf16"
   and "ours-ns-fp32" NS in bf16 (standard form) and fp32; "ours-sym-blocks" with 16-bit symmetric
   products as three blocks; "ours-normuon" NorMuon's; "ours-per-head" with
   each fused W_qkv split by heads of 64 rows), ``torch.optim.Muon`` (NS in bf16) and

@@ -38,8 +38,8 @@ from .stats import PhaseTimer, StepStats
 # does not, but peak above torch.optim.Muon (docs/benchmarks.md). On CUDA a call costs kernel
 # launches rather than flops at these sizes, so batches there are larger (MAX_BATCH_BYTES_CUDA):
 # issuing a batch's kernels took the host about 1.2 ms on an H100 machine, so that a 151 M-parameter
-# step in batches of 64 MiB (13 batches) waited on the host (17.5 ms), in batches of 256 MiB (one
-# per shape, 4) on the device (13.1-13.7 ms), for about 460 MiB more at its peak (docs/benchmarks.md).
+# step in batches of 64 MiB (13 batches) waited on the host (27.0 ms), in batches of 256 MiB (one
+# per shape, 4) on the device (14.4 ms), for 1,272 MiB of peak growth against 808 (docs/benchmarks.md).
 MAX_BATCH_BYTES = 3 << 20
 MAX_BATCH_BYTES_CUDA = 256 << 20
 

@@ -31,9 +31,9 @@ METHODS = ("auto", "standard", "gram")
 # standard form and 2 m^2 n + 17 m^3 in the gram form, even at n = 1.5 m (and measured so on CPU fp32).
 GRAM_MIN_ASPECT = 1.5
 # On CUDA the gram form's extra, smaller products cost launches the host must issue: "auto" takes it
-# there only from this many rows. Measured on an H100 (docs/benchmarks.md): with m = 384 it lost in
-# every precision (the GPT-shaped set's stacks 4.5-5.2 ms against 3.0), with m = 1024 and batches of
-# 12 it won where the matrix is 4x wider (2.5 against 3.2 ms in fp16) and tied at 3x.
+# there only from this many rows. Measured on an H100 (docs/optimizer.md): with m = 384 it lost in
+# every precision (the GPT-shaped set's stacks in fp16: 3.4 against 2.2 ms), with m = 1024 and
+# batches of 12 it won where the matrix is 4x wider (2.5 against 3.2 ms in fp16) and tied at 3x.
 GRAM_MIN_ROWS_CUDA = 1024
 # The gram form needs fp16's 10-bit mantissa or more: in bf16 (7 bits) it left the T2/T3 bands by a
 # few 1e-3 on every shape measured, in fp16 it stays inside with one restart (docs/optimizer.md).
@@ -100,8 +100,8 @@ def orthogonalize(
     singular values lie in the coefficient set's band (Keller about [0.68, 1.14], Polar Express
     about [0.855, 1.143]) with G's singular vectors. Zero input gives exact zeros. Runs in
     ``dtype``; None is the automatic choice (fp64 for fp64 input, else :func:`auto_dtype`: fp16
-    on CUDA and bf16 on CPU where the device measures it faster, fp32 elsewhere). The norm is always taken in fp32
-    or wider. ``out_dtype`` is the result's dtype (default G's). ``overwrite_input=True`` lets it
+    on CUDA and bf16 on CPU where the device measures it faster, fp32 elsewhere). The norm is
+    always taken in fp32 or wider. ``out_dtype`` is the result's dtype (default G's). ``overwrite_input=True`` lets it
     use G's memory: to normalise G in place (one copy less: the optimizer's own stacked batch)
     and to hold the result. With a ``scratch`` the work allocates nothing once the scratch has
     grown, and the result may be a view into the scratch or into G (valid until the scratch's
@@ -307,8 +307,7 @@ def symmetric_product(
     From SYMMETRIC_BLOCK_MIN rows on, in fp32 and wider (SYMMETRIC_BLOCK_MIN_BYTES), only the top
     half-rows and the bottom-right block are multiplied (3/4 of the flops) and the bottom-left block
     is mirrored, which also makes the result exactly symmetric; smaller or 16-bit products are one
-    plain GEMM. ``out`` must not
-    alias A or B; every block is written straight into it.
+    plain GEMM. ``out`` must not alias A or B; every block is written straight into it.
     """
     m = A.shape[-2]
     if m < SYMMETRIC_BLOCK_MIN or A.element_size() < SYMMETRIC_BLOCK_MIN_BYTES:
