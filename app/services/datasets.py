@@ -56,7 +56,7 @@ from app.storage import (
     sweep_staging,
 )
 from contract import documents
-from worker.engine.facts import CHAR_VOCAB_MAX, TOKEN_NAME_DIGEST
+from worker.engine.facts import CHAR_VOCAB_MAX, TOKEN_NAME_DIGEST, characters
 
 log = logging.getLogger("muonforge.datasets")
 
@@ -221,7 +221,7 @@ class Characters:
 
     def update(self, text: str) -> None:
         if self.seen is not None:
-            self.seen.update(text)
+            self.seen |= characters(text)
             if len(self.seen) > CHAR_VOCAB_MAX:
                 self.seen = None  # over the char tokenizer's range: no need to count further
 

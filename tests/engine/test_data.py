@@ -1,4 +1,4 @@
-"""The builtin pysource corpus and the char tokenizer's limit."""
+"""The builtin pysource corpus, the char tokenizer's limit and a text's distinct characters."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contract.spec import DataSpec
+from worker.engine import facts
 from worker.engine.data import PYSOURCE_BYTES, PYSOURCE_CHARS, load_data, pysource_sha256, pysource_text
-from worker.engine.facts import CHAR_VOCAB_MAX
+from worker.engine.facts import CHAR_VOCAB_MAX, characters
 from worker.engine.tokenizer import Tokenizer, text_chunks
 
 ENGINE_DOC = Path(__file__).resolve().parents[2] / "docs" / "engine.md"
@@ -106,3 +109,14 @@ def test_text_chunks_cut_after_newlines_and_lose_nothing():
     assert "".join(pieces) == text and len(pieces) > 10
     assert all(p.endswith("\n") for p in pieces[:-1]) and all(len(p) <= 1000 for p in pieces)
     assert list(text_chunks("y" * 2500, size=1000)) == ["y" * 1000, "y" * 1000, "y" * 500]  # no newline: cut at size
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters() | st.integers(0xD800, 0xDFFF).map(chr), max_size=200), st.integers(1, 64))
+def test_characters_are_the_texts_set_of_characters(text, span):
+    # Every plane and lone surrogates too, over spans that cut the text anywhere.
+    saved, facts.CHARACTERS_SPAN = facts.CHARACTERS_SPAN, span
+    try:
+        assert characters(text) == set(text)
+    finally:
+        facts.CHARACTERS_SPAN = saved

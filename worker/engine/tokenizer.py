@@ -9,7 +9,7 @@ import numpy as np
 
 from contract.documents import NUL
 
-from .facts import CHAR_VOCAB_MAX
+from .facts import CHAR_VOCAB_MAX, characters
 
 END_OF_TEXT = "<|endoftext|>"  # a BPE's one special token (GPT-2's name for it)
 BPE_CHUNK = 1 << 18  # characters of text per piece the BPE learns from and encodes (text_chunks)
@@ -59,7 +59,7 @@ class Tokenizer:
             return cls(kind)
         chars: set[str] = set()
         for text in [texts] if isinstance(texts, str) else texts:
-            chars.update(text)
+            chars |= characters(text)
         return cls(kind, "".join(sorted(chars)))
 
     @classmethod
