@@ -196,7 +196,7 @@ def upload(mb: int, work: Path) -> dict:
             with ThreadPoolExecutor(4) as pool:
                 digests = list(pool.map(lambda p: client._send_part(created["id"], path, p, shared), parts))
             sent = time.perf_counter()
-            done = client._call(api.complete_upload(created["id"], list(enumerate(digests, 1))))
+            done = client._call(api.complete_upload(created["id"], list(enumerate(digests, 1)), size))
             completed = time.perf_counter()
         stop.set()
         sampler.join()

@@ -27,6 +27,12 @@ SWEEP_STATUSES = tuple(s.value for s in SweepStatus)
 
 # The server pings an open events stream every 15 s: a minute without a byte is a dead connection.
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=60.0)
+# An upload's completion reads the whole file on the server before it answers (140 MB/s for a text
+# dataset on a 2-core host): its answer is waited for as long as reading the file at this rate takes.
+COMPLETION_BYTES_PER_S = 20e6
+COMPLETION_MIN_S = 30.0
+COMPLETION_POLL_S = 1.0  # how often a completion whose answer did not come is read (the clients' _complete)
+UPLOAD_NOT_PENDING = "upload_not_pending"  # 409: the upload is completing, completed or ended
 
 
 def _same(body: Any) -> Any:
@@ -192,10 +198,21 @@ def put_part(upload_id: str, number: int, content: Any, nbytes: int) -> Call:
     )
 
 
-def complete_upload(upload_id: str, parts: list[tuple[int, str]]) -> Call:
+def complete_upload(upload_id: str, parts: list[tuple[int, str]], size: int) -> Call:
     # Not repeated after an unanswered attempt: the client reads the upload to learn what happened.
     body = {"parts": [{"number": n, "sha256": sha256} for n, sha256 in parts]}
-    return Call("POST", f"/v1/uploads/{_id(upload_id)}/complete", json=body, repeat=Repeat.UNSENT)
+    return Call(
+        "POST",
+        f"/v1/uploads/{_id(upload_id)}/complete",
+        json=body,
+        timeout=httpx.Timeout(COMPLETION_MIN_S, read=completion_seconds(size)),
+        repeat=Repeat.UNSENT,
+    )
+
+
+def completion_seconds(size: int) -> float:
+    """How long a completion of ``size`` bytes may take to answer: the file read at COMPLETION_BYTES_PER_S."""
+    return max(COMPLETION_MIN_S, size / COMPLETION_BYTES_PER_S)
 
 
 # -- webhooks -------------------------------------------------------------------------------------

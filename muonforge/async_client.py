@@ -10,6 +10,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -17,10 +18,11 @@ from typing import Any, BinaryIO
 import httpx
 
 from contract.export import EXPORT_FILE, FORMATS
+from contract.status import UploadStatus
 from muonforge import api
 from muonforge.api import FINISHED, Call, Event, SseParser
 from muonforge.client import DEFAULT_RETRY, PAGE_SIZE, ClientBase, Json, resumable
-from muonforge.errors import ConnectionFailed, MuonforgeError, RateLimited, ServerError
+from muonforge.errors import Conflict, ConnectionFailed, MuonforgeError, RateLimited, ServerError
 from muonforge.errors import NotFound as NotFoundError
 from muonforge.retry import Retry
 from muonforge.transfer import (
@@ -244,9 +246,29 @@ class AsyncClient(ClientBase):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        done = await self._call(api.complete_upload(upload["id"], list(enumerate(digests, 1))))
+        done = await self._complete(upload["id"], list(enumerate(digests, 1)), size)
         state.forget()
         return done
+
+    async def _complete(self, upload_id: str, parts: list[tuple[int, str]], size: int) -> Json:
+        """Complete an upload; where its answer does not come, read it until it is no longer
+        ``completing`` and ask again while it is ``pending`` (as ``Client._complete``)."""
+        deadline = None
+        while True:
+            try:
+                return await self._call(api.complete_upload(upload_id, parts, size))
+            except (ConnectionFailed, Conflict) as exc:
+                if isinstance(exc, Conflict) and exc.code != api.UPLOAD_NOT_PENDING:
+                    raise
+                deadline = deadline or time.monotonic() + api.completion_seconds(size)
+                while (upload := await self.get_upload(upload_id))["status"] == UploadStatus.COMPLETING:
+                    if time.monotonic() > deadline:
+                        raise
+                    await self._sleep(api.COMPLETION_POLL_S)
+                if upload["status"] == UploadStatus.COMPLETED:
+                    return upload
+                if upload["status"] != UploadStatus.PENDING or time.monotonic() > deadline:
+                    raise
 
     async def _send_part(self, upload_id: str, path: Path, part: Part, shared: SharedProgress) -> str:
         for attempt in range(self.retry.max_retries + 1):

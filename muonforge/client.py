@@ -33,7 +33,7 @@ from contract.export import EXPORT_FILE, FORMATS
 from contract.status import UploadStatus
 from muonforge import api
 from muonforge.api import ACTIVE, FINISHED, STATUSES, Call, Event, SseParser
-from muonforge.errors import ApiError, ConfigError, ConnectionFailed, MuonforgeError, RateLimited, ServerError
+from muonforge.errors import ApiError, ConfigError, Conflict, ConnectionFailed, MuonforgeError, RateLimited, ServerError
 from muonforge.errors import NotFound as NotFoundError
 from muonforge.retry import NO_RETRY, Attempts, Retry
 from muonforge.transfer import (
@@ -332,9 +332,32 @@ class Client(ClientBase):
 
         with ThreadPoolExecutor(max(1, parallel)) as pool:
             digests = list(pool.map(send, parts_of(size, part_size)))
-        done = self._call(api.complete_upload(upload["id"], list(enumerate(digests, 1))))
+        done = self._complete(upload["id"], list(enumerate(digests, 1)), size)
         state.forget()
         return done
+
+    def _complete(self, upload_id: str, parts: list[tuple[int, str]], size: int) -> Json:
+        """Complete an upload. Where its answer does not come (its checks outlast the read timeout,
+        a proxy cuts the connection) the server goes on: the upload is read until it is no longer
+        ``completing``. Completed: that is the answer; ``pending``: the completion failed its checks
+        or had not begun, and is asked again (a second one while the first runs answers 409
+        ``upload_not_pending``, and the upload is read again), until api.completion_seconds."""
+        deadline = None
+        while True:
+            try:
+                return self._call(api.complete_upload(upload_id, parts, size))
+            except (ConnectionFailed, Conflict) as exc:
+                if isinstance(exc, Conflict) and exc.code != api.UPLOAD_NOT_PENDING:
+                    raise
+                deadline = deadline or time.monotonic() + api.completion_seconds(size)
+                while (upload := self.get_upload(upload_id))["status"] == UploadStatus.COMPLETING:
+                    if time.monotonic() > deadline:
+                        raise
+                    self._sleep(api.COMPLETION_POLL_S)
+                if upload["status"] == UploadStatus.COMPLETED:
+                    return upload
+                if upload["status"] != UploadStatus.PENDING or time.monotonic() > deadline:
+                    raise
 
     def _send_part(self, upload_id: str, path: Path, part: Part, shared: SharedProgress) -> str:
         """PUT one part, read from the file as it goes; sent again (up to the retry policy's count)

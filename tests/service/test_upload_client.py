@@ -1,6 +1,6 @@
 """The clients' resumable uploads against a real API process: parts in parallel, an interrupted
-upload resumed where it stopped (a file, and a model directory through its kept tar), and
-`muonforge datasets upload` of a file larger than one part."""
+upload resumed where it stopped (a file, and a model directory through its kept tar), a completion
+whose answer does not come, and `muonforge datasets upload` of a file larger than one part."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from muonforge import AsyncClient, Client
+from muonforge import AsyncClient, Client, ValidationError, api
 from muonforge.transfer import PART_BYTES, UploadState, model_archive, uploads_directory
 from tests.service.test_models import tiny_llama
 from tests.support.api import new_key
@@ -81,6 +81,63 @@ def test_a_file_goes_up_in_parallel_parts_and_an_interrupted_upload_resumes(api_
         dataset = client.get_dataset(done["dataset_id"])
         assert dataset["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
         assert state.upload_id() is None  # forgotten once completed
+
+
+@pytest.fixture
+def unanswered_completion(monkeypatch):
+    """The first completion's answer is waited for 1 ms (the server's checks take longer: it times
+    out, unanswered); the rest as usual. Counts how often the wait is asked for."""
+    asked: list[float] = []
+
+    def seconds(size: int) -> float:
+        asked.append(0.001 if not asked else 30.0)
+        return asked[-1]
+
+    monkeypatch.setattr(api, "completion_seconds", seconds)
+    return asked
+
+
+def test_a_completion_whose_answer_does_not_come_is_read_from_the_upload(
+    api_url, settings, tmp_path, unanswered_completion
+):
+    path = corpus(tmp_path, 300_000)
+    with Client(api_url, new_key(settings)) as client:
+        done = client.upload_in_parts(path, "dataset", part_size=65_536)
+        assert unanswered_completion[0] == 0.001  # the completion's own answer did not come in time
+        assert done["status"] == "completed"
+        assert client.get_dataset(done["dataset_id"])["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert len(list(client.list_datasets())) == 1  # completed once
+    assert UploadState(api_url, path, "dataset").upload_id() is None
+
+
+def test_a_failed_completion_whose_answer_did_not_come_is_asked_again(
+    api_url, settings, tmp_path, unanswered_completion
+):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"fine text\n" * 20_000 + b"\xff broken")
+    with Client(api_url, new_key(settings)) as client:
+        with pytest.raises(ValidationError, match="not UTF-8"):
+            client.upload_in_parts(path, "dataset", part_size=65_536)
+        # timed out, then a deadline for the wait, then asked again (more than once where a second
+        # completion found the first still running)
+        assert unanswered_completion[:2] == [0.001, 30.0] and len(unanswered_completion) >= 3
+        upload_id = UploadState(api_url, path, "dataset").upload_id()
+        assert upload_id is not None and client.get_upload(upload_id)["status"] == "pending"  # kept, to fix
+
+
+def test_the_async_client_reads_a_completion_whose_answer_does_not_come(
+    api_url, settings, tmp_path, unanswered_completion
+):
+    path = corpus(tmp_path, 300_000)
+
+    async def upload():
+        async with AsyncClient(api_url, new_key(settings)) as client:
+            done = await client.upload_in_parts(path, "dataset", part_size=65_536)
+            return done, await client.get_dataset(done["dataset_id"])
+
+    done, dataset = asyncio.run(upload())
+    assert unanswered_completion[0] == 0.001 and done["status"] == "completed"
+    assert dataset["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_a_model_directory_larger_than_a_part_goes_up_in_parts_and_resumes(api_url, settings, tmp_path):
