@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from app.errors import PayloadTooLarge, ValidationFailed
 from app.services.datasets import CHUNK, over_quota
@@ -52,11 +52,13 @@ def allowed_names() -> str:
 
 @dataclass(frozen=True)
 class Member:
-    """A regular file of the archive, once copied: its name in the model directory and its size."""
+    """A regular file of the archive, once copied: its path in the archive, where it was copied,
+    its size and its SHA-256."""
 
     parts: tuple[str, ...]  # its path in the archive, "." and empty parts left out
     temp: Path  # where it was copied
     size: int
+    sha256: str
 
 
 def write_archive(stream: BinaryIO, path: Path, limit: int) -> tuple[int, str]:
@@ -101,8 +103,9 @@ def gunzipped(archive: Path, unpacked: Path, settings: Settings) -> Path:
     return unpacked
 
 
-def extract(archive: Path, staging: Path, settings: Settings, room: int, quota: int, used: int) -> list[str]:
-    """Copy the archive's regular files into ``staging``; their names there.
+def extract(archive: Path, staging: Path, settings: Settings, room: int, quota: int, used: int) -> dict[str, list[Any]]:
+    """Copy the archive's regular files into ``staging``; their names there, each with its size and
+    SHA-256 (hashed as it is copied: the files are not read again for it).
 
     Each member is checked before a byte of it is copied: its path (not absolute, no ``..``), its
     type (a regular file or a directory: no link, no device), its name (pickled weights refused as
@@ -136,11 +139,10 @@ def extract(archive: Path, staging: Path, settings: Settings, room: int, quota: 
             if declared > room:
                 raise over_quota(quota, used)
             temp = staging / f".member-{index}"
-            _copy(open_member, temp, size, raw)
-            members.append(Member(parts, temp, size))
+            members.append(Member(parts, temp, size, _copy(open_member, temp, size, raw)))
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise refused(f"the archive is damaged or truncated ({exc})") from None
-    return _place(members, staging)
+    return {name: [m.size, m.sha256] for name, m in zip(_place(members, staging), members, strict=True)}
 
 
 Entry = tuple[str, str, int, Callable[[], IO[bytes]]]  # name, kind (file, dir, link, special), size, opener
@@ -258,17 +260,19 @@ def _check_name(raw: str, name: str) -> None:
         )
 
 
-def _copy(open_member: Callable[[], IO[bytes]], temp: Path, size: int, raw: str) -> None:
-    """Copy a member, never more than it declares (a member that holds more is refused)."""
-    copied = 0
+def _copy(open_member: Callable[[], IO[bytes]], temp: Path, size: int, raw: str) -> str:
+    """Copy a member, never more than it declares (a member that holds more is refused); its SHA-256."""
+    copied, digest = 0, hashlib.sha256()
     with open_member() as source, temp.open("wb") as out:
         while chunk := source.read(CHUNK):
             copied += len(chunk)
             if copied > size:
                 raise refused(f"archive member {raw!r} holds more than the {size:,} bytes it declares")
+            digest.update(chunk)
             out.write(chunk)
     if copied != size:
         raise refused(f"archive member {raw!r} holds {copied:,} bytes, not the {size:,} it declares")
+    return digest.hexdigest()
 
 
 def _place(members: list[Member], staging: Path) -> list[str]:

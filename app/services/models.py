@@ -50,7 +50,6 @@ from app.services.model_weights import NOT_SHAPES, check_config, check_weights
 from app.services.staged_models import StagedModel, StagedModelMissing, is_staged, staged_model, staged_models
 from app.settings import Settings
 from app.storage import ArtifactStore, LocalStore, delete_all, store_from
-from app.storage.base import file_sha256
 from app.storage.local import sync_directory
 from contract.hf import Shape, normalized
 
@@ -82,14 +81,13 @@ def upload_model(session: Session, tenant: TenantRef, stream: BinaryIO, name: st
             raise ValidationFailed("the file is empty", param="file")
         staging.mkdir()
         readable = gunzipped(archive, unpacked, settings)
-        files = extract(readable, staging, settings, room=max(quota - used, 0), quota=quota, used=used)
+        objects = extract(readable, staging, settings, room=max(quota - used, 0), quota=quota, used=used)
+        files = list(objects)
         archive.unlink()
         unpacked.unlink(missing_ok=True)
         config = check_config(staging / CONFIG)
         parameters = check_weights(staging, files, config)
-        sizes = {f: (staging / f).stat().st_size for f in files}
-        objects: dict[str, list[Any]] = {f: [sizes[f], file_sha256(staging / f)] for f in files}
-        stored = sum(sizes.values())
+        stored = sum(size for size, _ in objects.values())
         key = str(PurePosixPath(MODELS, tenant.id, model_id))
         store = store_from(settings)
         remote = not isinstance(store, LocalStore)

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from app.db.models import UploadedModel
 from app.db.session import transaction
 from app.services import model_archive
 from app.services import models as service
@@ -126,6 +127,9 @@ def test_a_model_goes_up_as_tar_and_as_zip_and_is_listed_shown_and_deleted(clien
         }  # fmt: skip
         assert body["config"] == json.loads(files["config.json"])
         assert files_in(settings.artifact_dir / "models" / tenant / body["id"]) == files
+        with transaction(settings) as session:  # what workers verify their copies against
+            objects = session.get(UploadedModel, body["id"]).objects
+        assert objects == {name: [len(data), hashlib.sha256(data).hexdigest()] for name, data in files.items()}
     assert left_on_disk(settings, tenant) == sorted([one["id"], two["id"]])
 
     listed = client.get("/v1/models", headers=headers).json()
