@@ -56,7 +56,7 @@ from app.storage import (
     sweep_staging,
 )
 from contract import documents
-from worker.engine.facts import CHAR_VOCAB_MAX, TOKEN_NAME_DIGEST, characters
+from worker.engine.facts import CHAR_VOCAB_MAX, TOKEN_NAME_DIGEST, CharacterSet
 
 log = logging.getLogger("muonforge.datasets")
 
@@ -217,17 +217,17 @@ class Characters:
     """Distinct characters seen, counted up to CHAR_VOCAB_MAX + 1 ("more than the char tokenizer takes")."""
 
     def __init__(self) -> None:
-        self.seen: set[str] | None = set()
+        self.seen: CharacterSet | None = CharacterSet()
 
     def update(self, text: str) -> None:
         if self.seen is not None:
-            self.seen |= characters(text)
-            if len(self.seen) > CHAR_VOCAB_MAX:
+            self.seen.update(text)
+            if len(self.seen.found) > CHAR_VOCAB_MAX:
                 self.seen = None  # over the char tokenizer's range: no need to count further
 
     @property
     def count(self) -> int:
-        return CHAR_VOCAB_MAX + 1 if self.seen is None else len(self.seen)
+        return CHAR_VOCAB_MAX + 1 if self.seen is None else len(self.seen.found)
 
 
 class JsonlLines:

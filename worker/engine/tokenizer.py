@@ -9,7 +9,7 @@ import numpy as np
 
 from contract.documents import NUL
 
-from .facts import CHAR_VOCAB_MAX, characters
+from .facts import CHAR_VOCAB_MAX, CharacterSet
 
 END_OF_TEXT = "<|endoftext|>"  # a BPE's one special token (GPT-2's name for it)
 BPE_CHUNK = 1 << 18  # characters of text per piece the BPE learns from and encodes (text_chunks)
@@ -57,10 +57,10 @@ class Tokenizer:
         """A byte tokenizer, or a char tokenizer over the characters of ``texts``."""
         if kind != "char":
             return cls(kind)
-        chars: set[str] = set()
+        chars = CharacterSet()
         for text in [texts] if isinstance(texts, str) else texts:
-            chars |= characters(text)
-        return cls(kind, "".join(sorted(chars)))
+            chars.update(text)
+        return cls(kind, "".join(sorted(chars.found)))
 
     @classmethod
     def train_bpe(cls, texts: str | Iterable[str], vocab_size: int) -> Tokenizer:
