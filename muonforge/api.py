@@ -27,7 +27,7 @@ SWEEP_STATUSES = tuple(s.value for s in SweepStatus)
 
 # The server pings an open events stream every 15 s: a minute without a byte is a dead connection.
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=60.0)
-# An upload's completion reads the whole file on the server before it answers (140 MB/s for a text
+# An upload's completion reads the whole file on the server before it answers (177 MB/s for a text
 # dataset on a 2-core host): its answer is waited for as long as reading the file at this rate takes.
 COMPLETION_BYTES_PER_S = 20e6
 COMPLETION_MIN_S = 30.0
