@@ -101,11 +101,11 @@ def orthogonalize(
     about [0.855, 1.143]) with G's singular vectors. Zero input gives exact zeros. Runs in
     ``dtype``; None is the automatic choice (fp64 for fp64 input, else :func:`auto_dtype`: fp16
     on CUDA and bf16 on CPU where the device measures it faster, fp32 elsewhere). The norm is
-    always taken in fp32 or wider. ``out_dtype`` is the result's dtype (default G's). ``overwrite_input=True`` lets it
-    use G's memory: to normalise G in place (one copy less: the optimizer's own stacked batch)
-    and to hold the result. With a ``scratch`` the work allocates nothing once the scratch has
-    grown, and the result may be a view into the scratch or into G (valid until the scratch's
-    next use); without one the result is a tensor of its own.
+    always taken in fp32 or wider. ``out_dtype`` is the result's dtype (default G's).
+    ``overwrite_input=True`` lets it use G's memory: to normalise G in place (one copy less: the
+    optimizer's own stacked batch) and to hold the result. With a ``scratch`` the work allocates
+    nothing once the scratch has grown, and the result may be a view into the scratch or into G
+    (valid until the scratch's next use); without one the result is a tensor of its own.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs at least 2 dims, got shape {tuple(G.shape)}")
